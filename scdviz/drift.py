@@ -1,0 +1,111 @@
+"""How far a consumer has drifted from its producer: facts, perplexities, raw-reuse drift.
+
+``evaluate_pair`` measures, on held-out windows of every shipped corpus's *eval* split:
+  - perplexity of producer and consumer on whole windows;
+  - raw KV reuse: the consumer continues from the *producer's* cache of the prompt;
+    mean KL(oracle || reuse) per continuation token, top-1 agreement with the oracle
+    (the consumer's own prefill), and the continuation perplexity of both.
+
+Convention used everywhere in scdviz: a cache covers prompt[:-1]; the consumer itself
+feeds the last prompt token (the first decode step) and then the continuation, so the
+logits of every continuation token come from the consumer.
+This module does not transfer anything cleverer than raw KV (that is scdviz.scd).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from scdviz import data, metrics
+from scdviz.models import hf
+from scdviz.models.pair import Pair
+
+
+def facts_table(pair: Pair) -> str:
+    """Producer and consumer facts side by side as aligned text."""
+    pf, cf = pair.producer_facts, pair.consumer_facts
+    rows = [("", "producer", "consumer"), ("source", pair.producer_source, pair.consumer_source)]
+    for key in pf.__dataclass_fields__:
+        rows.append((key, str(getattr(pf, key)), str(getattr(cf, key))))
+    rows.append(("fp16 KV bytes/token", str(pf.kv_bytes_per_token_fp16), str(cf.kv_bytes_per_token_fp16)))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows)
+
+
+def split_prompt(window: list[int], cont_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prefix = prompt[:-1], fed = [prompt[-1]] + cont[:-1], targets = cont), each (1, n)."""
+    ids = torch.tensor([window])
+    prompt, cont = ids[:, :-cont_len], ids[:, -cont_len:]
+    fed = torch.cat([prompt[:, -1:], cont[:, :-1]], dim=1)
+    return prompt[:, :-1], fed, cont
+
+
+def reuse_drift(pair: Pair, window: list[int], cont_len: int) -> dict:
+    """Per-token KL/top-1/NLL of raw producer-KV reuse vs the oracle on one window."""
+    prefix, fed, targets = split_prompt(window, cont_len)
+    start = prefix.shape[1]
+    oracle_cache = hf.forward(pair.consumer, prefix).cache
+    producer_cache = hf.forward(pair.producer, prefix).cache
+    oracle = hf.continue_logits(pair.consumer, oracle_cache, fed, start)[0]
+    reuse = hf.continue_logits(pair.consumer, producer_cache, fed, start)[0]
+    targets = targets[0].to(oracle.device)
+    return {
+        "kl": metrics.kl_per_token(oracle, reuse).tolist(),
+        "top1": metrics.top1_agreement(oracle, reuse).tolist(),
+        "nll_oracle": metrics.nll_per_token(oracle, targets).tolist(),
+        "nll_reuse": metrics.nll_per_token(reuse, targets).tolist(),
+    }
+
+
+def window_nll(model, window: list[int]) -> list[float]:
+    """Next-token NLL of every position of a window (teacher-forced, one pass)."""
+    ids = torch.tensor([window])
+    logits = hf.forward(model, ids[:, :-1]).logits[0]
+    return metrics.nll_per_token(logits, ids[0, 1:].to(logits.device)).tolist()
+
+
+def evaluate_pair(pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_len: int = 32) -> dict:
+    """Perplexities and raw-reuse drift on the eval split of every shipped corpus."""
+    report = {
+        "producer": pair.producer_source,
+        "consumer": pair.consumer_source,
+        "prompt_len": prompt_len,
+        "cont_len": cont_len,
+        "corpora": {},
+    }
+    for corpus in data.corpora():
+        windows = data.token_windows(pair.tokenizer, data.load_split(corpus, "eval"), prompt_len + cont_len, n_prompts)
+        acc: dict[str, list[float]] = {k: [] for k in ("kl", "top1", "nll_oracle", "nll_reuse", "prod", "cons")}
+        per_prompt_kl = []
+        for window in tqdm(windows, desc=f"eval {corpus}"):
+            drift = reuse_drift(pair, window, cont_len)
+            for key in ("kl", "top1", "nll_oracle", "nll_reuse"):
+                acc[key] += drift[key]
+            per_prompt_kl.append(sum(drift["kl"]) / len(drift["kl"]))
+            acc["prod"] += window_nll(pair.producer, window)
+            acc["cons"] += window_nll(pair.consumer, window)
+        kl, kl_se = metrics.mean_se(per_prompt_kl)
+        report["corpora"][corpus] = {
+            "ppl_producer": round(metrics.perplexity(acc["prod"]), 3),
+            "ppl_consumer": round(metrics.perplexity(acc["cons"]), 3),
+            "ppl_cont_oracle": round(metrics.perplexity(acc["nll_oracle"]), 3),
+            "ppl_cont_reuse": round(metrics.perplexity(acc["nll_reuse"]), 3),
+            "kl_reuse": round(kl, 4),
+            "kl_reuse_se": round(kl_se, 4),
+            "top1_reuse": round(sum(acc["top1"]) / len(acc["top1"]), 4),
+            "n_prompts": len(windows),
+            "n_cont_tokens": len(acc["kl"]),
+        }
+    return report
+
+
+def report_table(report: dict) -> str:
+    """The evaluate_pair report as a plain-text table."""
+    cols = ["ppl_producer", "ppl_consumer", "ppl_cont_oracle", "ppl_cont_reuse", "kl_reuse", "kl_reuse_se", "top1_reuse", "n_prompts"]
+    lines = [f"consumer {report['consumer']} vs producer {report['producer']} "
+             f"(prompt {report['prompt_len']} + {report['cont_len']} teacher-forced tokens)"]
+    lines.append("corpus".ljust(8) + "".join(c.rjust(16) for c in cols))
+    for corpus, row in report["corpora"].items():
+        lines.append(corpus.ljust(8) + "".join(str(row[c]).rjust(16) for c in cols))
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Make a LoRA specialist of the built-in producer on a shipped public-domain corpus.
+
+    python -m scdviz finetune --corpus jargon --rank 8 --steps 60 --out assets/adapters/jargon
+
+Plain next-token training on non-overlapping windows of the corpus's *train* split
+(AdamW, linear warm-up then cosine decay, fp32 on CPU, bf16 autocast on CUDA);
+the adapter (fp16 safetensors) and ``train_log.json`` (loss per step and settings) go to
+``--out``. The model card numbers come from ``python -m scdviz pair-info --eval``.
+What it does not do: evaluate, or fine-tune anything but LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from scdviz import data
+from scdviz.models import pair as pairmod
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class FinetuneConfig:
+    corpus: str  # shipped corpus name (assets/text/<corpus>/train.txt)
+    out: str  # adapter folder to write
+    base: str = "builtin:smollm2-135m"  # model to adapt
+    rank: int = 8  # LoRA rank
+    alpha: int | None = None  # LoRA alpha (default 2 * rank)
+    steps: int = 60  # optimiser steps
+    batch: int = 4  # windows per step
+    seq_len: int = 256  # tokens per window
+    lr: float = 1e-3  # peak learning rate
+    warmup: int = 5  # linear warm-up steps
+    seed: int = 0  # data order and LoRA init
+
+
+def finetune(cfg: FinetuneConfig, progress=None) -> dict:
+    """Train the adapter; returns the training log (also written to out/train_log.json)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = pairmod.load_model(cfg.base)
+    model.train()
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=TARGETS, lora_dropout=0.0)
+    model = get_peft_model(model, lora)
+    windows = data.token_windows(tokenizer, data.load_split(cfg.corpus, "train"), cfg.seq_len)
+    random.Random(cfg.seed).shuffle(windows)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * frac))
+
+    losses, t0 = [], time.perf_counter()
+    device = next(model.parameters()).device
+    # bf16 autocast only on CUDA: on CPUs without native bf16 it measured ~20x slower here.
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for step in tqdm(range(cfg.steps), desc=f"finetune {cfg.corpus}"):
+        idx = [(step * cfg.batch + i) % len(windows) for i in range(cfg.batch)]
+        batch = torch.tensor([windows[i] for i in idx], device=device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        with autocast:
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 4))
+        if progress:
+            progress((step + 1) / cfg.steps, f"step {step + 1}/{cfg.steps} loss {losses[-1]:.3f}")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch.float16)
+    model.save_pretrained(out, safe_serialization=True)
+    log = {
+        "config": asdict(cfg),
+        "train_windows_available": len(windows),
+        "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "torch_threads": torch.get_num_threads(),
+        "loss": losses,
+    }
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    return log

@@ -1,0 +1,56 @@
+"""Quality metrics between a reference (oracle / full cache) and a method's logits.
+
+Pure tensor maths on logits (..., V); no models. Used by drift, SCD and eviction alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+
+def kl_per_token(ref_logits: Tensor, logits: Tensor) -> Tensor:
+    """KL(P_ref || P) per position, (..., V) -> (...), in nats, computed in fp32."""
+    ref = torch.log_softmax(ref_logits.float(), dim=-1)
+    got = torch.log_softmax(logits.float(), dim=-1)
+    return (ref.exp() * (ref - got)).sum(-1).clamp_min(0.0)
+
+
+def top1_agreement(ref_logits: Tensor, logits: Tensor) -> Tensor:
+    """1.0 where the argmax tokens agree, else 0.0; (..., V) -> (...)."""
+    return (ref_logits.argmax(-1) == logits.argmax(-1)).float()
+
+
+def nll_per_token(logits: Tensor, targets: Tensor) -> Tensor:
+    """Negative log-likelihood of ``targets`` (...) under ``logits`` (..., V)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def perplexity(nll: Tensor | list[float]) -> float:
+    """exp(mean NLL) over all given tokens."""
+    nll = torch.as_tensor(nll, dtype=torch.float64)
+    return float(math.exp(nll.mean())) if nll.numel() else float("nan")
+
+
+def token_f1(pred: list[int] | list[str], ref: list[int] | list[str]) -> float:
+    """SQuAD-style bag-of-tokens F1 between two sequences."""
+    if not pred and not ref:
+        return 1.0
+    common = Counter(pred) & Counter(ref)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred), overlap / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean."""
+    t = torch.as_tensor(values, dtype=torch.float64)
+    if t.numel() < 2:
+        return float(t.mean()) if t.numel() else float("nan"), float("nan")
+    return float(t.mean()), float(t.std(unbiased=True) / math.sqrt(t.numel()))

@@ -1,0 +1,306 @@
+"""The ONE module that touches transformers internals (hook points, cache layout, RoPE).
+
+transformers changes its cache API often; everything that knows about
+``model.model.layers[l].input_layernorm``, ``self_attn.k_proj``, ``DynamicCache.layers``,
+``rotary_emb`` or kwarg names lives here, so a new transformers release is mended in
+one file. Written for transformers 5.2 and decoder-only Llama-family models (Llama,
+Mistral, Qwen2, Qwen3 with q/k-norm) using the rotate-half RoPE convention.
+
+Shapes (B batch, T tokens, H query heads, Hkv KV heads, D head_dim, d hidden):
+  keys / values          (B, Hkv, T, D)    keys after RoPE unless named ``keys_pre``
+  h_in / resid           (B, T, d)
+  attn                   (B, H, T_query, T_key)
+  logits                 (B, T, V)
+
+What it does not do: choose what to send between models (scdviz.scd), score tokens
+(scdviz.evict), or load models (scdviz.models.pair).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+CAPTURE_ALL = frozenset({"keys_pre", "h_in", "resid"})
+
+
+@dataclass
+class Trace:
+    """What one forward pass produced, read per layer. Lists are indexed by layer."""
+
+    logits: Tensor  # (B, T, V)
+    cache: DynamicCache  # the cache after the pass (holds post-RoPE keys and values)
+    positions: Tensor  # (B, T) position ids used for the new tokens
+    keys_pre: list[Tensor] = field(default_factory=list)  # (B, Hkv, T, D) before RoPE
+    h_in: list[Tensor] = field(default_factory=list)  # (B, T, d) output of input_layernorm
+    resid: list[Tensor] = field(default_factory=list)  # (B, T, d) residual stream entering layer l;
+    #   one more entry at the end: the stream entering the final norm
+    attn: list[Tensor] = field(default_factory=list)  # (B, H, T, T_key), only when asked (eager)
+
+    @property
+    def keys(self) -> list[Tensor]:
+        """Post-RoPE keys per layer, (B, Hkv, T_cache, D), read from the cache."""
+        return [layer.keys for layer in self.cache.layers]
+
+    @property
+    def values(self) -> list[Tensor]:
+        """Values per layer, (B, Hkv, T_cache, D), read from the cache."""
+        return [layer.values for layer in self.cache.layers]
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def decoder(model):
+    """The decoder stack (``model.model``) of a *ForCausalLM (also under a peft wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
+def layers(model) -> list:
+    """Decoder layers in order."""
+    return list(decoder(model).layers)
+
+
+def n_layers(model) -> int:
+    """Number of decoder layers."""
+    return len(decoder(model).layers)
+
+
+def attn_heads(model) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of the model."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
+
+
+def set_eager(model) -> None:
+    """Use eager attention, the only implementation that returns attention probabilities."""
+    model.set_attn_implementation("eager")
+
+
+def _key_source(layer):
+    """Module whose output is the pre-RoPE key: k_norm (Qwen3) if present, else k_proj."""
+    attn = layer.self_attn
+    return getattr(attn, "k_norm", None) or attn.k_proj
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope(model, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (B, T, D) for integer positions (B, T), in the model's dtype."""
+    param = next(model.parameters())
+    dummy = torch.zeros(1, dtype=param.dtype, device=param.device)
+    return decoder(model).rotary_emb(dummy, positions.to(param.device))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(keys_pre: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Apply RoPE: keys (B, Hkv, T, D) with cos/sin (B, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return keys_pre * cos + _rotate_half(keys_pre) * sin
+
+
+def unrotate(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inverse of ``rotate`` (rotation by the negative angle)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return keys * cos - _rotate_half(keys) * sin
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def make_cache(model, keys: list[Tensor], values: list[Tensor]) -> DynamicCache:
+    """A DynamicCache holding the given per-layer post-RoPE keys and values.
+
+    Each layer may hold a different number of tokens (pruned caches); positions of the
+    tokens are whatever RoPE the keys carry.
+    """
+    cache = DynamicCache(config=model.config)
+    for idx, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k, v, idx)
+    return cache
+
+
+def clone_cache(model, cache: DynamicCache) -> DynamicCache:
+    """An independent copy (forward passes append to a cache in place)."""
+    return make_cache(
+        model, [lyr.keys.clone() for lyr in cache.layers], [lyr.values.clone() for lyr in cache.layers]
+    )
+
+
+def cache_len(cache: DynamicCache) -> list[int]:
+    """Tokens held per layer."""
+    return [int(lyr.keys.shape[-2]) for lyr in cache.layers]
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@contextlib.contextmanager
+def _hooks(model, capture: frozenset, attentions: bool, trace_lists: dict):
+    """Register capture hooks for the duration of one forward pass; always removed."""
+    handles = []
+    stack = layers(model)
+    n_kv, head_dim = attn_heads(model)[1:]
+
+    def keep(name, idx):
+        def hook(_module, _inp, out):
+            trace_lists[name][idx] = out
+
+        return hook
+
+    def keep_key(idx):
+        def hook(_module, _inp, out):
+            b, t = out.shape[0], out.shape[1]
+            trace_lists["keys_pre"][idx] = out.reshape(b, t, n_kv, head_dim).transpose(1, 2)
+
+        return hook
+
+    def keep_resid(idx):
+        def hook(_module, args, kwargs):
+            trace_lists["resid"][idx] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def keep_attn(idx):
+        def hook(_module, _inp, out):
+            trace_lists["attn"][idx] = out[1]
+
+        return hook
+
+    try:
+        for idx, layer in enumerate(stack):
+            if "keys_pre" in capture:
+                handles.append(_key_source(layer).register_forward_hook(keep_key(idx)))
+            if "h_in" in capture:
+                handles.append(layer.input_layernorm.register_forward_hook(keep("h_in", idx)))
+            if "resid" in capture:
+                handles.append(layer.register_forward_pre_hook(keep_resid(idx), with_kwargs=True))
+            if attentions:
+                handles.append(layer.self_attn.register_forward_hook(keep_attn(idx)))
+        if "resid" in capture:
+            handles.append(decoder(model).norm.register_forward_pre_hook(keep_resid(len(stack)), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def forward(
+    model,
+    input_ids: Tensor,
+    *,
+    cache: DynamicCache | None = None,
+    positions: Tensor | None = None,
+    capture: frozenset | set = frozenset(),
+    attentions: bool = False,
+) -> Trace:
+    """Run the model on ``input_ids`` (B, T) and return a Trace.
+
+    cache: appended to *in place* (clone it first to keep it); a new one when None.
+    positions: RoPE positions (B, T) of the new tokens; default continues from the
+      cache's length. Pass them explicitly for a pruned cache, whose length is no
+      longer the next position.
+    capture: subset of {"keys_pre", "h_in", "resid"}.
+    attentions: also capture attention probabilities (needs eager attention).
+    """
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    if positions is None:
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + input_ids.shape[1], device=device).expand(input_ids.shape[0], -1)
+    positions = positions.to(device)
+    n = n_layers(model) + 1
+    lists = {name: [None] * n for name in ("keys_pre", "h_in", "resid", "attn")}
+    if attentions and model.config._attn_implementation != "eager":
+        raise ValueError("attention probabilities need eager attention: call hf.set_eager(model) first")
+    with _hooks(model, frozenset(capture), attentions, lists), torch.no_grad():
+        out = model(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True)
+    nl = n - 1
+    return Trace(
+        logits=out.logits,
+        cache=cache,
+        positions=positions,
+        keys_pre=lists["keys_pre"][:nl] if "keys_pre" in capture else [],
+        h_in=lists["h_in"][:nl] if "h_in" in capture else [],
+        resid=lists["resid"] if "resid" in capture else [],
+        attn=lists["attn"][:nl] if attentions else [],
+    )
+
+
+def kv_from_hin(model, layer_idx: int, h_in: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Regenerate one layer's (post-RoPE keys, values) from its normalised input H_in.
+
+    h_in (B, T, d) -> keys, values (B, Hkv, T, D), using the model's own k_proj / v_proj
+    (and k_norm when the model has one) and RoPE at ``positions`` (B, T).
+    """
+    layer = layers(model)[layer_idx]
+    attn = layer.self_attn
+    _, n_kv, head_dim = attn_heads(model)
+    b, t = h_in.shape[:2]
+    with torch.no_grad():
+        k = attn.k_proj(h_in).view(b, t, n_kv, head_dim)
+        if getattr(attn, "k_norm", None) is not None:
+            k = attn.k_norm(k)
+        v = attn.v_proj(h_in).view(b, t, n_kv, head_dim).transpose(1, 2)
+        cos, sin = rope(model, positions)
+        k = rotate(k.transpose(1, 2), cos, sin)
+    return k, v
+
+
+def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor) -> Tensor:
+    """Teacher-forced logits (B, n, V) for ``ids`` (B, n) placed at positions start..start+n-1.
+
+    The cache is cloned first, so the caller's cache is not changed.
+    """
+    positions = _positions(ids, start)
+    return forward(model, ids, cache=clone_cache(model, cache), positions=positions).logits
+
+
+def generate(
+    model,
+    cache: DynamicCache,
+    first_ids: Tensor,
+    start: int,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    on_step=None,
+) -> list[int]:
+    """Greedy decoding for batch size 1, continuing a cache of any length.
+
+    first_ids (1, n): tokens not yet in the cache (at least the last prompt token),
+    placed at positions start..start+n-1. on_step(cache, step): optional callback after
+    every decode step (decode-time eviction uses it to shrink the cache in place).
+    Returns the generated token ids. The caller's cache is cloned first.
+    """
+    cache = clone_cache(model, cache)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    ids, pos, out = first_ids, start, []
+    for step in range(max_new_tokens):
+        logits = forward(model, ids, cache=cache, positions=_positions(ids, pos)).logits
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        if token in eos:
+            break
+        pos += ids.shape[1]
+        ids = torch.tensor([[token]])
+        if on_step is not None:
+            on_step(cache, step)
+    return out
+
+
+def _positions(ids: Tensor, start: int | Tensor) -> Tensor:
+    n = ids.shape[1]
+    return (torch.arange(n) + int(start)).unsqueeze(0).expand(ids.shape[0], -1)

@@ -1,0 +1,56 @@
+"""Settings read from environment variables (for hosted use); nothing else.
+
+Every knob a hosted demo may want to change lives here, read lazily so that tests can
+monkeypatch the environment. This module does not load models.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+ASSETS_DIR = REPO_DIR / "assets"
+
+
+def cache_dir() -> Path:
+    """Folder for converted weights (SCDVIZ_CACHE, default ~/.cache/scdviz)."""
+    path = os.environ.get("SCDVIZ_CACHE") or Path.home() / ".cache" / "scdviz"
+    return Path(path).expanduser()
+
+
+def device_name() -> str:
+    """Requested device: 'auto' (CUDA when present), 'cpu' or 'cuda' (SCDVIZ_DEVICE)."""
+    return os.environ.get("SCDVIZ_DEVICE", "auto").lower()
+
+
+def hosted() -> bool:
+    """Hosted mode refuses local paths as model sources (SCDVIZ_HOSTED=1)."""
+    return os.environ.get("SCDVIZ_HOSTED", "0").lower() in ("1", "true", "yes")
+
+
+def max_prompt_tokens() -> int:
+    """Longest prompt the app accepts (SCDVIZ_MAX_PROMPT_TOKENS)."""
+    return int(os.environ.get("SCDVIZ_MAX_PROMPT_TOKENS", "1024"))
+
+
+def max_new_tokens() -> int:
+    """Most tokens the app generates per request (SCDVIZ_MAX_NEW_TOKENS)."""
+    return int(os.environ.get("SCDVIZ_MAX_NEW_TOKENS", "64"))
+
+
+def default_producer() -> str:
+    """Producer source the app loads first (SCDVIZ_PRODUCER)."""
+    return os.environ.get("SCDVIZ_PRODUCER", "builtin:smollm2-135m")
+
+
+def default_consumer() -> str:
+    """Consumer source the app loads first (SCDVIZ_CONSUMER)."""
+    return os.environ.get("SCDVIZ_CONSUMER", "builtin:jargon")
+
+
+def threads() -> int | None:
+    """Fixed CPU thread count (SCDVIZ_THREADS); None means: choose by measurement."""
+    value = os.environ.get("SCDVIZ_THREADS")
+    return int(value) if value else None

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random models (fast tier) and the built-in pair (slow tier).
+
+Tiny models are built from configs in code, never downloaded. The slow tier loads the
+built-in pair once per session (the producer is fetched and converted on first use).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+TINY = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+}
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, **overrides):
+    """A tiny random decoder-only model of the given family, fp32, eval mode."""
+    cfg_cls, model_cls, extra = TINY[kind]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(**{**COMMON, **extra, **overrides})
+    cfg.architectures = [model_cls.__name__]
+    model = model_cls(cfg).eval()
+    return model
+
+
+class ByteTokenizer:
+    """A fake tokenizer: one id per byte (mod vocab), enough for compatibility checks."""
+
+    def __init__(self, vocab: int = 97, extra: str = ""):
+        self.vocab = {chr(32 + i) + extra: i for i in range(vocab)}
+        self.all_special_tokens = ["<s>"]
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+@pytest.fixture(params=list(TINY))
+def tiny(request):
+    """Each tiny model family in turn."""
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def builtin_pair():
+    """The built-in producer with the jargon specialist (slow tier)."""
+    from scdviz.models.pair import load_pair
+
+    return load_pair("builtin:smollm2-135m", "builtin:jargon")

@@ -1,0 +1,100 @@
+"""Fast tier: the HF-internals module on tiny random Llama, Mistral, Qwen2, Qwen3 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scdviz.models import hf
+
+
+def _ids(n: int = 12, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (1, n), generator=g)
+
+
+def test_captured_post_rope_keys_equal_cache_keys(tiny):
+    ids = _ids()
+    tr = hf.forward(tiny, ids, capture=hf.CAPTURE_ALL)
+    cos, sin = hf.rope(tiny, tr.positions)
+    n_layers = hf.n_layers(tiny)
+    assert len(tr.keys_pre) == len(tr.keys) == n_layers
+    for k_pre, k_post in zip(tr.keys_pre, tr.keys):
+        assert k_pre.shape == k_post.shape == (1, 2, 12, k_post.shape[-1])
+        torch.testing.assert_close(hf.rotate(k_pre, cos, sin), k_post)
+
+
+def test_unrotate_inverts_rotate(tiny):
+    positions = torch.arange(5, 25).unsqueeze(0)
+    cos, sin = hf.rope(tiny, positions)
+    head_dim = hf.attn_heads(tiny)[2]
+    keys = torch.randn(1, 2, 20, head_dim)
+    torch.testing.assert_close(hf.unrotate(hf.rotate(keys, cos, sin), cos, sin), keys)
+    assert not torch.allclose(hf.rotate(keys, cos, sin), keys)
+
+
+def test_h_in_is_the_input_layernorm_output(tiny):
+    tr = hf.forward(tiny, _ids(), capture=hf.CAPTURE_ALL)
+    for idx, layer in enumerate(hf.layers(tiny)):
+        with torch.no_grad():
+            expected = layer.input_layernorm(tr.resid[idx])
+        torch.testing.assert_close(tr.h_in[idx], expected)
+    # the residual stream after the last layer feeds the final norm
+    with torch.no_grad():
+        final = hf.decoder(tiny).norm(tr.resid[-1])
+        torch.testing.assert_close(tiny.lm_head(final), tr.logits)
+
+
+def test_kv_regenerated_from_h_in_equals_cache(tiny):
+    tr = hf.forward(tiny, _ids(), capture=hf.CAPTURE_ALL)
+    for idx in range(hf.n_layers(tiny)):
+        k, v = hf.kv_from_hin(tiny, idx, tr.h_in[idx], tr.positions)
+        torch.testing.assert_close(k, tr.keys[idx])
+        torch.testing.assert_close(v, tr.values[idx])
+
+
+def test_rebuilt_cache_continues_exactly(tiny):
+    ids = _ids(16)
+    prompt, cont = ids[:, :10], ids[:, 10:]
+    full = hf.forward(tiny, ids).logits[:, 10:]
+    tr = hf.forward(tiny, prompt)
+    rebuilt = hf.make_cache(tiny, [k.clone() for k in tr.keys], [v.clone() for v in tr.values])
+    torch.testing.assert_close(hf.continue_logits(tiny, rebuilt, cont, 10), full)
+    assert hf.cache_len(rebuilt) == [10] * hf.n_layers(tiny)  # continue_logits cloned it
+
+
+def test_generate_matches_argmax_chain_and_handles_pruned_cache(tiny):
+    ids = _ids(10)
+    tr = hf.forward(tiny, ids[:, :-1])
+    out = hf.generate(tiny, tr.cache, ids[:, -1:], 9, 5)
+    # reference: plain full recomputation each step
+    seq = ids.clone()
+    for token in out:
+        nxt = int(hf.forward(tiny, seq).logits[0, -1].argmax())
+        assert nxt == token
+        seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+    # a pruned cache (drop tokens 2..4) still decodes at the right positions
+    keep = torch.tensor([0, 1, 5, 6, 7, 8])
+    pruned = hf.make_cache(tiny, [k[:, :, keep] for k in tr.keys], [v[:, :, keep] for v in tr.values])
+    steps = []
+    hf.generate(tiny, pruned, ids[:, -1:], 9, 3, on_step=lambda c, s: steps.append(hf.cache_len(c)[0]))
+    assert steps == [7, 8, 9]  # 6 kept + last prompt token, then + each generated token
+
+
+def test_attention_probabilities_need_eager_and_sum_to_one(tiny):
+    with pytest.raises(ValueError, match="eager"):
+        tiny.set_attn_implementation("sdpa")
+        hf.forward(tiny, _ids(), attentions=True)
+    hf.set_eager(tiny)
+    tr = hf.forward(tiny, _ids(), attentions=True)
+    assert len(tr.attn) == hf.n_layers(tiny)
+    a = tr.attn[0]
+    assert a.shape == (1, 4, 12, 12)
+    torch.testing.assert_close(a.sum(-1), torch.ones(1, 4, 12))
+    assert torch.all(a.triu(1) == 0)  # causal
+
+
+def test_hooks_are_removed(tiny):
+    hf.forward(tiny, _ids(), capture=hf.CAPTURE_ALL)
+    for module in tiny.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
