@@ -1,4 +1,4 @@
-"""Command line: ``python -m scdviz <command> ...`` (download, pair-info, finetune, prepare-text).
+"""Command line: ``python -m scdviz <command> ...`` (download, pair-info, finetune, model-card, bench, ...).
 
 Each command is a thin wrapper over a library function; errors a user can fix are
 printed as one line (no traceback) with exit status 2.
@@ -52,6 +52,12 @@ def _pair_info(args) -> None:
                 json.dump(report, fh, indent=1)
 
 
+def _model_card(args) -> None:
+    from scdviz.modelcard import write_card
+
+    print(write_card(args.name, n_prompts=args.limit))
+
+
 def _prepare_text(args) -> None:
     from scdviz import prepare_text
 
@@ -87,8 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_finetune)
 
+    p = sub.add_parser("model-card", help="measure a built-in specialist and write its model card")
+    p.add_argument("--name", required=True, help="specialist folder under assets/adapters/")
+    p.add_argument("--limit", type=int, default=16, help="held-out prompts per corpus")
+    p.set_defaults(fn=_model_card)
+
     p = sub.add_parser("prepare-text", help="rebuild assets/text from Debian's text packages")
     p.set_defaults(fn=_prepare_text)
+
+    bench = sub.add_parser("bench", help="benchmarks that print tables (scd, evict)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    # Method CLIs register their own commands here: register(sub, bench_sub).
+    __import__("scdviz.evict.cli", fromlist=["register"]).register(sub, bench_sub)
+    __import__("scdviz.scd.cli", fromlist=["register"]).register(sub, bench_sub)
 
     args = parser.parse_args(argv)
     from scdviz.models.pair import PairError

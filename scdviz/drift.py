@@ -22,13 +22,18 @@ from scdviz.models import hf
 from scdviz.models.pair import Pair
 
 
+def facts_rows(pair: Pair) -> list[list[str]]:
+    """[fact, producer, consumer] rows for both models' facts."""
+    pf, cf = pair.producer_facts, pair.consumer_facts
+    rows = [["source", pair.producer_source, pair.consumer_source]]
+    rows += [[key, str(getattr(pf, key)), str(getattr(cf, key))] for key in pf.__dataclass_fields__]
+    rows.append(["fp16 KV bytes/token", str(pf.kv_bytes_per_token_fp16), str(cf.kv_bytes_per_token_fp16)])
+    return rows
+
+
 def facts_table(pair: Pair) -> str:
     """Producer and consumer facts side by side as aligned text."""
-    pf, cf = pair.producer_facts, pair.consumer_facts
-    rows = [("", "producer", "consumer"), ("source", pair.producer_source, pair.consumer_source)]
-    for key in pf.__dataclass_fields__:
-        rows.append((key, str(getattr(pf, key)), str(getattr(cf, key))))
-    rows.append(("fp16 KV bytes/token", str(pf.kv_bytes_per_token_fp16), str(cf.kv_bytes_per_token_fp16)))
+    rows = [["", "producer", "consumer"], *facts_rows(pair)]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows)
 
@@ -65,8 +70,10 @@ def window_nll(model, window: list[int]) -> list[float]:
     return metrics.nll_per_token(logits, ids[0, 1:].to(logits.device)).tolist()
 
 
-def evaluate_pair(pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_len: int = 32) -> dict:
-    """Perplexities and raw-reuse drift on the eval split of every shipped corpus."""
+def evaluate_pair(
+    pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_len: int = 32, corpora: list[str] | None = None
+) -> dict:
+    """Perplexities and raw-reuse drift on the eval split of the given (default: every shipped) corpora."""
     report = {
         "producer": pair.producer_source,
         "consumer": pair.consumer_source,
@@ -74,7 +81,7 @@ def evaluate_pair(pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_l
         "cont_len": cont_len,
         "corpora": {},
     }
-    for corpus in data.corpora():
+    for corpus in corpora or data.corpora():
         windows = data.token_windows(pair.tokenizer, data.load_split(corpus, "eval"), prompt_len + cont_len, n_prompts)
         acc: dict[str, list[float]] = {k: [] for k in ("kl", "top1", "nll_oracle", "nll_reuse", "prod", "cons")}
         per_prompt_kl = []

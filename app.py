@@ -1,0 +1,87 @@
+"""scdviz web app: builds the Gradio Blocks from the library and launches it.
+
+    python app.py            # serves on http://127.0.0.1:7860 (GRADIO_SERVER_PORT to change)
+
+Settings come from environment variables (see scdviz/settings.py): SCDVIZ_PRODUCER,
+SCDVIZ_CONSUMER, SCDVIZ_DEVICE, SCDVIZ_HOSTED, SCDVIZ_MAX_PROMPT_TOKENS,
+SCDVIZ_MAX_NEW_TOKENS, SCDVIZ_CACHE. Models load once and are shared by all users;
+per-user results live in gr.State. Nothing heavy happens at import time.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from scdviz import data, drift, service, settings
+from scdviz.ui import pair_tab
+
+try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
+    import spaces  # type: ignore
+
+    gpu = spaces.GPU
+except ImportError:  # pragma: no cover - the package exists only on Spaces
+
+    def gpu(fn):
+        return fn
+
+
+def _examples(n: int = 3, chars: int = 600) -> list[str]:
+    """Opening text of a few shipped evaluation passages."""
+    out = []
+    for corpus in data.corpora():
+        for passage in data.load_split(corpus, "eval")[1 : 1 + (n + 1) // 2]:
+            out.append(passage[:chars].rsplit(" ", 1)[0])
+    return out[:n]
+
+
+def _key(producer: str, consumer: str) -> str:
+    return f"{producer}\n{consumer}"
+
+
+def load(producer, consumer, progress):
+    pair = service.get_pair(producer, consumer, progress=progress)
+    return service.pair_summary(pair), drift.facts_rows(pair), _key(pair.producer_source, pair.consumer_source)
+
+
+@gpu
+def generate(key, prompt, max_new, chat):
+    pair = service.get_pair(*key.split("\n"))
+    gen = service.generate_both(pair, prompt, max_new, chat)
+    tok = pair.tokenizer
+    pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
+    same = sum(a == b for a, b in zip(gen.producer_ids, gen.consumer_ids))
+    md = (f"Prompt: {gen.prompt_tokens} tokens. Consumer agrees with producer on {same}/{len(gen.consumer_ids)} "
+          f"generated positions. Both generations took {gen.seconds:.1f} s.")
+    return pieces[0], pieces[1], md
+
+
+def build_demo() -> gr.Blocks:
+    """The whole app as a Blocks object (tests build it without launching)."""
+    producer, consumers = service.builtin_choices()
+    with gr.Blocks(title="scdviz") as demo:
+        gr.Markdown(
+            "# scdviz\nMove a KV cache from a producer model to a fine-tuned consumer (SCD) and prune it "
+            "with a learned eviction policy (DistillCache), and see what happens inside both models."
+        )
+        pair_state = gr.State("")
+        with gr.Tab("Pair"):
+            pair_tab.build(
+                pair_tab.PairTabFns(
+                    producer_choices=[producer],
+                    consumer_choices=consumers,
+                    default_producer=settings.default_producer(),
+                    default_consumer=settings.default_consumer(),
+                    load=load,
+                    generate=generate,
+                    examples=_examples(),
+                    max_new_tokens=settings.max_new_tokens(),
+                ),
+                pair_state,
+                demo,
+            )
+    demo.queue(default_concurrency_limit=1, max_size=32)
+    return demo
+
+
+if __name__ == "__main__":
+    build_demo().launch(server_name="0.0.0.0" if settings.hosted() else "127.0.0.1")

@@ -1,0 +1,37 @@
+"""Shared UI helpers: turn library errors into messages a person can act on."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import gradio as gr
+
+log = logging.getLogger("scdviz.ui")
+
+
+def guard(fn):
+    """Wrap a handler so user errors show as a message and nothing shows a traceback.
+
+    ValueError (UserError, PairError, bad ranges) keeps its own message; anything else is
+    logged on the server with its traceback and reported to the user in one line.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except ValueError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        except Exception as err:  # noqa: BLE001 - the server must survive any handler failure
+            log.exception("handler %s failed", fn.__name__)
+            raise gr.Error(f"internal error ({type(err).__name__}): {err}", print_exception=False) from None
+
+    return wrapper
+
+
+def diff_tokens(tokens: list[str], reference: list[str], label: str = "differs") -> list[tuple[str, str | None]]:
+    """(text, label) pairs for gr.HighlightedText: tokens that differ from the reference at the same position."""
+    return [(tok, None if i < len(reference) and reference[i] == tok else label) for i, tok in enumerate(tokens)]

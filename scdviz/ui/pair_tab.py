@@ -1,0 +1,81 @@
+"""Pair tab: choose a producer and consumer, load them with progress, see facts and the
+compatibility verdict, and generate from both side by side.
+
+Widgets and wiring only; the processing functions arrive in ``PairTabFns``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gradio as gr
+
+from scdviz.ui.common import diff_tokens, guard
+
+
+@dataclass
+class PairTabFns:
+    """What the tab calls (supplied by app.py)."""
+
+    producer_choices: list[str]  # built-in producer sources offered in the dropdown
+    consumer_choices: list[str]  # built-in consumer sources offered in the dropdown
+    default_producer: str  # preselected producer
+    default_consumer: str  # preselected consumer
+    load: Callable  # (producer, consumer, progress) -> (summary_md, facts_rows, pair_key)
+    generate: Callable  # (pair_key, prompt, max_new, chat) -> (prod_tokens, cons_tokens, info_md)
+    examples: list[str]  # example prompts
+    max_new_tokens: int  # upper bound of the slider
+
+
+def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
+    """Add the Pair tab's widgets to the current Blocks and wire them; the default pair
+    loads when the page opens."""
+    gr.Markdown(
+        "Pick a **producer** (runs the prefill) and a **consumer** (fine-tuned, same architecture). "
+        "Built-in sources need no download; you may also type a local model folder, a LoRA adapter "
+        "folder (applied to the producer) or a hub id."
+    )
+    with gr.Row():
+        producer = gr.Dropdown(fns.producer_choices, value=fns.default_producer, label="Producer",
+                               allow_custom_value=True, elem_id="producer")
+        consumer = gr.Dropdown(fns.consumer_choices, value=fns.default_consumer, label="Consumer",
+                               allow_custom_value=True, elem_id="consumer")
+        load_btn = gr.Button("Load pair", variant="primary", elem_id="load-pair")
+    summary = gr.Markdown(elem_id="pair-summary")
+    facts = gr.Dataframe(headers=["fact", "producer", "consumer"], label="Model facts", interactive=False,
+                         elem_id="pair-facts")
+
+    gr.Markdown("### Generate from both (each from its own prefill)")
+    prompt = gr.Textbox(label="Prompt", lines=4, value=fns.examples[0] if fns.examples else "", elem_id="pair-prompt")
+    with gr.Row():
+        max_new = gr.Slider(1, fns.max_new_tokens, value=min(32, fns.max_new_tokens), step=1, label="New tokens")
+        chat = gr.Checkbox(label="Wrap in the chat template", value=False)
+        gen_btn = gr.Button("Generate", elem_id="pair-generate")
+    if fns.examples:
+        gr.Examples([[e] for e in fns.examples], inputs=[prompt], label="Examples from the shipped evaluation text")
+    info = gr.Markdown(elem_id="pair-gen-info")
+    with gr.Row():
+        prod_out = gr.HighlightedText(label="Producer", elem_id="producer-text", combine_adjacent=False)
+        cons_out = gr.HighlightedText(label="Consumer (tokens that differ from the producer's are marked)",
+                                      elem_id="consumer-text", combine_adjacent=False,
+                                      color_map={"differs": "orange"}, show_inline_category=False,
+                                      show_legend=True)
+
+    def on_load(p, c, progress=gr.Progress()):  # noqa: B008 - gradio injects progress this way
+        def report(frac, msg):
+            progress(frac, desc=msg)
+
+        md, rows, key = fns.load(p, c, report)
+        return md, rows, key
+
+    def on_generate(key, text, n, use_chat):
+        if not key:
+            raise gr.Error("load a pair first", print_exception=False)
+        prod_tokens, cons_tokens, md = fns.generate(key, text, int(n), bool(use_chat))
+        return md, [(t, None) for t in prod_tokens], diff_tokens(cons_tokens, prod_tokens)
+
+    load_btn.click(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1)
+    demo.load(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1)
+    gen_btn.click(guard(on_generate), [pair_state, prompt, max_new, chat], [info, prod_out, cons_out],
+                  concurrency_limit=1)

@@ -1,0 +1,101 @@
+"""Browser tier: start the app, drive it in headless Chromium as a person would.
+
+Needs Debian's chromium (.ci/run installs it) and the built-in pair. Screenshots go to
+SCDVIZ_SCREENSHOTS when set (assets/screenshots/ holds the committed ones), else tmp.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"app exited early:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"app did not start:\n{log.read_text()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def page(app_url, tmp_path_factory):
+    if not Path(CHROMIUM).exists():
+        pytest.fail("Debian's chromium is missing: apt-get install chromium (.ci/run does this)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1800})
+        pg.goto(app_url)
+        yield pg
+        browser.close()
+
+
+def _shot(page, name: str, tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("SCDVIZ_SCREENSHOTS") or tmp_path_factory.mktemp("shots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def test_pair_tab_loads_pair_and_generates(page, tmp_path_factory):
+    summary = page.locator("#pair-summary")
+    summary.get_by_text("Compatible").wait_for(timeout=240_000)
+    facts = page.locator("#pair-facts")
+    assert "LlamaForCausalLM" in facts.inner_text()
+    assert "30" in facts.inner_text()
+    page.locator("#pair-generate").click()
+    info = page.locator("#pair-gen-info")
+    info.get_by_text("generated positions").wait_for(timeout=240_000)
+    producer_text = page.locator("#producer-text").inner_text()
+    consumer_text = page.locator("#consumer-text").inner_text()
+    assert len(producer_text.strip()) > 10 and len(consumer_text.strip()) > 10
+    _shot(page, "pair", tmp_path_factory)
+
+
+def test_bad_input_shows_a_message_not_a_traceback(page):
+    page.locator("#pair-prompt textarea").fill("   ")
+    page.locator("#pair-generate").click()
+    toast = page.get_by_text("the prompt is empty")
+    toast.first.wait_for(timeout=60_000)
+    assert "Traceback" not in page.content()

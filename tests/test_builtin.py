@@ -1,0 +1,67 @@
+"""Slow tier: the built-in pair loads, each specialist differs from the producer as its
+model card says, and generation runs on both."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scdviz import drift, service
+from scdviz.models import builtin, hf
+from scdviz.models.pair import load_pair
+
+pytestmark = pytest.mark.slow
+
+
+def test_builtin_pair_facts(builtin_pair):
+    f = builtin_pair.producer_facts
+    assert (f.architecture, f.layers, f.hidden, f.heads, f.kv_heads, f.head_dim, f.vocab) == (
+        "LlamaForCausalLM", 30, 576, 9, 3, 64, 49152)
+    assert f.kv_bytes_per_token_fp16 == 23040
+    assert builtin_pair.consumer_facts == f or builtin_pair.consumer_facts.params == f.params
+
+
+def test_at_least_two_specialists_are_shipped():
+    assert {"jargon", "bible"} <= set(builtin.specialists())
+
+
+@pytest.mark.parametrize("name", ["jargon", "bible"])
+def test_specialist_differs_from_producer_as_its_card_says(name):
+    card = json.loads((builtin.adapter_dir(name) / "eval.json").read_text())
+    pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
+    weights_differ = any(
+        not torch.equal(a, b) for a, b in zip(pair.producer.parameters(), pair.consumer.parameters())
+    )
+    assert weights_differ
+    report = drift.evaluate_pair(pair, n_prompts=3, prompt_len=card["prompt_len"], cont_len=card["cont_len"],
+                                 corpora=[name])
+    got, want = report["corpora"][name], card["corpora"][name]
+    # the specialist is better than the producer on its own domain, in the card and now
+    assert want["ppl_consumer"] < want["ppl_producer"]
+    assert got["ppl_consumer"] < got["ppl_producer"]
+    # raw reuse drifts: same order of magnitude as the card's 16-prompt measurement
+    assert want["kl_reuse"] / 3 < got["kl_reuse"] < want["kl_reuse"] * 3
+    assert got["top1_reuse"] < 1.0
+
+
+def test_bible_drifts_more_than_jargon():
+    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "bible")}
+    assert cards["bible"]["corpora"]["bible"]["kl_reuse"] > cards["jargon"]["corpora"]["jargon"]["kl_reuse"]
+
+
+def test_generation_runs_on_both(builtin_pair):
+    gen = service.generate_both(builtin_pair, "The hacker looked at the terminal and", 8)
+    assert len(gen.producer_ids) == len(gen.consumer_ids) == 8
+    assert gen.producer_text and gen.consumer_text
+
+
+def test_real_pair_cache_round_trip(builtin_pair):
+    ids = builtin_pair.tokenizer("In the beginning was the word, and the word", return_tensors="pt")["input_ids"]
+    m = builtin_pair.consumer
+    tr = hf.forward(m, ids[:, :-3], capture={"keys_pre"})
+    rebuilt = hf.make_cache(m, [k.clone() for k in tr.keys], [v.clone() for v in tr.values])
+    full = hf.forward(m, ids).logits[:, -3:]
+    torch.testing.assert_close(hf.continue_logits(m, rebuilt, ids[:, -3:], ids.shape[1] - 3), full,
+                               atol=1e-4, rtol=1e-4)
