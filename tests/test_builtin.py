@@ -46,9 +46,15 @@ def test_specialist_differs_from_producer_as_its_card_says(name):
     assert got["top1_reuse"] < 1.0
 
 
-def test_bible_drifts_more_than_jargon():
+def test_bible_moves_further_from_the_producer_than_jargon():
+    """The stronger specialist (rank 32, lr 2e-3) also shifts perplexity off its own domain."""
     cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "bible")}
-    assert cards["bible"]["corpora"]["bible"]["kl_reuse"] > cards["jargon"]["corpora"]["jargon"]["kl_reuse"]
+
+    def off_domain_shift(name, other):
+        row = cards[name]["corpora"][other]
+        return abs(row["ppl_consumer"] / row["ppl_producer"] - 1)
+
+    assert off_domain_shift("bible", "jargon") > 3 * off_domain_shift("jargon", "bible")
 
 
 def test_generation_runs_on_both(builtin_pair):
