@@ -98,3 +98,20 @@ def test_hooks_are_removed(tiny):
     hf.forward(tiny, _ids(), capture=hf.CAPTURE_ALL)
     for module in tiny.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+def test_attention_hook_sees_each_layer_and_can_prune(tiny):
+    hf.set_eager(tiny)
+    seen = []
+
+    def keep_last_four(module, hidden, keys, values, attn, kwargs):
+        seen.append((module.layer_idx, tuple(attn.shape), tuple(hidden.shape)))
+        return keys[:, :, -4:], values[:, :, -4:]
+
+    with hf.attention_hook(tiny, keep_last_four):
+        cache = hf.forward(tiny, _ids()).cache
+    heads = hf.attn_heads(tiny)[0]
+    assert [s[0] for s in seen] == list(range(hf.n_layers(tiny)))
+    assert all(s[1] == (1, heads, 12, 12) for s in seen)
+    assert hf.cache_len(cache) == [4] * hf.n_layers(tiny)
+    assert hf.cache_len(hf.forward(tiny, _ids()).cache) == [12] * hf.n_layers(tiny)  # hooks removed

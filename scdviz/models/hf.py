@@ -304,3 +304,98 @@ def generate(
 def _positions(ids: Tensor, start: int | Tensor) -> Tensor:
     n = ids.shape[1]
     return (torch.arange(n) + int(start)).unsqueeze(0).expand(ids.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- layer-wise
+
+
+def _causal_mask(t: int, dtype: torch.dtype, device) -> Tensor:
+    """Additive causal mask (1, 1, t, t): 0 on and below the diagonal, -inf above."""
+    mask = torch.full((t, t), float("-inf"), dtype=dtype, device=device).triu(1)
+    return mask[None, None]
+
+
+def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int) -> tuple[Tensor, list, list]:
+    """Run decoder layers start..stop-1 on a residual stream, as a fresh prefill of its tokens.
+
+    resid (B, T, d): the stream entering layer ``start`` (e.g. another model's, for
+    DroidSpeak-style recompute); positions (B, T). Full causal attention among the T
+    tokens, no cache before them. Returns (stream leaving layer stop-1 (B, T, d),
+    post-RoPE keys per layer [(B, Hkv, T, D)], values per layer [(B, Hkv, T, D)]).
+    """
+    stack = layers(model)
+    cache = DynamicCache(config=model.config)
+    cos, sin = rope(model, positions)
+    mask = _causal_mask(resid.shape[1], resid.dtype, resid.device)
+    hidden = resid
+    with torch.no_grad():
+        for idx in range(start, stop):
+            hidden = stack[idx](
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=(cos, sin),
+            )
+    keys = [cache.layers[i].keys for i in range(start, stop)]
+    values = [cache.layers[i].values for i in range(start, stop)]
+    return hidden, keys, values
+
+
+def kv_weights(model, layer_idx: int) -> tuple[Tensor, Tensor]:
+    """The k_proj and v_proj weights of one layer, each (Hkv*D, d) (biases and k_norm left out)."""
+    attn = layers(model)[layer_idx].self_attn
+    return attn.k_proj.weight, attn.v_proj.weight
+
+
+# ----------------------------------------------------------------------------- attention hooks (eviction)
+
+
+@contextlib.contextmanager
+def attention_hook(model, fn):
+    """Call ``fn`` after every attention layer for the duration of the context.
+
+    fn(module, hidden_states, keys, values, attentions, kwargs) follows kvpress's
+    ``compress`` signature: hidden_states (B, T, d) the layer's normalised input; keys /
+    values (B, Hkv, T_cache, D) the layer's cache *after* this pass appended to it;
+    attentions (B, H, T, T_cache) with eager attention, else None; kwargs the attention
+    module's keyword arguments (position_embeddings, ...). ``module.layer_idx`` is the
+    layer. If fn returns (keys, values), they replace the layer's cache (pruning).
+    The module also gets ``rotary_emb`` set, as kvpress's presses expect. Hooks are
+    always removed on exit.
+    """
+    handles = []
+    rotary = decoder(model).rotary_emb
+
+    def hook(module, _args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        layer = cache.layers[module.layer_idx]
+        attn = output[1] if len(output) > 1 else None
+        new = fn(module, kwargs["hidden_states"], layer.keys, layer.values, attn, kwargs)
+        if new is not None:
+            layer.keys, layer.values = new
+        return output
+
+    try:
+        for layer in layers(model):
+            layer.self_attn.rotary_emb = rotary
+            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+
+def decoder_cache(model, ids: Tensor) -> DynamicCache:
+    """Prefill ``ids`` (B, T) at positions 0..T-1 through the decoder only (no LM head): the cache.
+
+    What a server does before the first decode step; the LM head over every prompt
+    token would be wasted work (and would inflate a measured prefill time).
+    """
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        decoder(model)(input_ids=ids.to(device), past_key_values=cache, use_cache=True)
+    return cache

@@ -1,0 +1,1 @@
+"""DistillCache: a learned KV-cache eviction policy (features, policy, trainer, press, evaluation)."""

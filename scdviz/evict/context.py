@@ -1,0 +1,102 @@
+"""One eager prefill of a context that serves every eviction method at once.
+
+``observe`` runs the model over a context once with eager attention and, inside a
+per-layer hook, computes the DistillCache features (both forms) and the scores of any
+number of kvpress scorer presses on the full keys/values (DESIGN.md §7: one prefill can
+serve every press). ``prune`` builds the pruned cache for a set of kept indices.
+
+Shapes: keys / values per layer (B, Hkv, T, D); per-head features (L, B, Hkv, T, 5);
+global features (B, T, 5); scores per layer (B, Hkv, T); kept indices per layer
+(B, Hkv, n) or, for one token set, (B, n). This module does not train or evaluate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from scdviz.evict import features as F
+from scdviz.evict.policy import compression_ratio
+from scdviz.models import hf
+
+
+@dataclass
+class Observed:
+    """What one prefill of a context produced."""
+
+    keys: list[Tensor]  # per layer (B, Hkv, T, D), post-RoPE
+    values: list[Tensor]  # per layer (B, Hkv, T, D)
+    head_features: Tensor  # (L, B, Hkv, T, 5) per-layer / per-KV-head features
+    global_features: Tensor  # (B, T, 5) averaged over layers and heads
+    scores: dict[tuple[str, float], list[Tensor]] = field(
+        default_factory=dict
+    )  # (press, keep) -> per layer (B, Hkv, T)
+    score_seconds: dict[str, float] = field(default_factory=dict)  # press -> time spent scoring (all keeps)
+    feature_seconds: float = 0.0  # time spent computing features in the hook
+    prefill_seconds: float = 0.0  # wall time of the whole prefill
+
+    @property
+    def n_tokens(self) -> int:
+        """Context length T."""
+        return int(self.keys[0].shape[-2])
+
+
+def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps: tuple = ()) -> Observed:
+    """Prefill ``ids`` (B, T) once (eager attention) and collect features and press scores.
+
+    presses: name -> kvpress ScorerPress; each is scored at every kept fraction in
+    ``keeps`` (its compression_ratio set accordingly; StreamingLLM's scores depend on it).
+    """
+    presses = presses or {}
+    _, n_kv, _ = hf.attn_heads(model)
+    head, glob, scores = [], [], {}
+    timing = {name: 0.0 for name in presses}
+    feat_time = [0.0]
+
+    def on_layer(module, hidden, keys, values, attn, kwargs):
+        if attn is None:
+            raise ValueError("DistillCache features need eager attention: call hf.set_eager(model) first")
+        t0 = time.perf_counter()
+        head.append(F.prefill_layer_features(attn, values, window, n_kv))
+        glob.append(F.prefill_layer_features(attn, values, window, 1))
+        feat_time[0] += time.perf_counter() - t0
+        for name, press in presses.items():
+            t0 = time.perf_counter()
+            for keep in keeps:
+                press.compression_ratio = compression_ratio(keep)
+                scores.setdefault((name, keep), []).append(press.score(module, hidden, keys, values, attn, kwargs))
+            timing[name] += time.perf_counter() - t0
+        return None
+
+    start = time.perf_counter()
+    with hf.attention_hook(model, on_layer), torch.no_grad():
+        trace = hf.forward(model, ids)
+    return Observed(
+        keys=trace.keys,
+        values=trace.values,
+        head_features=torch.stack(head, 0),
+        global_features=F.global_features(glob),
+        scores=scores,
+        score_seconds=timing,
+        feature_seconds=feat_time[0],
+        prefill_seconds=time.perf_counter() - start,
+    )
+
+
+def gather_kv(keys: Tensor, values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep ``idx`` (B, Hkv, n) or one set for all heads (B, n) of keys / values (B, Hkv, T, D)."""
+    if idx.dim() == 2:
+        idx = idx.unsqueeze(1).expand(-1, keys.shape[1], -1)
+    full = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+    return keys.gather(2, full), values.gather(2, full)
+
+
+def prune(model, obs: Observed, indices: list[Tensor] | Tensor):
+    """A DynamicCache holding the kept tokens: per-layer indices, or one (B, n) set for all layers."""
+    n = len(obs.keys)
+    per_layer = indices if isinstance(indices, list) else [indices] * n
+    kept = [gather_kv(k, v, i) for k, v, i in zip(obs.keys, obs.values, per_layer, strict=True)]
+    return hf.make_cache(model, [k for k, _ in kept], [v for _, v in kept])

@@ -1,0 +1,124 @@
+"""Decode-time eviction: hold every layer's cache at a token budget while generating.
+
+``DecodeEvictor`` is a context manager around generation (``hf.generate`` or any
+forward passes with explicit positions). After each attention layer it appends the new
+queries' attention rows to a window of the last W rows, and when the layer holds more
+than ``budget`` tokens (or, with ``interval`` k, budget + k - 1) it keeps the top
+``budget`` per KV head. Scores come from either
+  * a DistillCachePress (per-head policy): the 5 features from the window rows, with
+    each token's visibility (rows that saw it) and its true position tracked; or
+  * any kvpress ScorerPress: ``press.score`` with the buffered hidden states and window
+    rows as ``attentions`` (attention-free scorers such as Knorm ignore them).
+
+State per layer: rows (B, H, w, Tk), hidden (B, w, d), positions (B, Hkv, Tk) absolute
+token positions of the cached tokens, seen (B, Hkv, Tk) rows that saw each token.
+Needs eager attention for attention-based scorers. Does not compress a prefill
+(press.py) nor run generation itself (scdviz.models.hf.generate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from scdviz.evict import features as F
+from scdviz.evict.press import DistillCachePress
+from scdviz.models import hf
+
+
+@dataclass
+class _LayerState:
+    """What the evictor tracks for one layer."""
+
+    rows: Tensor  # (B, H, w, Tk) attention of the last w queries over the cached tokens
+    hidden: Tensor  # (B, w, d) normalised inputs of those queries
+    positions: Tensor  # (B, Hkv, Tk) absolute position of every cached token
+    seen: Tensor  # (B, Hkv, Tk) how many buffered rows could see each token
+
+
+@dataclass
+class DecodeEvictor:
+    """Keep each layer's cache at ``budget`` tokens (per KV head) during generation."""
+
+    press: object  # a DistillCachePress (per-head policy) or a kvpress ScorerPress
+    budget: int  # tokens kept per layer and KV head
+    window: int = 32  # w, recent query rows kept for scoring
+    interval: int = 1  # evict once the cache holds budget + interval tokens (1: hold exactly at budget)
+    states: dict[int, _LayerState] = field(default_factory=dict)  # layer -> state
+    evictions: int = 0  # layer-evictions performed
+    score_seconds: float = 0.0  # time spent scoring (policy overhead)
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        """Evict inside the context; the state is reset on entry."""
+        if self.budget < 1 or self.interval < 1:
+            raise ValueError(f"budget and interval must be at least 1, got {self.budget} and {self.interval}")
+        self.states.clear()
+        with hf.attention_hook(model, self._on_layer):
+            yield self
+
+    def _on_layer(self, module, hidden, keys, values, attn, kwargs):
+        state = self._update(module.layer_idx, hidden, keys, attn, kwargs["position_ids"])
+        if keys.shape[-2] < self.budget + self.interval:
+            return None
+        t0 = time.perf_counter()
+        scores = self._scores(module, state, keys, values, kwargs)  # (B, Hkv, Tk)
+        self.score_seconds += time.perf_counter() - t0
+        idx = scores.topk(self.budget, dim=-1).indices.sort(-1).values  # (B, Hkv, budget)
+        self._keep(state, idx)
+        self.evictions += 1
+        full = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        return keys.gather(2, full), values.gather(2, full)
+
+    def _update(
+        self, layer: int, hidden: Tensor, keys: Tensor, attn: Tensor | None, position_ids: Tensor
+    ) -> _LayerState:
+        """Append the new queries' rows, hidden states, positions and visibility."""
+        b, n_kv, tk, _ = keys.shape
+        n_new = hidden.shape[1]
+        new_pos = position_ids.view(b, 1, n_new).expand(b, n_kv, n_new).to(keys.device)
+        if attn is None:
+            if isinstance(self.press, DistillCachePress):
+                raise ValueError("decode-time DistillCache needs eager attention: call hf.set_eager(model) first")
+            attn = torch.zeros(b, n_kv, n_new, tk)
+        state = self.states.get(layer)
+        if state is None:
+            old = tk - n_new  # tokens cached before the evictor saw this layer: positions 0..old-1
+            start = torch.arange(old).view(1, 1, old).expand(b, n_kv, old)
+            state = _LayerState(attn[..., :0, :old], hidden[:, :0], start, torch.zeros(b, n_kv, old))
+        rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
+        seen = torch.cat([state.seen, torch.zeros(b, n_kv, n_new)], -1)
+        causal = (torch.arange(n_new).view(-1, 1) >= torch.arange(n_new).view(1, -1)).sum(0)  # rows seeing new token j
+        seen[..., -n_new:] = causal.float()
+        seen[..., :-n_new] += n_new
+        state = _LayerState(
+            rows,
+            torch.cat([state.hidden, hidden], 1)[:, -self.window :],
+            torch.cat([state.positions, new_pos], -1),
+            seen.clamp(max=rows.shape[2]),
+        )
+        self.states[layer] = state
+        return state
+
+    def _scores(self, module, state: _LayerState, keys: Tensor, values: Tensor, kwargs: dict) -> Tensor:
+        """Scores (B, Hkv, Tk) of the layer's cached tokens."""
+        if isinstance(self.press, DistillCachePress):
+            n_kv, group = keys.shape[1], state.rows.shape[1] // keys.shape[1]
+            n_vis = state.seen.repeat_interleave(group, dim=1)  # (B, H, Tk)
+            pos = state.positions.float() / state.positions.max().clamp_min(1)
+            with torch.no_grad():
+                return self.press.policy(F.layer_features(state.rows, values, n_vis, pos, n_kv))
+        self.press.compression_ratio = 1.0 - self.budget / keys.shape[-2]
+        return self.press.score(module, state.hidden, keys, values, state.rows, kwargs)
+
+    def _keep(self, state: _LayerState, idx: Tensor) -> None:
+        """Drop evicted tokens from the layer's state; idx (B, Hkv, budget)."""
+        group = state.rows.shape[1] // idx.shape[1]
+        rows_idx = idx.repeat_interleave(group, dim=1).unsqueeze(2).expand(-1, -1, state.rows.shape[2], -1)
+        state.rows = state.rows.gather(3, rows_idx)
+        state.positions = state.positions.gather(2, idx)
+        state.seen = state.seen.gather(2, idx)

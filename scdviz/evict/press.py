@@ -1,0 +1,99 @@
+"""DistillCachePress: the learned policy as a kvpress press (prefill compression).
+
+A kvpress ``ScorerPress``: use it as ``with press(model): model(...)`` or in kvpress's
+pipeline beside the other presses. Its scores come from the policy over the 5 token
+features of each layer's attention (needs eager attention, like ObservedAttentionPress).
+
+Two scopes, following the policy's config:
+  per_head  each layer and KV head keeps its own top-B (``score`` returns (B, Hkv, T));
+  global    one token set for all layers: features are averaged over layers while the
+            prefill runs, and at the last layer every layer's cache is pruned to the same
+            tokens (DESIGN.md §4 as specified).
+
+This module does not train the policy (trainer.py) nor evict while decoding (decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from kvpress import ScorerPress
+from kvpress.presses.base_press import is_prefilling
+from torch import Tensor, nn
+
+from scdviz.evict import features as F
+from scdviz.evict.context import gather_kv
+from scdviz.evict.policy import Policy, compression_ratio, keep_count, top_b
+from scdviz.models import hf
+
+
+@dataclass
+class DistillCachePress(ScorerPress):
+    """Learned KV-cache eviction (DistillCache): an MLP over 5 attention features per token.
+
+    Based on the DistillCache document (seeds/003): REINFORCE-trained top-B selection.
+
+    Parameters
+    ----------
+    policy : Policy
+        The trained scorer (``Policy.load(path)``); its config decides per-head vs global
+        scope and the query window W.
+    compression_ratio : float
+        Fraction of the context removed (kvpress convention); ``DistillCachePress.keeping``
+        builds one from a kept fraction.
+    """
+
+    policy: Policy | None = None
+    compression_ratio: float = 0.0
+    _global: list[Tensor] = field(default_factory=list, repr=False)  # per-layer (B, 1, T, 5) during a prefill
+    _n_layers: int = field(default=0, repr=False)  # decoder layers of the model the press is applied to
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.policy is None:
+            raise ValueError("DistillCachePress needs a policy (Policy.load(path))")
+
+    def post_init_from_model(self, model) -> None:
+        """Remember the layer count (a cache may grow its layers lazily during the prefill)."""
+        self._n_layers = hf.n_layers(model)
+        self._global.clear()
+
+    @classmethod
+    def keeping(cls, policy: Policy, keep: float) -> DistillCachePress:
+        """A press that keeps the fraction ``keep`` of the context."""
+        return cls(policy=policy, compression_ratio=compression_ratio(keep))
+
+    def layer_features(self, module: nn.Module, values: Tensor, attentions: Tensor | None, groups: int) -> Tensor:
+        """Features of one layer after a prefill: (B, groups, T, 5)."""
+        if attentions is None:
+            raise ValueError('DistillCachePress needs attention probabilities: use attn_implementation="eager"')
+        return F.prefill_layer_features(attentions, values, self.policy.config.window, groups)
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> Tensor:
+        """Policy scores (B, Hkv, T) of one layer's tokens (per-head scope)."""
+        with torch.no_grad():
+            return self.policy(self.layer_features(module, values, attentions, keys.shape[1]))
+
+    def forward_hook(self, module: nn.Module, input: list[Tensor], kwargs: dict, output: list):
+        """Per-head scope: kvpress's hook. Global scope: collect features, prune at the last layer."""
+        if self.policy.config.per_head:
+            return super().forward_hook(module, input, kwargs, output)
+        hidden_states = kwargs["hidden_states"]
+        if self.compression_ratio == 0 or not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            return output
+        cache = kwargs["past_key_values"]
+        layer = cache.layers[module.layer_idx]
+        self._global.append(self.layer_features(module, layer.values, output[1], 1))
+        if module.layer_idx == self._n_layers - 1:
+            self._prune_all(cache)
+        return output
+
+    def _prune_all(self, cache) -> None:
+        """Keep one token set, chosen from the layer-averaged features, in every layer."""
+        with torch.no_grad():
+            scores = self.policy(F.global_features(self._global))  # (B, T)
+        self._global.clear()
+        idx = top_b(scores, keep_count(scores.shape[-1], 1.0 - self.compression_ratio))
+        for layer in cache.layers:
+            layer.keys, layer.values = gather_kv(layer.keys, layer.values, idx)

@@ -1,0 +1,282 @@
+"""REINFORCE training of the DistillCache policy (DESIGN.md §4).
+
+Algorithm, per training context:
+  1. one eager prefill gives the token features and the full cache; the full cache's
+     logits over a teacher-forced continuation are the reference;
+  2. Gumbel noise on the policy's scores, top-B of the perturbed scores: a sample from
+     the Plackett-Luce distribution over rankings, whose exact log-probability is
+     sum_k [s_(k) - logsumexp(s over tokens not yet chosen)];
+  3. M samples per context; reward R = -mean KL(P_full || P_pruned) over the
+     continuation; advantage R_m - mean of the other M-1 rewards (leave-one-out);
+  4. loss = -mean_m advantage_m * log P(ranking_m) - beta * entropy, with the entropy of
+     softmax(scores) per row (the first-choice distribution) as the bonus.
+Optional warm start: maximise the Plackett-Luce likelihood of a heuristic's top-B
+ranking (observed attention, the alpha feature). Prefills are cached once per context
+(features, full keys/values, reference logits), so an epoch costs only the continuations.
+
+Not here: feature maths (features.py), the press (press.py), evaluation (evaluate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from scdviz import metrics
+from scdviz.evict.context import Observed, observe, prune
+from scdviz.evict.policy import Policy, PolicyConfig, keep_count
+from scdviz.models import hf
+
+# ----------------------------------------------------------------------------- estimator maths
+
+
+def plackett_luce_logprob(scores: Tensor, ranking: Tensor) -> Tensor:
+    """Exact log-probability of drawing ``ranking`` (..., B) first-to-last from scores (..., T).
+
+    P = prod_k exp(s_(k)) / sum_{j not in ranking[:k]} exp(s_j). Computed stably as
+    logaddexp(logsumexp over never-chosen tokens, reverse logcumsumexp of the chosen).
+    """
+    chosen = scores.gather(-1, ranking)  # (..., B)
+    mask = torch.ones_like(scores, dtype=torch.bool).scatter(-1, ranking, False)
+    rest = scores.masked_fill(~mask, float("-inf")).logsumexp(-1, keepdim=True)  # (..., 1)
+    tail = chosen.flip(-1).logcumsumexp(-1).flip(-1)  # logsumexp of chosen[k:]
+    return (chosen - torch.logaddexp(tail, rest)).sum(-1)
+
+
+def gumbel_top_b(scores: Tensor, n_keep: int, generator: torch.Generator | None = None) -> Tensor:
+    """A Plackett-Luce sample of the first ``n_keep`` of a ranking: (..., T) -> (..., B), best first."""
+    u = torch.rand(scores.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
+    gumbel = -(-u.log()).log()
+    return (scores.detach() + gumbel).topk(n_keep, dim=-1).indices
+
+
+def loo_baseline(rewards: Tensor) -> Tensor:
+    """Leave-one-out baseline (M,) -> (M,): the mean of the other M-1 rewards."""
+    m = rewards.shape[0]
+    if m < 2:
+        raise ValueError("the leave-one-out baseline needs at least 2 samples per context")
+    return (rewards.sum() - rewards) / (m - 1)
+
+
+def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_coef: float) -> tuple[Tensor, Tensor]:
+    """REINFORCE loss with the LOO baseline and entropy bonus, and the mean entropy.
+
+    scores (R, T) rows of one context; rankings (M, R, B); rewards (M,).
+    """
+    logp = plackett_luce_logprob(scores.unsqueeze(0).expand(rankings.shape[0], -1, -1), rankings).sum(-1)  # (M,)
+    advantage = (rewards - loo_baseline(rewards)).detach()
+    probs = torch.softmax(scores, -1)
+    entropy = -(probs * torch.log_softmax(scores, -1)).sum(-1).mean()
+    return -(advantage * logp).mean() - entropy_coef * entropy, entropy.detach()
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    """A training run; the run folder holds checkpoints and the log."""
+
+    out: str  # folder for policy.safetensors, optimizer.pt, log.json
+    model: str = "builtin:smollm2-135m"  # model whose caches are pruned
+    corpora: tuple[str, ...] = ("jargon", "bible")  # shipped corpora (train split) to draw contexts from
+    contexts: int = 32  # training contexts (prefilled once each)
+    context_len: int = 512  # T, tokens per context
+    cont_len: int = 24  # teacher-forced continuation tokens for the reward
+    keeps: tuple[float, ...] = (0.25, 0.125)  # kept fractions, one drawn per step
+    samples: int = 4  # M, Gumbel samples per context and step
+    steps: int = 300  # REINFORCE steps (one context each)
+    warm_steps: int = 100  # imitation steps on the heuristic ranking before REINFORCE (0: none)
+    lr: float = 3e-3  # Adam learning rate
+    entropy_coef: float = 1e-3  # beta, weight of the entropy bonus
+    checkpoint_every: int = 25  # steps between checkpoints (each also scores the validation contexts)
+    val_contexts: int = (
+        8  # held-out contexts (calib split) for the deterministic-policy KL; best.safetensors keeps the best
+    )
+    seed: int = 0  # sampling and data order
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # policy shape and scope
+
+
+@dataclass
+class Sample:
+    """A cached training context."""
+
+    obs: Observed  # prefill features and full keys/values
+    cont: Tensor  # (1, n) continuation ids
+    ref: Tensor  # (n, V) full-cache logits over the continuation
+
+
+def rows(policy: Policy, obs: Observed) -> Tensor:
+    """Policy scores as rows: per-head (L*Hkv, T) or global (1, T)."""
+    if policy.config.per_head:
+        return policy(obs.head_features[:, 0]).flatten(0, 1)
+    return policy(obs.global_features)
+
+
+def indices_from_rows(idx: Tensor, obs: Observed, per_head: bool) -> list[Tensor] | Tensor:
+    """Kept indices in ``prune``'s layout from rows (R, B)."""
+    idx = idx.sort(-1).values
+    if not per_head:
+        return idx
+    n_layers, n_kv = obs.head_features.shape[0], obs.head_features.shape[2]
+    return list(idx.view(n_layers, 1, n_kv, -1).unbind(0))
+
+
+def rollout_kl(model, sample: Sample, indices) -> float:
+    """Mean KL(full || pruned) over the sample's continuation."""
+    cache = prune(model, sample.obs, indices)
+    logits = hf.continue_logits(model, cache, sample.cont, sample.obs.n_tokens)[0]
+    return float(metrics.kl_per_token(sample.ref, logits).mean())
+
+
+def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool = True) -> list[Sample]:
+    """Prefill ``count`` contexts of one split of each corpus, once."""
+    from scdviz import data
+
+    per = -(-count // len(cfg.corpora))
+    length = cfg.context_len + cfg.cont_len
+    windows = [w for c in cfg.corpora for w in data.token_windows(tokenizer, data.load_split(c, split), length, per)]
+    if len(windows) < count:
+        raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
+    out = []
+    for w in tqdm(windows[:count], desc=f"prefill {split} contexts", disable=not progress):
+        ids = torch.tensor([w])
+        obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window)
+        cont = ids[:, cfg.context_len :]
+        ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), cont, cfg.context_len)[0]
+        out.append(Sample(obs, cont, ref))
+    return out
+
+
+def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict) -> None:
+    """Imitate the observed-attention ranking: maximise its Plackett-Luce likelihood."""
+    for step in tqdm(range(cfg.warm_steps), desc="warm start"):
+        sample = samples[step % len(samples)]
+        scores = rows(policy, sample.obs)
+        heuristic = rows_of_feature(sample.obs, policy.config.per_head, 0)
+        n_keep = keep_count(sample.obs.n_tokens, cfg.keeps[step % len(cfg.keeps)])
+        target = heuristic.topk(n_keep, dim=-1).indices
+        loss = -plackett_luce_logprob(scores, target).mean() / n_keep
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log["warm"].append(round(float(loss.detach()), 5))
+
+
+def rows_of_feature(obs: Observed, per_head: bool, idx: int) -> Tensor:
+    """One raw feature as rows, laid out like ``rows``."""
+    if per_head:
+        return obs.head_features[:, 0, ..., idx].flatten(0, 1)
+    return obs.global_features[..., idx]
+
+
+def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
+    """Sample M subsets for one context and return the loss and its statistics."""
+    scores = rows(policy, sample.obs)
+    rankings = torch.stack([gumbel_top_b(scores, n_keep, gen) for _ in range(cfg.samples)])  # (M, R, B)
+    kls = [rollout_kl(model, sample, indices_from_rows(r, sample.obs, policy.config.per_head)) for r in rankings]
+    rewards = -torch.tensor(kls)
+    loss, entropy = reinforce_loss(scores, rankings, rewards, cfg.entropy_coef)
+    return {"loss": loss, "kl": float(torch.tensor(kls).mean()), "entropy": float(entropy)}
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
+    """Run (or resume) a training run; returns the log (also written to out/log.json)."""
+    from scdviz.models.pair import load_model
+
+    out = Path(cfg.out)
+    if resume and not (out / "policy.safetensors").is_file():
+        raise ValueError(f"nothing to resume in {out} (no policy.safetensors)")
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(cfg.model)
+    hf.set_eager(model)
+    torch.manual_seed(cfg.seed)
+    policy = Policy(cfg.policy)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    log = {"config": asdict(cfg), "warm": [], "steps": [], "val": [], "seconds": 0.0}
+    if resume:
+        policy, opt, log = _load_checkpoint(out, cfg)
+    log["started"] = time.time() - log["seconds"]
+    samples = prepare(model, tokenizer, cfg, "train", cfg.contexts, progress)
+    held_out = prepare(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
+    if "val_heuristic" not in log:
+        log["val_heuristic"] = round(
+            validate(
+                model,
+                lambda obs: rows_of_feature(obs, cfg.policy.per_head, 0),
+                cfg.policy.per_head,
+                held_out,
+                cfg.keeps,
+            ),
+            5,
+        )
+    if not log["warm"] and cfg.warm_steps:
+        warm_start(policy, samples, cfg, opt, log)
+        _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
+    order = random.Random(cfg.seed + len(log["steps"]))
+    gen = torch.Generator().manual_seed(cfg.seed + len(log["steps"]))
+    bar = tqdm(range(len(log["steps"]), cfg.steps), desc="reinforce", disable=not progress)
+    for step in bar:
+        sample = samples[order.randrange(len(samples))]
+        keep = cfg.keeps[step % len(cfg.keeps)]
+        stats = reinforce_step(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
+        opt.zero_grad()
+        stats.pop("loss").backward()
+        opt.step()
+        log["steps"].append(
+            {
+                "step": step,
+                "keep": keep,
+                "reward": round(-stats["kl"], 5),
+                "kl": round(stats["kl"], 5),
+                "entropy": round(stats["entropy"], 4),
+            }
+        )
+        bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
+    return log
+
+
+def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...]) -> float:
+    """Mean KL of deterministic top-B of ``scorer(obs) -> rows`` over samples and kept fractions."""
+    kls = []
+    with torch.no_grad():
+        for sample in samples:
+            scores = scorer(sample.obs)
+            for keep in keeps:
+                idx = scores.topk(keep_count(sample.obs.n_tokens, keep), dim=-1).indices
+                kls.append(rollout_kl(model, sample, indices_from_rows(idx, sample.obs, per_head)))
+    return sum(kls) / len(kls)
+
+
+def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], keeps) -> None:
+    """Validate, save the current policy and optimizer, and keep the best policy so far."""
+    val = validate(model, lambda obs: rows(policy, obs), policy.config.per_head, held_out, keeps)
+    log["val"].append({"step": len(log["steps"]), "kl": round(val, 5)})
+    if val <= min(v["kl"] for v in log["val"]):
+        policy.save(out / "best.safetensors", extra={"steps": len(log["steps"]), "val_kl": val})
+    log["seconds"] = round(time.time() - log["started"], 1)
+    _save_checkpoint(out, policy, opt, log)
+
+
+def _save_checkpoint(out: Path, policy: Policy, opt, log: dict) -> None:
+    policy.save(out / "policy.safetensors", extra={"steps": len(log["steps"]), "model": log["config"]["model"]})
+    torch.save(opt.state_dict(), out / "optimizer.pt")
+    (out / "log.json").write_text(json.dumps(log, indent=1))
+
+
+def _load_checkpoint(out: Path, cfg: TrainConfig):
+    policy = Policy.load(out / "policy.safetensors").train()
+    if policy.config != cfg.policy:
+        raise ValueError(f"checkpoint policy config {policy.config} differs from the requested {cfg.policy}")
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    opt.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))  # tensors only, no code
+    return policy, opt, json.loads((out / "log.json").read_text())

@@ -1,0 +1,336 @@
+"""Fast tier: DistillCache maths, features, press and decode-time eviction on tiny models."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress
+from transformers import DynamicCache
+
+from scdviz.evict import features as F
+from scdviz.evict.context import observe, prune
+from scdviz.evict.decode import DecodeEvictor
+from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio, keep_count, standardise, top_b
+from scdviz.evict.press import DistillCachePress
+from scdviz.evict.trainer import (
+    Sample,
+    TrainConfig,
+    gumbel_top_b,
+    loo_baseline,
+    plackett_luce_logprob,
+    reinforce_loss,
+    reinforce_step,
+)
+from scdviz.models import hf
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _policy(per_head: bool = True, seed: int = 0, window: int = 16) -> Policy:
+    torch.manual_seed(seed)
+    return Policy(PolicyConfig(hidden=8, per_head=per_head, window=window)).eval()
+
+
+@pytest.fixture
+def eager_tiny():
+    model = tiny_model("llama")
+    hf.set_eager(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- estimator maths
+
+
+def _brute_force_logprob(scores: list[float], ranking: tuple[int, ...]) -> float:
+    remaining, logp = list(range(len(scores))), 0.0
+    for i in ranking:
+        logp += scores[i] - math.log(sum(math.exp(scores[j]) for j in remaining))
+        remaining.remove(i)
+    return logp
+
+
+@pytest.mark.parametrize("n_keep", [1, 2, 4])
+def test_plackett_luce_logprob_equals_enumeration(n_keep):
+    scores = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=torch.float64)
+    rankings = list(itertools.permutations(range(4), n_keep))
+    got = plackett_luce_logprob(scores.expand(len(rankings), -1), torch.tensor(rankings))
+    expected = torch.tensor([_brute_force_logprob(scores.tolist(), r) for r in rankings], dtype=torch.float64)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_gumbel_top_b_samples_the_plackett_luce_first_choice():
+    scores = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    gen = torch.Generator().manual_seed(0)
+    draws = gumbel_top_b(scores.expand(20000, -1), 2, gen)[:, 0]
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.softmax(scores, 0), atol=0.015, rtol=0)
+
+
+def test_loo_baseline_is_the_mean_of_the_others():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    torch.testing.assert_close(loo_baseline(rewards), torch.tensor([11 / 3, 10 / 3, 3.0, 2.0]))
+    with pytest.raises(ValueError, match="at least 2"):
+        loo_baseline(torch.tensor([1.0]))
+
+
+def _subset_prob(scores: torch.Tensor, subset: set[int], n_keep: int) -> float:
+    total = 0.0
+    for r in itertools.permutations(range(scores.numel()), n_keep):
+        if set(r) == subset:
+            total += math.exp(_brute_force_logprob(scores.tolist(), r))
+    return total
+
+
+def test_one_reinforce_step_raises_the_better_subset():
+    scores = torch.zeros(1, 5, requires_grad=True)
+    gen = torch.Generator().manual_seed(3)
+    rankings = torch.stack([gumbel_top_b(scores, 2, gen) for _ in range(16)])  # (M, 1, 2)
+    rewards = torch.tensor([1.0 if set(r[0].tolist()) == {0, 1} else 0.0 for r in rankings])
+    assert 0 < rewards.sum() < len(rewards)
+    before = _subset_prob(scores.detach()[0], {0, 1}, 2)
+    loss, _ = reinforce_loss(scores, rankings, rewards, entropy_coef=0.0)
+    loss.backward()
+    with torch.no_grad():
+        after = _subset_prob((scores - 0.5 * scores.grad)[0], {0, 1}, 2)
+    assert after > before
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def _hand_attention() -> torch.Tensor:
+    """(1, 2, 2, 3): two heads, the last two queries of a 3-token causal prefill."""
+    head0 = [[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]
+    head1 = [[1.0, 0.0, 0.0], [0.6, 0.2, 0.2]]
+    return torch.tensor([[head0, head1]])
+
+
+def _entropy(row: list[float]) -> float:
+    return -sum(p * math.log(p) for p in row if p > 0)
+
+
+def test_features_equal_hand_computed_values():
+    attn = _hand_attention()
+    values = torch.tensor([[[[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]]]])  # (1, 1, 3, 2)
+    n_vis = F.prefill_visibility(3, 2)
+    assert n_vis.tolist() == [2, 2, 1]
+    got = F.layer_features(attn, values, n_vis, torch.tensor([0.0, 0.5, 1.0]), groups=1)[0, 0]  # (3, 5)
+    recv = [[0.35, 0.4, 0.5], [0.8, 0.1, 0.2]]  # per head: column sums / [2, 2, 1]
+    alpha = [(a + b) / 2 for a, b in zip(*recv)]
+    sigma = [((a - b) / 2) ** 2 for a, b in zip(*recv)]
+    ent = [[_entropy(r) for r in head] for head in attn[0].tolist()]
+    weighted = [
+        [sum(attn[0, h, q, i].item() * ent[h][q] for q in range(2)) / attn[0, h, :, i].sum().item() for i in range(3)]
+        for h in range(2)
+    ]
+    expected = torch.tensor(
+        [
+            [alpha[i], [5.0, 1.0, 1.0][i], sigma[i], (weighted[0][i] + weighted[1][i]) / 2, [0, 0.5, 1][i]]
+            for i in range(3)
+        ]
+    )
+    torch.testing.assert_close(got, expected)
+
+
+def test_per_kv_head_features_split_the_heads():
+    attn = _hand_attention()
+    values = torch.tensor([[[[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]], [[0.0, 2.0], [2.0, 0.0], [0.0, 0.0]]]])
+    got = F.layer_features(attn, values, F.prefill_visibility(3, 2), torch.linspace(0, 1, 3), groups=2)
+    assert got.shape == (1, 2, 3, 5)
+    torch.testing.assert_close(got[0, :, :, 0], torch.tensor([[0.35, 0.4, 0.5], [0.8, 0.1, 0.2]]))
+    torch.testing.assert_close(got[0, :, :, 1], torch.tensor([[5.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    assert torch.all(got[..., 2] == 0)  # one query head per group: no spread
+
+
+def test_global_features_average_the_layers():
+    layers = [torch.full((1, 1, 4, 5), float(v)) for v in (1, 2, 6)]
+    torch.testing.assert_close(F.global_features(layers), torch.full((1, 4, 5), 3.0))
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def test_policy_is_invariant_to_feature_scale():
+    feats = torch.rand(2, 10, 5) + 0.1
+    scaled = feats.clone()
+    scaled[..., :2] *= 7.0  # alpha and value norm on another scale
+    torch.testing.assert_close(standardise(feats), standardise(scaled))
+    policy = _policy()
+    torch.testing.assert_close(policy(feats), policy(scaled))
+
+
+def test_keep_conversions():
+    assert keep_count(512, 0.25) == 128 and keep_count(512, 64) == 64 and keep_count(10, 0.01) == 1
+    assert compression_ratio(0.25) == 0.75
+    with pytest.raises(ValueError, match="keep"):
+        keep_count(10, 0.0)
+    scores = torch.tensor([[0.1, 0.9, 0.3, 0.8]])
+    assert top_b(scores, 2).tolist() == [[1, 3]]
+
+
+def test_policy_round_trips_through_safetensors(tmp_path):
+    policy = _policy(per_head=False, window=7)
+    policy.save(tmp_path / "p.safetensors")
+    loaded = Policy.load(tmp_path / "p.safetensors")
+    assert loaded.config == policy.config
+    feats = torch.rand(1, 6, 5)
+    torch.testing.assert_close(loaded(feats), policy(feats))
+    with pytest.raises(ValueError, match="not found"):
+        Policy.load(tmp_path / "missing.safetensors")
+
+
+# ----------------------------------------------------------------------------- press
+
+
+PRESSES = {
+    "distillcache-head": lambda keep: DistillCachePress.keeping(_policy(True), keep),
+    "distillcache-global": lambda keep: DistillCachePress.keeping(_policy(False), keep),
+    "snapkv": lambda keep: SnapKVPress(compression_ratio=compression_ratio(keep), window_size=4),
+    "observed": lambda keep: ObservedAttentionPress(compression_ratio=compression_ratio(keep)),
+    "knorm": lambda keep: KnormPress(compression_ratio=compression_ratio(keep)),
+}
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.25])
+@pytest.mark.parametrize("method", list(PRESSES))
+def test_press_keeps_the_budget_and_removes_its_hooks(eager_tiny, method, keep):
+    ids = _ids(24)
+    with PRESSES[method](keep)(eager_tiny):
+        pruned = hf.forward(eager_tiny, ids)
+    assert hf.cache_len(pruned.cache) == [keep_count(24, keep)] * hf.n_layers(eager_tiny)
+    assert hf.cache_len(hf.forward(eager_tiny, ids).cache) == [24] * hf.n_layers(eager_tiny)
+
+
+def test_per_head_press_keeps_exactly_the_top_scores(eager_tiny):
+    ids = _ids(24)
+    press = DistillCachePress.keeping(_policy(True), 0.25)
+    full = hf.forward(eager_tiny, ids, attentions=True)
+    with press(eager_tiny):
+        pruned = hf.forward(eager_tiny, ids)
+    for layer, (keys, values, attn) in enumerate(zip(full.keys, full.values, full.attn)):
+        scores = press.policy(F.prefill_layer_features(attn, values, 16, keys.shape[1]))
+        idx = scores.topk(6, dim=-1).indices.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        torch.testing.assert_close(pruned.keys[layer], keys.gather(2, idx))
+
+
+def test_global_press_keeps_one_top_set_for_all_layers(eager_tiny):
+    ids = _ids(24)
+    press = DistillCachePress.keeping(_policy(False), 0.25)
+    full = hf.forward(eager_tiny, ids, attentions=True)
+    glob = F.global_features([F.prefill_layer_features(a, v, 16, 1) for a, v in zip(full.attn, full.values)])
+    idx = top_b(press.policy(glob), 6)  # (1, 6)
+    with press(eager_tiny):
+        pruned = hf.forward(eager_tiny, ids)
+    for layer, keys in enumerate(full.keys):
+        torch.testing.assert_close(pruned.keys[layer], keys[:, :, idx[0]])
+
+
+def test_global_press_with_a_lazily_grown_cache(eager_tiny):
+    """kvpress's pipeline prefills into DynamicCache(), whose layers appear one by one."""
+    ids = _ids(24)
+    cache = DynamicCache()
+    with DistillCachePress.keeping(_policy(False), 0.25)(eager_tiny), torch.no_grad():
+        hf.decoder(eager_tiny)(input_ids=ids, past_key_values=cache)
+    assert hf.cache_len(cache) == [6] * hf.n_layers(eager_tiny)
+
+
+def test_press_without_eager_attention_says_so():
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="eager"), DistillCachePress.keeping(_policy(), 0.5)(model):
+        hf.forward(model, _ids(12))
+
+
+def test_observe_matches_the_press_scores(eager_tiny):
+    ids = _ids(20)
+    obs = observe(eager_tiny, ids, 16, {"stream": StreamingLLMPress(n_sink=2)}, (0.5,))
+    assert obs.head_features.shape == (3, 1, 2, 20, 5) and obs.global_features.shape == (1, 20, 5)
+    kept = [s.topk(10, dim=-1).indices for s in obs.scores[("stream", 0.5)]]
+    cache = prune(eager_tiny, obs, kept)
+    assert hf.cache_len(cache) == [10, 10, 10]
+    positions = kept[0][0, 0].sort().values.tolist()
+    assert positions == [0, 1] + list(range(12, 20))  # sinks + the most recent tokens
+
+
+# ----------------------------------------------------------------------------- decode-time eviction
+
+
+DECODE_SCORERS = {
+    "distillcache": lambda: DistillCachePress(policy=_policy(True)),
+    "knorm": KnormPress,
+    "observed": ObservedAttentionPress,
+}
+
+
+@pytest.mark.parametrize("scorer", list(DECODE_SCORERS))
+def test_decode_eviction_holds_the_budget_at_true_positions(eager_tiny, scorer):
+    prompt, budget, steps = _ids(20), 8, 6
+    lengths, caches = [], []
+    evictor = DecodeEvictor(DECODE_SCORERS[scorer](), budget=budget, window=4)
+    cache = hf.forward(eager_tiny, prompt[:, :-1]).cache
+    with evictor(eager_tiny):
+        out = hf.generate(
+            eager_tiny,
+            cache,
+            prompt[:, -1:],
+            19,
+            steps,
+            on_step=lambda c, s: (lengths.append(hf.cache_len(c)), caches.append(c)),
+        )
+    assert lengths == [[budget] * 3] * steps
+    full = hf.forward(eager_tiny, torch.cat([prompt, torch.tensor([out[:-1]])], 1)).cache
+    positions = evictor.states[0].positions  # (1, Hkv, budget)
+    assert positions.max() <= 19 + steps - 1 and positions[0, 0].unique().numel() == budget
+    full_keys = full.layers[0].keys.gather(2, positions.unsqueeze(-1).expand(-1, -1, -1, 8))
+    torch.testing.assert_close(caches[-1].layers[0].keys, full_keys)  # layer-0 keys depend only on token and position
+
+
+def test_decode_eviction_needs_a_positive_budget(eager_tiny):
+    with pytest.raises(ValueError, match="at least 1"), DecodeEvictor(KnormPress(), budget=0)(eager_tiny):
+        pass
+
+
+# ----------------------------------------------------------------------------- trainer on a tiny model
+
+
+def test_reinforce_step_on_a_tiny_model_gives_gradients(eager_tiny):
+    ids = _ids(30)
+    obs = observe(eager_tiny, ids[:, :24], 16)
+    ref = hf.continue_logits(eager_tiny, hf.make_cache(eager_tiny, obs.keys, obs.values), ids[:, 24:], 24)[0]
+    policy = _policy(True).train()
+    cfg = TrainConfig(out="unused", samples=3)
+    stats = reinforce_step(eager_tiny, policy, Sample(obs, ids[:, 24:], ref), 6, cfg, torch.Generator().manual_seed(0))
+    stats["loss"].backward()
+    assert stats["kl"] > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+
+
+def test_cli_rejects_bad_input(capsys, tmp_path):
+    from scdviz.__main__ import main
+
+    assert main(["bench", "evict", "--modes", "sideways"]) == 2
+    assert "unknown mode" in capsys.readouterr().err
+    assert main(["train-policy", "--out", str(tmp_path), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_decode_eviction_interval_bounds_the_cache(eager_tiny):
+    prompt, lengths = _ids(20), []
+    evictor = DecodeEvictor(KnormPress(), budget=8, interval=3)
+    with evictor(eager_tiny):
+        hf.generate(
+            eager_tiny,
+            hf.forward(eager_tiny, prompt[:, :-1]).cache,
+            prompt[:, -1:],
+            19,
+            8,
+            on_step=lambda c, s: lengths.append(hf.cache_len(c)[0]),
+        )
+    assert set(lengths) <= {8, 9, 10} and 10 in lengths and evictor.evictions > 0

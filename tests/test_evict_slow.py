@@ -1,0 +1,67 @@
+"""Slow tier: the shipped DistillCache policies on the built-in producer (SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scdviz.evict import evaluate
+from scdviz.evict.policy import Policy
+from scdviz.evict.press import DistillCachePress
+from scdviz.models import hf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def producer():
+    from scdviz.models.pair import load_model
+
+    model, tokenizer = load_model("builtin:smollm2-135m")
+    hf.set_eager(model)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def policies():
+    missing = [p for p in evaluate.SHIPPED_POLICIES if not p.is_file()]
+    assert not missing, f"shipped policies missing: {missing}"
+    return evaluate.load_policies(())
+
+
+@pytest.mark.parametrize("name", ["distillcache-head", "distillcache-global"])
+def test_shipped_press_runs_in_the_kvpress_pipeline(producer, policies, name):
+    from transformers import pipeline
+
+    model, tokenizer = producer
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    context = "The lighthouse keeper of Ardmore was called Brennan. " * 12
+    press = DistillCachePress.keeping(policies[name], 0.25)
+    answer = pipe(context, question="Who kept the lighthouse?", press=press, max_new_tokens=4)["answer"]
+    assert isinstance(answer, str) and answer.strip()
+
+
+def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, policies):
+    model, tokenizer = producer
+    cfg = evaluate.EvalConfig(
+        limit=2, context_len=256, cont_len=16, keeps=(0.25,), token_budgets=(), throughput_contexts=0
+    )
+    windows = evaluate.contexts(cfg, tokenizer)
+    per_ctx = [
+        evaluate.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, evaluate.baselines())[
+            "results"
+        ]
+        for w in windows
+    ]
+    records = evaluate.aggregate(
+        per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(evaluate.baselines())
+    )
+    kl = {r["method"]: r["kl"] for r in records}
+    assert kl["distillcache-head"] < kl["Random"] and kl["distillcache-head"] < kl["Knorm"]
+    assert all(r["tokens_kept"] == 64 and r["n_contexts"] == 2 for r in records)
+
+
+def test_shipped_policies_load_with_their_scope():
+    head, glob, head64 = (Policy.load(p) for p in evaluate.SHIPPED_POLICIES)
+    assert head.config.per_head and not glob.config.per_head and head64.config.per_head
+    assert set(evaluate.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64"}
