@@ -1,0 +1,393 @@
+"""SCD calibration: fit REUSE codes and PATCH aligners on paired prefixes, choose patch layers.
+
+``calibrate(pair, cfg)`` runs the same calibration windows through producer and consumer
+and fits, per layer, reduced-rank codes for pre-RoPE keys and for values (token 0, the
+attention sink, left out of every fit: the consumer recomputes it), measures raw-reuse
+drift, ranks layers by the KL gain of an *ideal* patch (the consumer's own K, V at that
+layer), trains aligners for the candidates and orders patch layers greedily on
+continuation KL (or by drift, or as given). ``save`` / ``load`` write and read the
+artefact (safetensors + JSON); ``load`` refuses an artefact made for another pair.
+
+It does not evaluate on held-out text (scdviz.scd.evaluate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from scdviz import data, metrics
+from scdviz.models import hf
+from scdviz.models.pair import Pair, PairError
+from scdviz.scd import plan as plans
+from scdviz.scd import transfer
+from scdviz.scd.patch import Aligner, Patch, fit_patch
+from scdviz.scd.rrr import LinearCode, RRRStats, allocate_ranks
+
+SELECTIONS = ("greedy", "drift", "given")
+CODE_FIELDS = ("mu_in", "mu_out", "enc", "dec", "spectrum", "fit_err")
+PATCH_FIELDS = ("in_mean", "in_std", "out_mean", "out_std")
+
+
+@dataclass
+class CalibConfig:
+    """Knobs of one calibration run."""
+
+    corpus: str = "jargon"  # shipped corpus whose calib split is used when texts is None
+    texts: str | None = None  # a .txt / .jsonl passage file instead of the shipped split
+    n_fit: int = 32  # windows for the fits
+    n_select: int = 6  # further windows for patch selection (continuation KL)
+    prompt_len: int = 256  # prompt tokens per window
+    cont_len: int = 32  # continuation tokens scored during selection
+    ridge: float = 1e-3  # RRR ridge, relative to the mean input eigenvalue
+    max_rank: int | None = None  # store codes up to this rank (None: full d_kv)
+    rank_h: int | None = None  # PATCH code width (None: the whole normalised H_in)
+    aligner_hidden: int = 128  # aligner MLP width
+    aligner_steps: int = 300  # Adam steps per aligner
+    aligner_loss: str = "kv"  # "kv": error of the regenerated K, V; "h": normalised H_in error
+    h_stride: int = 2  # keep every n-th token's H_in for aligner training (memory)
+    n_candidates: int = 10  # layers (by ideal-patch gain) that get an aligner
+    patch_k: int = 8  # patch layers kept in selection order (the budget sweep goes 0..patch_k)
+    selection: str = "greedy"  # one of SELECTIONS
+    given: list[int] = field(default_factory=list)  # patch layers for selection="given"
+    code_bits: int = 4  # operating point: bits of code sections
+    code_group: int = 64  # operating point: tokens per quantisation group of a code channel
+    budget_bytes: float | None = None  # operating point: payload bytes/token (None: full rank)
+    op_patch_k: int = 6  # operating point: patch layers used
+    seed: int = 0  # aligner initialisation and batches
+
+    def __post_init__(self) -> None:
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"unknown patch selection {self.selection!r}; use one of {SELECTIONS}")
+        if self.selection == "given" and not self.given:
+            raise ValueError("selection 'given' needs a list of patch layers")
+        if self.aligner_loss not in ("kv", "h"):
+            raise ValueError("aligner_loss must be 'kv' or 'h'")
+
+
+@dataclass
+class Calibration:
+    """A fitted SCD calibration for one producer/consumer pair."""
+
+    identity: dict  # who it belongs to: sources, tokenizer hash, weight fingerprints, facts
+    config: CalibConfig  # how it was made
+    key_codes: list[LinearCode]  # (L,) REUSE codes of pre-RoPE keys
+    value_codes: list[LinearCode]  # (L,) REUSE codes of values
+    patches: dict[int, Patch]  # layer -> PATCH code + aligner (candidates only)
+    patch_order: list[int]  # patch layers in selection order (greedy, drift or given)
+    drift_order: list[int]  # candidate layers ordered by raw-reuse drift (largest first)
+    drift_k: list[float]  # (L,) raw reuse ‖K^P − K^C‖² / ‖K^C‖² (post-RoPE, token 0 excluded)
+    drift_v: list[float]  # (L,) same for values
+    ideal_gain: list[float]  # (L,) KL drop of reuse-only when layer l gets the consumer's own K, V
+    selection_kl: list[float]  # KL after adding each layer of patch_order (index 0: none)
+    stats: dict  # data used, rows, seconds per stage
+
+    @property
+    def n_layers(self) -> int:
+        """Decoder layers."""
+        return len(self.key_codes)
+
+    def patch_for(self, layer: int) -> Patch:
+        """The Patch of a layer; ValueError when this calibration has none there."""
+        if layer not in self.patches:
+            raise ValueError(f"this calibration has no aligner for layer {layer}; it has {sorted(self.patches)}")
+        return self.patches[layer]
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def fingerprint(model) -> str:
+    """A short hash of every layer's k_proj / v_proj weight sums (tells specialists apart)."""
+    sums = []
+    for idx in range(hf.n_layers(model)):
+        wk, wv = hf.kv_weights(model, idx)
+        sums += [f"{float(wk.detach().double().sum()):.4e}", f"{float(wv.detach().double().abs().sum()):.6e}"]
+    return hashlib.sha256(",".join(sums).encode()).hexdigest()[:12]
+
+
+def pair_identity(pair: Pair) -> dict:
+    """What an artefact records about its pair."""
+    return {
+        "producer_source": pair.producer_source,
+        "consumer_source": pair.consumer_source,
+        "tokenizer_hash": pair.producer_facts.tokenizer_hash,
+        "producer_fingerprint": fingerprint(pair.producer),
+        "consumer_fingerprint": fingerprint(pair.consumer),
+        "facts": asdict(pair.consumer_facts),
+    }
+
+
+def check_identity(saved: dict, pair: Pair, where: str) -> None:
+    """PairError saying which part differs when ``saved`` is not this pair's identity."""
+    now = pair_identity(pair)
+    labels = {
+        "tokenizer_hash": "tokenizer",
+        "producer_fingerprint": "producer weights",
+        "consumer_fingerprint": "consumer weights",
+    }
+    bad = [f"{label}: calibrated {saved.get(key)!r}, loaded {now[key]!r}" for key, label in labels.items() if saved.get(key) != now[key]]
+    if bad:
+        raise PairError(
+            f"the SCD calibration in {where} was made for producer {saved.get('producer_source')!r} -> "
+            f"consumer {saved.get('consumer_source')!r}, not for the loaded pair {pair.producer_source!r} -> "
+            f"{pair.consumer_source!r}:\n- " + "\n- ".join(bad) + "\nCalibrate this pair: python -m scdviz calibrate"
+        )
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def _windows(pair: Pair, cfg: CalibConfig) -> list[list[int]]:
+    passages = data.read_passages(cfg.texts) if cfg.texts else data.load_split(cfg.corpus, "calib")
+    need = cfg.n_fit + cfg.n_select
+    windows = data.token_windows(pair.tokenizer, passages, cfg.prompt_len + cfg.cont_len, need)
+    if len(windows) < need:
+        raise ValueError(f"calibration text gives {len(windows)} windows of {cfg.prompt_len + cfg.cont_len} tokens; need {need}")
+    return windows
+
+
+def _fit_codes(pair: Pair, windows: list[list[int]], cfg: CalibConfig, progress) -> tuple:
+    """REUSE codes, raw drift and H_in rows from the fit windows (token 0 left out)."""
+    n = hf.n_layers(pair.producer)
+    d_kv = hf.attn_heads(pair.producer)[1] * hf.attn_heads(pair.producer)[2]
+    k_stats = [RRRStats(d_kv, d_kv) for _ in range(n)]
+    v_stats = [RRRStats(d_kv, d_kv) for _ in range(n)]
+    err = torch.zeros(n, 4, dtype=torch.float64)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
+    h_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+    for window in tqdm(windows, desc="calibrate: paired prefills", disable=progress is None):
+        prefix = torch.tensor([window[: cfg.prompt_len - 1]])
+        p = transfer.producer_state(pair.producer, prefix)
+        c = transfer.producer_state(pair.consumer, prefix)
+        for layer in range(n):
+            k_stats[layer].add(p.keys_pre[layer][1:], c.keys_pre[layer][1:])
+            v_stats[layer].add(p.values[layer][1:], c.values[layer][1:])
+            err[layer] += torch.stack([
+                ((p.keys[layer][1:] - c.keys[layer][1:]) ** 2).sum(), (c.keys[layer][1:] ** 2).sum(),
+                ((p.values[layer][1:] - c.values[layer][1:]) ** 2).sum(), (c.values[layer][1:] ** 2).sum(),
+            ]).double()
+            h_rows[layer].append((p.h_in[layer][1 :: cfg.h_stride].half(), c.h_in[layer][1 :: cfg.h_stride].half()))
+    max_rank = cfg.max_rank
+    key_codes = [s.fit(cfg.ridge, max_rank) for s in k_stats]
+    value_codes = [s.fit(cfg.ridge, max_rank) for s in v_stats]
+    drift_k = (err[:, 0] / err[:, 1]).tolist()
+    drift_v = (err[:, 2] / err[:, 3]).tolist()
+    return key_codes, value_codes, drift_k, drift_v, h_rows
+
+
+def full_ranks(calib: Calibration) -> tuple[list[int], list[int]]:
+    """The largest stored rank of every layer's key and value code."""
+    return [c.max_rank for c in calib.key_codes], [c.max_rank for c in calib.value_codes]
+
+
+def code_dim_bytes(bits: int, group: int) -> float:
+    """Payload bytes per token of one code dimension (codes + its share of fp16 min/step)."""
+    return 2.0 if bits == 16 else bits / 8 + 4 / group
+
+
+def budget_ranks(calib: Calibration, budget_bytes: float, bits: int, group: int, patch_layers: list[int]) -> tuple[list[int], list[int]]:
+    """Per-layer ranks (rank_k, rank_v) whose codes fit ``budget_bytes`` per token with the patches."""
+    per_dim = code_dim_bytes(bits, group)
+    patch_dims = sum(calib.patch_for(layer).rank_h for layer in patch_layers)
+    total = int((budget_bytes - patch_dims * per_dim) / per_dim)
+    reuse = [i for i in range(calib.n_layers) if i not in set(patch_layers)]
+    codes = [calib.key_codes[i] for i in reuse] + [calib.value_codes[i] for i in reuse]
+    ranks = allocate_ranks(codes, total)
+    rank_k, rank_v = [0] * calib.n_layers, [0] * calib.n_layers
+    for j, i in enumerate(reuse):
+        rank_k[i], rank_v[i] = ranks[j], ranks[len(reuse) + j]
+    return rank_k, rank_v
+
+
+def operating_plan(
+    calib: Calibration,
+    patch_k: int | None = None,
+    placement: str = "selected",
+    budget_bytes: float | None = None,
+    bits: int | None = None,
+    name: str | None = None,
+) -> plans.Plan:
+    """The SCD plan at the calibration's operating point, with any knob overridden.
+
+    placement: "selected" (patch_order, the configured selection) or "drift".
+    """
+    cfg = calib.config
+    order = calib.patch_order if placement == "selected" else calib.drift_order
+    k = min(cfg.op_patch_k, len(order)) if patch_k is None else patch_k
+    if k > len(order):
+        raise ValueError(f"this calibration orders {len(order)} patch layers; asked for {k}")
+    layers_ = order[:k]
+    bits = cfg.code_bits if bits is None else bits
+    budget = cfg.budget_bytes if budget_bytes is None else budget_bytes
+    group = cfg.code_group
+    if budget is None:
+        rank_k, rank_v = full_ranks(calib)
+    else:
+        rank_k, rank_v = budget_ranks(calib, budget, bits, group, layers_)
+    return plans.scd_plan(rank_k, rank_v, layers_, code_bits=bits, code_group=group, name=name)
+
+
+def _kl(pair: Pair, cases: list[transfer.Case], plan: plans.Plan, calib: Calibration) -> float:
+    runs = [transfer.run_plan(pair.consumer, case, plan, calib) for case in cases]
+    return sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean()) for c, r in zip(cases, runs)) / len(cases)
+
+
+def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, base: plans.Plan) -> list[float]:
+    """KL drop of the base plan when one layer gets the consumer's own (oracle) K, V."""
+    start = cases[0].state.ids.shape[1]
+    totals = [0.0] * calib.n_layers
+    base_kl = 0.0
+    for case in tqdm(cases, desc="calibrate: ideal-patch gain per layer"):
+        got = transfer.receive(pair.consumer, transfer.build_payload(case.state, base, calib), base, calib)
+        keys = [lyr.keys for lyr in got.cache.layers]
+        values = [lyr.values for lyr in got.cache.layers]
+        logits, _ = transfer.continuation(pair.consumer, got.cache, case.fed, start)
+        base_kl += float(metrics.kl_per_token(case.oracle_logits, logits).mean())
+        for layer in range(calib.n_layers):
+            k2, v2 = list(keys), list(values)
+            k2[layer], v2[layer] = case.oracle_cache.layers[layer].keys, case.oracle_cache.layers[layer].values
+            logits, _ = transfer.continuation(pair.consumer, hf.make_cache(pair.consumer, k2, v2), case.fed, start)
+            totals[layer] += float(metrics.kl_per_token(case.oracle_logits, logits).mean())
+    return [(base_kl - t) / len(cases) for t in totals]
+
+
+def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int) -> tuple[list[int], list[float]]:
+    """Patch layers added one at a time, each the candidate that lowers selection KL most."""
+    ranks = full_ranks(calib)
+    chosen: list[int] = []
+    kls = [_kl(pair, cases, plans.scd_plan(*ranks, code_bits=calib.config.code_bits, code_group=calib.config.code_group), calib)]
+    for _ in tqdm(range(min(k, len(candidates))), desc="calibrate: greedy patch placement"):
+        scores = {
+            c: _kl(pair, cases, plans.scd_plan(*ranks, chosen + [c], code_bits=calib.config.code_bits, code_group=calib.config.code_group), calib)
+            for c in candidates
+            if c not in chosen
+        }
+        best = min(scores, key=scores.get)
+        chosen.append(best)
+        kls.append(scores[best])
+    return chosen, kls
+
+
+def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
+    """Fit codes and aligners, select patch layers; see the module docstring."""
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    windows = _windows(pair, cfg)
+    key_codes, value_codes, drift_k, drift_v, h_rows = _fit_codes(pair, windows[: cfg.n_fit], cfg, progress)
+    t_fit = time.perf_counter() - t0
+    n = len(key_codes)
+    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in windows[cfg.n_fit :]]
+    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], drift_k, drift_v, [], [], {})
+    gains = _ideal_gains(pair, cases, calib, plans.scd_plan(*full_ranks(calib), code_bits=cfg.code_bits, code_group=cfg.code_group))
+    drift = [drift_k[i] + drift_v[i] for i in range(n)]
+    by_drift = sorted(range(n), key=lambda i: -drift[i])
+    by_gain = sorted(range(n), key=lambda i: -gains[i])
+    want = cfg.given if cfg.selection == "given" else by_gain[: cfg.n_candidates]
+    candidates = sorted(set(want) | set(by_drift[: cfg.patch_k]))
+    t1 = time.perf_counter()
+    for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
+        hp = torch.cat([a for a, _ in h_rows[layer]])
+        hc = torch.cat([b for _, b in h_rows[layer]])
+        weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().cpu() if cfg.aligner_loss == "kv" else None
+        calib.patches[layer] = fit_patch(layer, hp, hc, weight, cfg.rank_h, cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
+    t_align = time.perf_counter() - t1
+    calib.drift_order = by_drift[: cfg.patch_k]
+    calib.ideal_gain = gains
+    if cfg.selection == "greedy":
+        calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, by_gain[: cfg.n_candidates], cfg.patch_k)
+    else:
+        calib.patch_order = list(cfg.given) if cfg.selection == "given" else calib.drift_order
+        calib.selection_kl = []
+    calib.stats = {
+        "text": cfg.texts or f"assets/text/{cfg.corpus}/calib.txt",
+        "fit_windows": cfg.n_fit,
+        "select_windows": cfg.n_select,
+        "fit_rows_per_layer": cfg.n_fit * (cfg.prompt_len - 2),
+        "seconds_fit": round(t_fit, 1),
+        "seconds_aligners": round(t_align, 1),
+        "seconds_total": round(time.perf_counter() - t0, 1),
+    }
+    return calib
+
+
+# ----------------------------------------------------------------------------- artefact
+
+
+def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) -> Path:
+    """Write calibration.safetensors + calibration.json to ``folder`` (fp16 matrices).
+
+    store_rank: keep codes only up to this rank (smaller files); default all.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for kind, codes in (("k", calib.key_codes), ("v", calib.value_codes)):
+        for layer, code in enumerate(codes):
+            code = code.truncated(store_rank) if store_rank else code
+            for name in CODE_FIELDS:
+                t = getattr(code, name)
+                tensors[f"{kind}.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
+    for layer, p in calib.patches.items():
+        for name in PATCH_FIELDS:
+            tensors[f"p.{layer}.{name}"] = getattr(p, name)
+        if p.basis is not None:
+            tensors[f"p.{layer}.basis"] = p.basis.half()
+        for name, t in p.aligner.state_dict().items():
+            tensors[f"p.{layer}.aligner.{name}"] = t.half()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "calibration.safetensors"))
+    meta = {
+        "format": "scdviz-scd-calibration/1",
+        "identity": calib.identity,
+        "config": asdict(calib.config),
+        "patch_layers": sorted(calib.patches),
+        "patch_fit_err": {str(k): p.fit_err for k, p in calib.patches.items()},
+        "patch_order": calib.patch_order,
+        "drift_order": calib.drift_order,
+        "drift_k": calib.drift_k,
+        "drift_v": calib.drift_v,
+        "ideal_gain": calib.ideal_gain,
+        "selection_kl": calib.selection_kl,
+        "stats": calib.stats,
+    }
+    (folder / "calibration.json").write_text(json.dumps(meta, indent=1))
+    return folder
+
+
+def load(folder: str | Path, pair: Pair | None = None) -> Calibration:
+    """Read an artefact; with ``pair``, PairError unless it was made for that pair."""
+    folder = Path(folder)
+    meta_path = folder / "calibration.json"
+    if not meta_path.is_file():
+        raise ValueError(f"no SCD calibration in {folder} (calibration.json missing); run python -m scdviz calibrate")
+    meta = json.loads(meta_path.read_text())
+    if pair is not None:
+        check_identity(meta["identity"], pair, str(folder))
+    t = load_file(str(folder / "calibration.safetensors"))
+    n = len(meta["drift_k"])
+
+    def code(kind: str, layer: int) -> LinearCode:
+        return LinearCode(*(t[f"{kind}.{layer}.{name}"].float() for name in CODE_FIELDS))
+
+    cfg = CalibConfig(**meta["config"])
+    patches = {}
+    for layer in meta["patch_layers"]:
+        aligner = Aligner(t[f"p.{layer}.in_mean"].numel(), cfg.aligner_hidden)
+        prefix = f"p.{layer}.aligner."
+        aligner.load_state_dict({k[len(prefix) :]: v.float() for k, v in t.items() if k.startswith(prefix)})
+        basis = t.get(f"p.{layer}.basis")
+        patches[layer] = Patch(
+            layer, *(t[f"p.{layer}.{name}"] for name in PATCH_FIELDS),
+            basis.float() if basis is not None else None, aligner.eval(), meta["patch_fit_err"][str(layer)],
+        )
+    return Calibration(
+        meta["identity"], cfg, [code("k", i) for i in range(n)], [code("v", i) for i in range(n)], patches,
+        meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
+        meta["selection_kl"], meta["stats"],
+    )

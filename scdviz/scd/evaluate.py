@@ -1,0 +1,201 @@
+"""SCD evaluation: every method on the same prompts, the analyses, one tidy table.
+
+``prepare_cases`` prefills held-out windows once; ``run_methods`` runs a list of plans
+through the one transfer machinery and aggregates per method: payload bytes (from the
+real payloads), modelled TTFT (scdviz.link) against the oracle's measured prefill,
+continuation perplexity, mean KL(oracle‖method) per token, top-1 agreement, token-F1 of
+greedy generation vs the oracle's, per-layer K / V drift of the cache, and the
+hidden-state divergence of continuation tokens through depth. ``table`` turns results
+into the pandas DataFrame shared by the CLI and the app. Plots live elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from scdviz import link as links
+from scdviz import metrics
+from scdviz.models import hf
+from scdviz.models.pair import Pair
+from scdviz.scd import calibrate as cal
+from scdviz.scd import plan as plans
+from scdviz.scd import transfer
+
+
+@dataclass
+class MethodResult:
+    """One method aggregated over the evaluation prompts."""
+
+    method: str  # method label
+    group: str  # "method" (the lineup) or a sweep name
+    payload_bytes_per_token: float  # real payload bytes / prompt tokens (0 for the oracle)
+    compression_vs_fp16: float  # raw fp16 KV bytes / payload bytes
+    kl: float  # mean KL(oracle ‖ method) per continuation token
+    kl_se: float  # standard error over prompts
+    top1: float  # top-1 agreement with the oracle
+    ppl: float  # teacher-forced continuation perplexity
+    ppl_oracle: float  # the oracle's, same tokens
+    f1: float | None  # token-F1 of greedy generation vs the oracle's (None when not generated)
+    consumer_seconds: float  # mean measured consumer compute (receive + first step)
+    encode_seconds: float  # mean producer-side encoding time
+    oracle_seconds: float  # mean measured oracle prefill + first step
+    ttft: dict[str, float]  # link label -> mean modelled TTFT in seconds
+    n_prompts: int  # prompts
+    n_tokens: int  # scored continuation tokens
+    modes: list[str]  # the plan's per-layer modes
+    drift_k: list[float] = field(default_factory=list)  # (L,) ‖K − K^oracle‖² / ‖K^oracle‖² of the cache
+    drift_v: list[float] = field(default_factory=list)  # (L,) same for values
+    divergence: list[float] = field(default_factory=list)  # (L+1,) ‖h_l − h_l^oracle‖ / ‖h_l^oracle‖, continuation
+
+    @property
+    def speedup_10gbps(self) -> float:
+        """Oracle TTFT / modelled TTFT at 10 Gbit/s."""
+        return self.oracle_seconds / self.ttft["10gbps"]
+
+    def amplification(self) -> list[float]:
+        """α_l = divergence after layer l / divergence before it, (L,)."""
+        d = self.divergence
+        return [d[i + 1] / d[i] if d[i] > 0 else float("nan") for i in range(len(d) - 1)]
+
+
+def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress: bool = True) -> list[transfer.Case]:
+    """Producer prefill and oracle continuation of every window."""
+    return [
+        transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
+        for w in tqdm(windows, desc="prefill producer + oracle", disable=not progress)
+    ]
+
+
+def lineup(calib: cal.Calibration, n_layers: int) -> list[plans.Plan]:
+    """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full."""
+    k = calib.config.op_patch_k
+    scd_full = cal.operating_plan(calib)
+    reuse = cal.operating_plan(calib, patch_k=0, name="SCD reuse-only")
+    block = plans.contiguous_block(calib.ideal_gain, k)
+    return [plans.raw_plan(n_layers), plans.raw_plan(n_layers, bits=4), plans.droidspeak_plan(n_layers, block), reuse, scd_full]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b) ** 2).sum() / (b**2).sum().clamp_min(1e-30))
+
+
+def _layer_drift(run: transfer.PlanRun, case: transfer.Case) -> tuple[list[float], list[float]]:
+    own = case.oracle_cache.layers
+    return (
+        [_rel(m.keys, o.keys) for m, o in zip(run.cache.layers, own)],
+        [_rel(m.values, o.values) for m, o in zip(run.cache.layers, own)],
+    )
+
+
+def _divergence(resid: list[torch.Tensor], oracle: list[torch.Tensor]) -> list[float]:
+    return [float(((r - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12)).mean()) for r, o in zip(resid, oracle)]
+
+
+def _mean(rows: list[list[float]]) -> list[float]:
+    return [sum(col) / len(col) for col in zip(*rows)]
+
+
+def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, oracle_gen=None) -> MethodResult:
+    """Run one plan on every case and aggregate (generation when gen_tokens > 0)."""
+    kl_prompt, top1, nll, nll_o, f1 = [], [], [], [], []
+    dk, dv, div, cons, enc, orc, pay, ttfts = [], [], [], [], [], [], [], {lk.label: [] for lk in links.PRESETS}
+    fp16 = pair.consumer_facts.kv_bytes_per_token_fp16
+    for i, case in enumerate(cases):
+        run = transfer.run_plan(pair.consumer, case, plan, calib)
+        targets = case.targets[0].to(run.logits.device)
+        kl = metrics.kl_per_token(case.oracle_logits, run.logits)
+        kl_prompt.append(float(kl.mean()))
+        top1 += metrics.top1_agreement(case.oracle_logits, run.logits).tolist()
+        nll += metrics.nll_per_token(run.logits, targets).tolist()
+        nll_o += metrics.nll_per_token(case.oracle_logits, targets).tolist()
+        k, v = _layer_drift(run, case)
+        dk.append(k)
+        dv.append(v)
+        div.append(_divergence(run.resid, case.oracle_resid))
+        cons.append(run.consumer_seconds)
+        enc.append(run.encode_seconds)
+        orc.append(case.oracle_seconds)
+        pay.append(run.payload_bytes / case.state.ids.shape[1])
+        for lk in links.PRESETS:
+            ttfts[lk.label].append(links.ttft(run.payload_bytes, run.consumer_seconds + run.encode_seconds, lk))
+        if gen_tokens:
+            got = hf.generate(pair.consumer, run.cache, case.fed[:, :1], case.state.ids.shape[1], gen_tokens)
+            f1.append(metrics.token_f1(got, oracle_gen[i]))
+    kl_mean, kl_se = metrics.mean_se(kl_prompt)
+    bpt = sum(pay) / len(pay)
+    return MethodResult(
+        method=plan.name, group=group, payload_bytes_per_token=bpt, compression_vs_fp16=fp16 / bpt,
+        kl=kl_mean, kl_se=kl_se, top1=sum(top1) / len(top1), ppl=metrics.perplexity(nll),
+        ppl_oracle=metrics.perplexity(nll_o), f1=sum(f1) / len(f1) if f1 else None,
+        consumer_seconds=sum(cons) / len(cons), encode_seconds=sum(enc) / len(enc), oracle_seconds=sum(orc) / len(orc),
+        ttft={k: sum(v) / len(v) for k, v in ttfts.items()}, n_prompts=len(cases), n_tokens=len(top1),
+        modes=list(plan.modes), drift_k=_mean(dk), drift_v=_mean(dv), divergence=_mean(div),
+    )
+
+
+def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tuple[MethodResult, list[list[int]]]:
+    """The oracle row (its own prefill) and its greedy generations."""
+    gens = [
+        hf.generate(pair.consumer, c.oracle_cache, c.fed[:, :1], c.state.ids.shape[1], gen_tokens) if gen_tokens else []
+        for c in cases
+    ]
+    nll = [x for c in cases for x in metrics.nll_per_token(c.oracle_logits, c.targets[0].to(c.oracle_logits.device)).tolist()]
+    orc = sum(c.oracle_seconds for c in cases) / len(cases)
+    n = hf.n_layers(pair.consumer)
+    res = MethodResult(
+        "oracle", "method", 0.0, float("nan"), 0.0, 0.0, 1.0, metrics.perplexity(nll), metrics.perplexity(nll),
+        1.0 if gen_tokens else None, orc, 0.0, orc, {lk.label: orc for lk in links.PRESETS}, len(cases), len(nll),
+        ["own"] * n, [0.0] * n, [0.0] * n, [0.0] * (n + 1),
+    )
+    return res, gens
+
+
+def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, oracle_gen=None, progress=True) -> list[MethodResult]:
+    """``run_plan_on_cases`` for each plan."""
+    return [
+        run_plan_on_cases(pair, cases, p, calib, group, gen_tokens, oracle_gen)
+        for p in tqdm(plan_list, desc=f"methods ({group})", disable=not progress)
+    ]
+
+
+def patch_sweep(calib: cal.Calibration, k_max: int | None = None) -> list[plans.Plan]:
+    """SCD plans with k = 0..k_max patch layers, for the selected and the drift placement."""
+    k_max = min(k_max if k_max is not None else calib.config.patch_k, len(calib.patch_order), len(calib.drift_order))
+    out = []
+    for placement in ("selected", "drift"):
+        label = calib.config.selection if placement == "selected" else "drift"
+        out += [cal.operating_plan(calib, k, placement, name=f"SCD k={k} ({label})") for k in range(k_max + 1)]
+    return out
+
+
+def rank_sweep(calib: cal.Calibration, budgets: list[float]) -> list[plans.Plan]:
+    """SCD full at several byte budgets per token (per-layer ranks allocated to each)."""
+    return [cal.operating_plan(calib, budget_bytes=b, name=f"SCD full @{b:g} B/token") for b in budgets]
+
+
+def table(results: list[MethodResult]) -> pd.DataFrame:
+    """One row per method: the tidy table shared by CLI and app."""
+    rows = []
+    for r in results:
+        rows.append({
+            "group": r.group, "method": r.method, "bytes_per_token": round(r.payload_bytes_per_token, 1),
+            "compression_vs_fp16": round(r.compression_vs_fp16, 2), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
+            "top1": round(r.top1, 3), "ppl": round(r.ppl, 2), "ppl_oracle": round(r.ppl_oracle, 2),
+            "f1": None if r.f1 is None else round(r.f1, 3), "consumer_ms": round(1000 * r.consumer_seconds, 1),
+            "ttft_10gbps_ms": round(1000 * r.ttft["10gbps"], 1), "speedup_10gbps": round(r.speedup_10gbps, 2),
+        })
+    return pd.DataFrame(rows)
+
+
+def spectra(calib: cal.Calibration) -> pd.DataFrame:
+    """Rank spectra: per layer and K/V, the fit error (1 − explained energy) at every rank."""
+    rows = []
+    for kind, codes in (("K", calib.key_codes), ("V", calib.value_codes)):
+        for layer, code in enumerate(codes):
+            for rank, err in enumerate(code.fit_err.tolist()):
+                rows.append({"layer": layer, "kind": kind, "rank": rank, "fit_err": err})
+    return pd.DataFrame(rows)

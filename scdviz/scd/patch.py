@@ -1,0 +1,116 @@
+"""PATCH: a code of the producer's normalised H_in and a small MLP aligner to the consumer's.
+
+At a patch layer the producer sends a code of its H_in (the output of input_layernorm)
+instead of K/V; the consumer maps it to an estimate of its *own* H_in and regenerates
+K, V with its own k_proj / v_proj (+ RoPE). Normalisation: every dimension is
+standardised (mean, std from calibration), so the few huge activation dimensions do not
+dominate the PCA basis or the quantisation ranges (DESIGN §7). ``rank_h = d`` sends the
+whole normalised H_in (no PCA).
+
+The aligner is an identity plus a residual MLP in normalised space,
+``ĥ_C = ĥ_P + W2 gelu(W1 ĥ_P + b1) + b2``, started at identity (W2 = 0), trained with
+Adam either on the normalised H error or on the error of the K, V the consumer's own
+projections make from it (``loss="kv"``). Pure tensors + torch.nn; the model weights
+come in as tensors (scdviz.models.hf.kv_weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+class Aligner(nn.Module):
+    """Identity + residual MLP on normalised H_in, (N, d) -> (N, d)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.down(nn.functional.gelu(self.up(h)))
+
+
+@dataclass
+class Patch:
+    """Everything a patch layer needs on both sides."""
+
+    layer: int  # decoder layer
+    in_mean: Tensor  # (d,) producer H_in mean
+    in_std: Tensor  # (d,) producer H_in std per dimension
+    out_mean: Tensor  # (d,) consumer H_in mean
+    out_std: Tensor  # (d,) consumer H_in std per dimension
+    basis: Tensor | None  # (d, rank_h) PCA basis of normalised producer H_in; None = send all d
+    aligner: Aligner  # normalised producer -> normalised consumer H_in
+    fit_err: float  # relative K/V error of the regenerated layer on calibration rows
+
+    @property
+    def rank_h(self) -> int:
+        """Width of the transmitted code."""
+        return self.in_mean.numel() if self.basis is None else int(self.basis.shape[1])
+
+    def encode(self, h: Tensor) -> Tensor:
+        """Producer H_in (N, d) -> code (N, rank_h)."""
+        z = (h.float() - self.in_mean) / self.in_std
+        return z if self.basis is None else z @ self.basis
+
+    def decode(self, z: Tensor) -> Tensor:
+        """Code (N, rank_h) -> estimate of the consumer's H_in (N, d)."""
+        h = z.float() if self.basis is None else z.float() @ self.basis.T
+        with torch.no_grad():
+            return self.aligner(h) * self.out_std + self.out_mean
+
+
+def fit_patch(
+    layer: int,
+    h_p: Tensor,
+    h_c: Tensor,
+    kv_weight: Tensor | None = None,
+    rank_h: int | None = None,
+    hidden: int = 128,
+    steps: int = 300,
+    batch: int = 512,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> Patch:
+    """Fit a Patch on paired rows h_p, h_c (N, d).
+
+    kv_weight: (d_out, d) stacked consumer k_proj/v_proj weights; when given the loss is
+    the error of the K, V regenerated from the aligned H_in (else the normalised H error).
+    """
+    h_p, h_c = h_p.float(), h_c.float()
+    in_mean, in_std = h_p.mean(0), h_p.std(0).clamp_min(1e-6)
+    out_mean, out_std = h_c.mean(0), h_c.std(0).clamp_min(1e-6)
+    zp, zc = (h_p - in_mean) / in_std, (h_c - out_mean) / out_std
+    basis = None
+    if rank_h is not None and rank_h < h_p.shape[1]:
+        basis = torch.linalg.svd(zp, full_matrices=False)[2][:rank_h].T.contiguous()  # (d, rank_h)
+        zp = zp @ basis @ basis.T
+    proj = (out_std[:, None] * kv_weight.float().T) if kv_weight is not None else None  # (d, d_out)
+    torch.manual_seed(seed)
+    aligner = Aligner(h_p.shape[1], hidden)
+    opt = torch.optim.Adam(aligner.parameters(), lr=lr)
+    for _ in range(steps):
+        idx = torch.randint(0, zp.shape[0], (min(batch, zp.shape[0]),))
+        err = aligner(zp[idx]) - zc[idx]
+        loss = ((err @ proj) ** 2).mean() if proj is not None else (err**2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    aligner.eval()
+    patch = Patch(layer, in_mean, in_std, out_mean, out_std, basis, aligner, fit_err=0.0)
+    patch.fit_err = _kv_error(patch, h_p, h_c, kv_weight)
+    return patch
+
+
+def _kv_error(patch: Patch, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None) -> float:
+    """Relative squared error of the aligned H_in (through kv_weight when given)."""
+    est = patch.decode(patch.encode(h_p))
+    w = kv_weight.float().T if kv_weight is not None else torch.eye(h_c.shape[1])
+    ref = h_c @ w
+    return float(((est @ w - ref) ** 2).sum() / ((ref - ref.mean(0)) ** 2).sum())

@@ -1,0 +1,114 @@
+"""The SCD wire format: one self-describing byte string per transferred prompt.
+
+Layout (little endian):
+
+  header   magic b"SCD1" | n_tokens u32 | token0 u32 | n_sections u16          (14 bytes)
+  section  layer u16 | kind u8 | bits u8 | axis u8 | group u16 | rows u32 | cols u16  (13 bytes)
+           then the body:
+             bits 16:   rows*cols fp16 values, row-major
+             bits 8, 4: ceil(rows*cols*bits/8) packed integers (scdviz.scd.quant), then
+                        n_groups fp16 minima, then n_groups fp16 steps
+
+``payload_len`` is this formula; tests check it against real messages. Kinds say what a
+section holds (KINDS); which rows (with or without token 0) and what the receiver does
+with them is the plan's business (scdviz.scd.plan). This module only (de)serialises.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from scdviz.scd import quant
+
+MAGIC = b"SCD1"
+HEADER = struct.Struct("<4sIIH")
+SECTION = struct.Struct("<HBBBHIH")
+KINDS = {
+    "k": 0,  # post-RoPE keys, heads flattened (rows tokens, cols Hkv*D)
+    "v": 1,  # values, heads flattened
+    "k_code": 2,  # REUSE code of pre-RoPE keys (cols = rank)
+    "v_code": 3,  # REUSE code of values
+    "h_code": 4,  # PATCH code of the normalised H_in (cols = rank_h)
+    "resid": 5,  # residual stream entering a recomputed run of layers (cols = d)
+}
+AXIS_CODES = {"token": 0, "channel": 1}
+
+
+@dataclass
+class Section:
+    """One matrix of a payload."""
+
+    layer: int  # decoder layer it belongs to
+    kind: str  # a key of KINDS
+    data: Tensor  # (rows, cols) float
+    bits: int = 16  # 16 (fp16), 8 or 4
+    group: int = 32  # quantisation group size (ignored at 16 bits)
+    axis: str = "channel"  # quantisation grouping, see scdviz.scd.quant
+
+
+@dataclass
+class Message:
+    """A decoded payload."""
+
+    n_tokens: int  # prompt tokens the cache covers
+    token0: int  # id of the first token (the consumer recomputes the sink from it)
+    sections: list[Section]  # data dequantised to float32
+
+
+def section_len(rows: int, cols: int, bits: int, group: int, axis: str) -> int:
+    """Bytes of one section, header included."""
+    if bits == 16:
+        return SECTION.size + 2 * rows * cols
+    return SECTION.size + quant.packed_len(rows * cols, bits) + 4 * quant.n_groups(rows, cols, group, axis)
+
+
+def payload_len(sections: list[Section]) -> int:
+    """Bytes of the message holding these sections (the format's formula)."""
+    return HEADER.size + sum(section_len(*s.data.shape, s.bits, s.group, s.axis) for s in sections)
+
+
+def encode(n_tokens: int, token0: int, sections: list[Section]) -> bytes:
+    """Serialise sections into one payload."""
+    parts = [HEADER.pack(MAGIC, n_tokens, token0, len(sections))]
+    for s in sections:
+        rows, cols = s.data.shape
+        parts.append(SECTION.pack(s.layer, KINDS[s.kind], s.bits, AXIS_CODES[s.axis], s.group, rows, cols))
+        if s.bits == 16:
+            parts.append(s.data.detach().to(torch.float16).cpu().contiguous().numpy().tobytes())
+        else:
+            blob, lo, step = quant.quantize(s.data.detach().cpu(), s.bits, s.group, s.axis)
+            parts += [blob, lo.numpy().tobytes(), step.numpy().tobytes()]
+    return b"".join(parts)
+
+
+def decode(payload: bytes) -> Message:
+    """Parse a payload; ValueError on a foreign or truncated message."""
+    if len(payload) < HEADER.size or payload[:4] != MAGIC:
+        raise ValueError("not an SCD payload (bad magic)")
+    _, n_tokens, token0, n_sections = HEADER.unpack_from(payload, 0)
+    kinds = {v: k for k, v in KINDS.items()}
+    axes = {v: k for k, v in AXIS_CODES.items()}
+    pos, sections = HEADER.size, []
+    for _ in range(n_sections):
+        layer, kind, bits, axis, group, rows, cols = SECTION.unpack_from(payload, pos)
+        end = pos + section_len(rows, cols, bits, group, axes[axis])
+        if end > len(payload):
+            raise ValueError("truncated SCD payload")
+        body = payload[pos + SECTION.size : end]
+        sections.append(Section(layer, kinds[kind], _body(body, rows, cols, bits, group, axes[axis]), bits, group, axes[axis]))
+        pos = end
+    return Message(n_tokens, token0, sections)
+
+
+def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str) -> Tensor:
+    if bits == 16:
+        return torch.frombuffer(bytearray(body), dtype=torch.float16).float().reshape(rows, cols)
+    n = quant.n_groups(rows, cols, group, axis)
+    code_len = quant.packed_len(rows * cols, bits)
+    lo = torch.frombuffer(bytearray(body[code_len : code_len + 2 * n]), dtype=torch.float16)
+    step = torch.frombuffer(bytearray(body[code_len + 2 * n :]), dtype=torch.float16)
+    return quant.dequantize(body[:code_len], lo, step, (rows, cols), bits, group, axis)

@@ -1,0 +1,84 @@
+"""Group-wise asymmetric integer quantisation with real bit packing (KIVI-style axes).
+
+A matrix X (rows = tokens, cols = channels) is cut into groups of ``group`` entries
+either along the channels of each token (``axis="token"``: per-token, KIVI's choice for
+values) or along the tokens of each channel (``axis="channel"``: per-channel, KIVI's
+choice for keys and our choice for SCD codes, whose dimensions differ in scale). Each
+group stores its minimum and step in fp16; entries become ``bits``-bit integers packed
+into bytes (two per byte at 4 bits). The last group along an axis may be short.
+
+Pure tensor maths; the byte layout of a whole message is scdviz.scd.payload.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+AXES = ("token", "channel")
+
+
+def n_groups(rows: int, cols: int, group: int, axis: str) -> int:
+    """How many (min, step) pairs a (rows, cols) matrix needs."""
+    if axis == "token":
+        return rows * math.ceil(cols / group)
+    if axis == "channel":
+        return cols * math.ceil(rows / group)
+    raise ValueError(f"unknown quantisation axis {axis!r}; use one of {AXES}")
+
+
+def packed_len(n_values: int, bits: int) -> int:
+    """Bytes holding ``n_values`` integers of ``bits`` bits."""
+    return math.ceil(n_values * bits / 8)
+
+
+def _grouped(x: Tensor, group: int, axis: str) -> tuple[Tensor, int]:
+    """(rows, cols) -> (n_groups, group) with edge padding, and the padded length of the grouped axis."""
+    m = x if axis == "token" else x.T  # groups run along the last dim of m
+    length = m.shape[1]
+    padded = math.ceil(length / group) * group
+    if padded > length:
+        m = torch.cat([m, m[:, -1:].expand(-1, padded - length)], dim=1)
+    return m.reshape(-1, group), padded
+
+
+def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor, Tensor]:
+    """x (rows, cols) -> (packed codes, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
+    rows, cols = x.shape
+    g, padded = _grouped(x.float(), group, axis)
+    lo = g.min(1).values.half()
+    step = ((g.max(1).values - lo.float()) / (2**bits - 1)).clamp_min(1e-8).half()
+    q = ((g - lo.float()[:, None]) / step.float()[:, None]).round().clamp(0, 2**bits - 1).to(torch.uint8)
+    q = q.reshape(-1, padded)[:, : (cols if axis == "token" else rows)]  # drop padding
+    return _pack(q.reshape(-1), bits), lo, step
+
+
+def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bits: int, group: int, axis: str) -> Tensor:
+    """Inverse of ``quantize`` up to rounding: (rows, cols) float32."""
+    rows, cols = shape
+    length = cols if axis == "token" else rows
+    q = _unpack(blob, bits, rows * cols).reshape(-1, length).float()
+    padded = math.ceil(length / group) * group
+    q = torch.cat([q, q.new_zeros(q.shape[0], padded - length)], dim=1).reshape(-1, group)
+    m = (q * step.float()[:, None] + lo.float()[:, None]).reshape(-1, padded)[:, :length]
+    return m if axis == "token" else m.T.contiguous()
+
+
+def _pack(q: Tensor, bits: int) -> bytes:
+    """uint8 values < 2**bits -> bytes (bits 8: as is; bits 4: low nibble first)."""
+    if bits == 8:
+        return q.numpy().tobytes()
+    if bits == 4:
+        if q.numel() % 2:
+            q = torch.cat([q, q.new_zeros(1)])
+        return (q[0::2] | (q[1::2] << 4)).numpy().tobytes()
+    raise ValueError(f"unsupported bit width {bits}; use 4 or 8 (or fp16 without quantisation)")
+
+
+def _unpack(blob: bytes, bits: int, n: int) -> Tensor:
+    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    if bits == 8:
+        return raw[:n]
+    return torch.stack([raw & 0xF, raw >> 4], dim=1).reshape(-1)[:n]

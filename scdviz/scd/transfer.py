@@ -1,0 +1,210 @@
+"""The one transfer machinery: producer prefill -> payload bytes -> consumer cache -> scoring.
+
+Every method is a Plan (scdviz.scd.plan) run by ``build_payload`` (producer side) and
+``receive`` (consumer side); nothing here is specific to one method. Conventions
+(scdviz.drift): a transferred cache covers prompt[:-1] (T tokens); the consumer feeds the
+last prompt token, then the continuation. Timings are wall-clock seconds on this
+machine. Does not fit codes (scdviz.scd.calibrate) nor aggregate results
+(scdviz.scd.evaluate).
+
+Shapes: rows of a layer are tokens, columns are heads flattened: keys / values (T, Hkv*D),
+h_in / resid (T, d).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from scdviz import drift
+from scdviz.models import hf
+from scdviz.scd import payload
+from scdviz.scd.payload import Section
+from scdviz.scd.plan import Plan
+
+
+@dataclass
+class ProducerState:
+    """The producer's prefill of one prompt prefix, per layer (batch dim dropped)."""
+
+    ids: Tensor  # (1, T) prefix token ids
+    keys_pre: list[Tensor]  # (T, Hkv*D) pre-RoPE keys
+    keys: list[Tensor]  # (T, Hkv*D) post-RoPE keys
+    values: list[Tensor]  # (T, Hkv*D)
+    h_in: list[Tensor]  # (T, d) input_layernorm outputs
+    resid: list[Tensor]  # (T, d) residual entering layer l (L + 1 entries)
+    seconds: float  # the producer's prefill time
+
+
+@dataclass
+class Received:
+    """What the consumer built from a payload."""
+
+    cache: object  # DynamicCache over the T prefix tokens
+    seconds: float  # consumer compute: parse, decode codes, align, regenerate, recompute
+
+
+@dataclass
+class Case:
+    """One evaluation prompt, prepared once and shared by every method."""
+
+    state: ProducerState  # producer prefill of the prefix
+    fed: Tensor  # (1, n) last prompt token + continuation[:-1]
+    targets: Tensor  # (1, n) continuation
+    oracle_logits: Tensor  # (n, V) the consumer's own teacher-forced logits
+    oracle_resid: list[Tensor]  # (n, d) the oracle's continuation residual stream per layer (L + 1)
+    oracle_cache: object  # the consumer's own DynamicCache of the prefix (ideal patches, drift)
+    prefill_seconds: float  # the consumer's measured prefill of the prefix (decoder only, no LM head)
+    step_seconds: float  # the consumer's measured first decode step (feeding the last prompt token)
+
+    @property
+    def oracle_seconds(self) -> float:
+        """The oracle's TTFT: its own prefill plus the first decode step."""
+        return self.prefill_seconds + self.step_seconds
+
+
+@dataclass
+class PlanRun:
+    """One plan executed on one Case."""
+
+    payload_bytes: int  # length of the real payload
+    encode_seconds: float  # producer-side work beyond its prefill (encoding)
+    consumer_seconds: float  # receive + first decode step
+    cache: object  # the consumer's DynamicCache over the prefix
+    logits: Tensor  # (n, V) teacher-forced continuation logits
+    resid: list[Tensor]  # (n, d) continuation residual stream per layer (L + 1)
+
+
+def _flat(x: Tensor) -> Tensor:
+    """(1, Hkv, T, D) -> (T, Hkv*D)."""
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
+
+
+def _heads(x: Tensor, n_kv: int) -> Tensor:
+    """(T, Hkv*D) -> (1, Hkv, T, D)."""
+    return x.reshape(x.shape[0], n_kv, -1).transpose(0, 1).unsqueeze(0)
+
+
+def producer_state(model, prefix: Tensor) -> ProducerState:
+    """Prefill the producer on ``prefix`` (1, T), keeping what any plan may send."""
+    t0 = time.perf_counter()
+    tr = hf.forward(model, prefix, capture=hf.CAPTURE_ALL)
+    seconds = time.perf_counter() - t0
+    cpu = lambda t: t.detach().float().cpu()  # noqa: E731  (codes and aligners live on the CPU)
+    return ProducerState(
+        ids=prefix.cpu(),
+        keys_pre=[cpu(_flat(k)) for k in tr.keys_pre],
+        keys=[cpu(_flat(k)) for k in tr.keys],
+        values=[cpu(_flat(v)) for v in tr.values],
+        h_in=[cpu(h[0]) for h in tr.h_in],
+        resid=[cpu(r[0]) for r in tr.resid],
+        seconds=seconds,
+    )
+
+
+def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
+    """The producer's message for ``plan`` (calib: a Calibration for code/patch layers)."""
+    rows = slice(1, None) if plan.sink == "recompute" else slice(None)
+    sections: list[Section] = []
+    for layer, mode in enumerate(plan.modes):
+        if mode == "raw":
+            sections.append(Section(layer, "k", state.keys[layer][rows], plan.raw_bits, plan.raw_group, "channel"))
+            sections.append(Section(layer, "v", state.values[layer][rows], plan.raw_bits, plan.raw_group, "token"))
+        elif mode == "code":
+            zk = calib.key_codes[layer].encode(state.keys_pre[layer][rows], plan.rank_k[layer])
+            zv = calib.value_codes[layer].encode(state.values[layer][rows], plan.rank_v[layer])
+            sections.append(Section(layer, "k_code", zk, plan.code_bits, plan.code_group, "channel"))
+            sections.append(Section(layer, "v_code", zv, plan.code_bits, plan.code_group, "channel"))
+        elif mode == "patch":
+            z = calib.patch_for(layer).encode(state.h_in[layer][rows])
+            sections.append(Section(layer, "h_code", z, plan.code_bits, plan.code_group, "channel"))
+    for start, _ in plan.runs():
+        sections.append(Section(start, "resid", state.resid[start]))
+    return payload.encode(state.ids.shape[1], int(state.ids[0, 0]), sections)
+
+
+def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
+    """Build the consumer's cache from a payload, timing the consumer's compute."""
+    t0 = time.perf_counter()
+    msg = payload.decode(blob)
+    n_kv = hf.attn_heads(model)[1]
+    param = next(model.parameters())
+    by = {(s.layer, s.kind): s.data for s in msg.sections}  # float32, CPU
+
+    def dev(t: Tensor) -> Tensor:
+        return t.to(device=param.device, dtype=param.dtype)
+
+    skip = 1 if plan.sink == "recompute" else 0
+    positions = torch.arange(skip, msg.n_tokens).unsqueeze(0)
+    cos, sin = hf.rope(model, positions)
+    keys: list[Tensor | None] = [None] * len(plan.modes)
+    values: list[Tensor | None] = [None] * len(plan.modes)
+    for layer, mode in enumerate(plan.modes):
+        if mode == "raw":
+            keys[layer], values[layer] = _heads(dev(by[layer, "k"]), n_kv), _heads(dev(by[layer, "v"]), n_kv)
+        elif mode == "code":
+            k_pre = dev(calib.key_codes[layer].decode(by[layer, "k_code"]))
+            keys[layer] = hf.rotate(_heads(k_pre, n_kv), cos, sin)
+            values[layer] = _heads(dev(calib.value_codes[layer].decode(by[layer, "v_code"])), n_kv)
+        elif mode == "patch":
+            h = dev(calib.patch_for(layer).decode(by[layer, "h_code"]))
+            keys[layer], values[layer] = hf.kv_from_hin(model, layer, h.unsqueeze(0), positions)
+    all_positions = torch.arange(msg.n_tokens).unsqueeze(0)
+    for start, stop in plan.runs():
+        _, ks, vs = hf.run_layers(model, dev(by[start, "resid"]).unsqueeze(0), all_positions, start, stop)
+        keys[start:stop], values[start:stop] = ks, vs
+    if plan.sink == "recompute":
+        _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
+    cache = hf.make_cache(model, keys, values)
+    return Received(cache, time.perf_counter() - t0)
+
+
+def _put_own_sink(model, token0: int, n_tokens: int, keys: list[Tensor], values: list[Tensor]) -> None:
+    """Give every layer the consumer's own K, V of token 0: prepended to T-1 rows, or replacing row 0 of T."""
+    own = hf.decoder_cache(model, torch.tensor([[token0]]))
+    for layer, lyr in enumerate(own.layers):
+        for store, mine in ((keys, lyr.keys), (values, lyr.values)):
+            rest = store[layer]
+            rest = rest[:, :, 1:] if rest.shape[2] == n_tokens else rest
+            store[layer] = torch.cat([mine.to(rest.dtype), rest], dim=2)
+
+
+def continuation(model, cache, case_fed: Tensor, start: int) -> tuple[Tensor, list[Tensor]]:
+    """Teacher-forced logits (n, V) and residual stream per layer [(n, d)] on a copy of ``cache``."""
+    positions = torch.arange(start, start + case_fed.shape[1]).unsqueeze(0)
+    tr = hf.forward(model, case_fed, cache=hf.clone_cache(model, cache), positions=positions, capture={"resid"})
+    return tr.logits[0], [r[0] for r in tr.resid]
+
+
+def prepare_case(producer, consumer, window: list[int], cont_len: int) -> Case:
+    """Producer prefill, the oracle's timed prefill and its teacher-forced continuation."""
+    prefix, fed, targets = drift.split_prompt(window, cont_len)
+    state = producer_state(producer, prefix)
+    t0 = time.perf_counter()
+    cache = hf.decoder_cache(consumer, prefix)
+    prefill = time.perf_counter() - t0
+    step = _first_step_seconds(consumer, cache, fed, prefix.shape[1])
+    logits, resid = continuation(consumer, cache, fed, prefix.shape[1])
+    return Case(state, fed, targets, logits, resid, cache, prefill, step)
+
+
+def _first_step_seconds(model, cache, fed: Tensor, start: int) -> float:
+    """Time of one decode step (the last prompt token) on a copy of the cache."""
+    copy = hf.clone_cache(model, cache)
+    t0 = time.perf_counter()
+    hf.forward(model, fed[:, :1], cache=copy, positions=torch.tensor([[start]]))
+    return time.perf_counter() - t0
+
+
+def run_plan(consumer, case: Case, plan: Plan, calib=None) -> PlanRun:
+    """Payload, consumer cache and teacher-forced continuation for one plan on one case."""
+    t0 = time.perf_counter()
+    blob = build_payload(case.state, plan, calib)
+    encode = time.perf_counter() - t0
+    got = receive(consumer, blob, plan, calib)
+    start = case.state.ids.shape[1]
+    logits, resid = continuation(consumer, got.cache, case.fed, start)
+    return PlanRun(len(blob), encode, got.seconds + case.step_seconds, got.cache, logits, resid)

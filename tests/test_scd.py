@@ -1,0 +1,259 @@
+"""Fast tier: SCD maths, wire format and the transfer machinery on tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from scdviz import metrics
+from scdviz.models import hf
+from scdviz.models.pair import Pair, PairError, facts_of
+from scdviz.scd import calibrate as cal
+from scdviz.scd import evaluate, payload, quant, transfer
+from scdviz.scd import plan as plans
+from scdviz.scd.patch import Aligner, Patch
+from scdviz.scd.rrr import allocate_ranks, fit_rrr
+
+torch.set_num_threads(int(os.environ.get("SCDVIZ_THREADS", "1")))
+
+
+class CharTokenizer:
+    """Bytes modulo the tiny vocabulary; enough for token_windows and facts_of."""
+
+    all_special_tokens = ["<s>"]
+
+    def get_vocab(self):
+        return {chr(32 + i): i for i in range(97)}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [b % 97 for b in text.encode()]}
+
+
+def perturbed(seed: int, scale: float = 0.3):
+    """The tiny Llama with every weight nudged: a stand-in fine-tuned consumer."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+    return model
+
+
+def make_pair(producer, consumer, name: str = "tiny:c") -> Pair:
+    tok = CharTokenizer()
+    return Pair(producer, consumer, tok, "tiny:p", name, facts_of(producer, tok), facts_of(consumer, tok), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(60)))
+    return str(path)
+
+
+def small_cfg(texts: str, **kw) -> cal.CalibConfig:
+    base = dict(texts=texts, n_fit=6, n_select=2, prompt_len=40, cont_len=8, aligner_steps=20, n_candidates=2, patch_k=2, op_patch_k=1)
+    return cal.CalibConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return make_pair(tiny_model("llama"), perturbed(1))
+
+
+@pytest.fixture(scope="module")
+def tiny_calib(tiny_pair, texts):
+    return cal.calibrate(tiny_pair, small_cfg(texts), progress=False)
+
+
+def _window(n: int = 48, seed: int = 3) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+
+def test_rrr_fit_error_matches_reconstruction_and_never_increases_with_rank():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 12, generator=g)
+    y = x @ torch.randn(12, 10, generator=g) + 0.3 * torch.randn(400, 10, generator=g)
+    code = fit_rrr(x, y, ridge=1e-3)
+    yc = y - y.mean(0)
+    for rank in range(code.max_rank + 1):
+        direct = ((code.decode(code.encode(x, rank)) - y) ** 2).sum() / (yc**2).sum()
+        assert abs(float(direct) - float(code.fit_err[rank])) < 1e-4
+    assert torch.all(code.fit_err[1:] <= code.fit_err[:-1] + 1e-7)
+    assert torch.all(code.spectrum[1:] <= code.spectrum[:-1])
+
+
+def test_rank_allocation_meets_the_budget_and_favours_the_harder_code():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 8, generator=g)
+    easy = fit_rrr(x, x[:, :8] @ torch.diag(torch.tensor([5.0, 1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])))
+    hard = fit_rrr(x, x @ torch.randn(8, 8, generator=g))
+    ranks = allocate_ranks([easy, hard], 8)
+    assert sum(ranks) == 8 and ranks[1] > ranks[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("axis", quant.AXES)
+def test_quantisation_error_is_within_half_a_step(bits, axis):
+    x = torch.randn(37, 19)
+    blob, lo, step = quant.quantize(x, bits, 8, axis)
+    back = quant.dequantize(blob, lo, step, (37, 19), bits, 8, axis)
+    assert len(blob) == quant.packed_len(37 * 19, bits)
+    assert lo.numel() == quant.n_groups(37, 19, 8, axis)
+    assert (back - x).abs().max() <= step.float().max() * 0.5 + 2e-2
+
+
+def test_payload_length_equals_the_format_formula():
+    g = torch.Generator().manual_seed(2)
+    sections = [
+        payload.Section(0, "k", torch.randn(33, 24, generator=g), 4, 32, "channel"),
+        payload.Section(0, "v", torch.randn(33, 24, generator=g), 4, 32, "token"),
+        payload.Section(1, "k_code", torch.randn(33, 7, generator=g), 8, 64, "channel"),
+        payload.Section(2, "resid", torch.randn(34, 32, generator=g), 16),
+    ]
+    blob = payload.encode(34, 5, sections)
+    expected = 14 + sum(13 + (2 * r * c if b == 16 else -(-r * c * b // 8) + 4 * quant.n_groups(r, c, gr, ax))
+                        for r, c, b, gr, ax in [(*s.data.shape, s.bits, s.group, s.axis) for s in sections])
+    assert len(blob) == payload.payload_len(sections) == expected
+    msg = payload.decode(blob)
+    assert (msg.n_tokens, msg.token0, [s.kind for s in msg.sections]) == (34, 5, ["k", "v", "k_code", "resid"])
+    torch.testing.assert_close(msg.sections[3].data, sections[3].data.half().float())
+    with pytest.raises(ValueError, match="magic"):
+        payload.decode(b"nope" + blob[4:])
+
+
+def test_plan_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="unknown layer mode"):
+        plans.Plan("x", ["raw", "bogus"])
+    assert plans.droidspeak_plan(5, [1, 2, 4]).runs() == [(1, 3), (4, 5)]
+    assert plans.contiguous_block([0, 5, 1, 4, 4], 2) == [3, 4]
+
+
+# ----------------------------------------------------------------------------- machinery
+
+
+@pytest.mark.parametrize("sink", plans.SINKS)
+def test_same_model_full_rank_reproduces_the_oracle_logits(texts, sink):
+    model = tiny_model("llama")
+    pair = make_pair(model, model)
+    calib = cal.calibrate(pair, small_cfg(texts, ridge=0.0, selection="given", given=[1]), progress=False)
+    case = transfer.prepare_case(model, model, _window(), 8)
+    rk, rv = cal.full_ranks(calib)
+    for plan in (plans.scd_plan(rk, rv, code_bits=16, sink=sink), plans.raw_plan(3, sink=sink), plans.droidspeak_plan(3, [1, 2], sink)):
+        run = transfer.run_plan(model, case, plan, calib)
+        torch.testing.assert_close(run.logits, case.oracle_logits, atol=2e-3, rtol=1e-3)
+
+
+def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, tiny_calib):
+    layer = 1
+    d = tiny_pair.consumer.config.hidden_size
+    ones, zeros = torch.ones(d), torch.zeros(d)
+    identity = Patch(layer, zeros, ones, zeros, ones, None, Aligner(d, 8).eval(), 0.0)
+    calib = cal.Calibration(**{**tiny_calib.__dict__, "patches": {layer: identity}})
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case.state = transfer.producer_state(tiny_pair.consumer, case.state.ids)  # the true consumer H_in
+    rk, rv = cal.full_ranks(calib)
+    plan = plans.scd_plan(rk, rv, [layer], code_bits=16)
+    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, calib), plan, calib).cache
+    own = case.oracle_cache.layers[layer]
+    torch.testing.assert_close(got.layers[layer].keys, own.keys, atol=5e-3, rtol=1e-3)
+    torch.testing.assert_close(got.layers[layer].values, own.values, atol=5e-3, rtol=1e-3)
+
+
+def test_sink_recompute_gives_the_consumer_its_own_token0(tiny_pair):
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    plan = plans.raw_plan(3, sink="recompute")
+    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan), plan).cache
+    sent = hf.forward(tiny_pair.producer, case.state.ids).cache.layers
+    for mine, own, prod in zip(got.layers, case.oracle_cache.layers, sent):
+        torch.testing.assert_close(mine.keys[:, :, :1], own.keys[:, :, :1])
+        torch.testing.assert_close(mine.values[:, :, :1], own.values[:, :, :1])
+        torch.testing.assert_close(mine.keys[:, :, 1:], prod.keys[:, :, 1:], atol=2e-3, rtol=1e-3)
+        assert not torch.allclose(mine.keys[:, :, :1], prod.keys[:, :, :1])
+
+
+def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
+    cases = evaluate.prepare_cases(tiny_pair, [_window(48, s) for s in range(2)], 8, progress=False)
+    lineup = evaluate.lineup(tiny_calib, 3)
+    assert [p.name for p in lineup] == ["raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only", "SCD full"]
+    for plan in lineup:
+        blob = transfer.build_payload(cases[0].state, plan, tiny_calib)
+        msg = payload.decode(blob)
+        assert len(blob) == payload.payload_len(msg.sections)
+        got = transfer.receive(tiny_pair.consumer, blob, plan, tiny_calib)
+        assert hf.cache_len(got.cache) == [cases[0].state.ids.shape[1]] * 3
+    oracle, gens = evaluate.oracle_result(tiny_pair, cases, 4)
+    results = evaluate.run_methods(tiny_pair, tiny_calib, cases, lineup, gen_tokens=4, oracle_gen=gens, progress=False)
+    df = evaluate.table([oracle, *results])
+    assert list(df["method"]) == ["oracle"] + [p.name for p in lineup]
+    raw, four = results[0], results[1]
+    assert raw.payload_bytes_per_token > four.payload_bytes_per_token > 0
+    assert all(r.kl >= 0 and 0 <= r.top1 <= 1 for r in results)
+    assert oracle.kl == 0 and len(raw.divergence) == 4 and len(raw.amplification()) == 3
+
+
+def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_calib, tmp_path):
+    cal.save(tiny_calib, tmp_path / "c")
+    back = cal.load(tmp_path / "c", tiny_pair)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    plan = cal.operating_plan(back)
+    a = transfer.run_plan(tiny_pair.consumer, case, plan, tiny_calib)
+    b = transfer.run_plan(tiny_pair.consumer, case, plan, back)
+    assert a.payload_bytes == b.payload_bytes
+    assert float(metrics.kl_per_token(a.logits, b.logits).max()) < 1e-3
+    other = make_pair(tiny_pair.producer, perturbed(2), "tiny:other")
+    with pytest.raises(PairError, match="(?s)made for producer 'tiny:p' -> consumer 'tiny:c'.*consumer weights"):
+        cal.load(tmp_path / "c", other)
+    with pytest.raises(ValueError, match="no SCD calibration"):
+        cal.load(tmp_path / "missing", tiny_pair)
+
+
+def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(138), 8)  # 128 code rows: whole groups
+    for budget in (20.0, 40.0):
+        plan = cal.operating_plan(tiny_calib, budget_bytes=budget)
+        per_token = len(transfer.build_payload(case.state, plan, tiny_calib)) / case.state.ids.shape[1]
+        assert budget - 1.0 <= per_token <= budget + 1.0  # section headers only
+
+
+def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pair, tiny_calib):
+    from scdviz.scd import bench
+
+    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,), progress=False)
+    recs = bench.records(report)
+    measured = [r for r in recs if r.get("kind") == "measured"]
+    need = {"specialist", "method", "payload_bytes_per_token", "compression_vs_fp16", "kl", "top1", "ppl", "ppl_oracle",
+            "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
+    assert all(need <= set(r) for r in measured)
+    assert {r["group"] for r in measured} == {"method", "patch sweep", "rank sweep"}
+    proj = [r for r in recs if r.get("kind") == "projection"]
+    assert {r["model"] for r in proj} == {"Mistral-7B", "Llama-3-8B", "Qwen-32B"}
+    assert all(r["label"].startswith("analytic projection") for r in proj)
+    assert len(report.table()) == len(measured)
+
+
+def test_link_time_and_projection_follow_bytes():
+    from scdviz import link
+
+    fast, slow = link.Link(100, 0.0), link.Link(1, 0.0)
+    assert fast.seconds(1e9) == pytest.approx(0.08) and slow.seconds(1e9) == pytest.approx(8.0)
+    big, gpu = link.LARGE_MODELS[0], link.GPUS[0]
+    a = link.project(big, gpu, 4096, 2.0, 0.0, link.Link(10))
+    b = link.project(big, gpu, 4096, 8.0, 0.0, link.Link(10))
+    assert b["speedup"] > a["speedup"] and a["oracle_ttft_s"] == b["oracle_ttft_s"]
+
+
+def test_rank_spectra_table_starts_at_full_error_and_never_rises(tiny_calib):
+    df = evaluate.spectra(tiny_calib)
+    d_kv = 2 * 8
+    assert len(df) == 2 * 3 * (d_kv + 1)
+    assert (df[df["rank"] == 0]["fit_err"] == 1.0).all()
+    for _, g in df.groupby(["layer", "kind"]):
+        errs = g.sort_values("rank")["fit_err"].tolist()
+        assert all(b <= a + 1e-6 for a, b in zip(errs, errs[1:]))

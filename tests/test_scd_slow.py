@@ -1,0 +1,41 @@
+"""Slow tier: SCD on the built-in pair (SmolLM2-135M producer, jargon specialist)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scdviz import data
+from scdviz.models.pair import PairError
+from scdviz.scd import calibrate as cal
+from scdviz.scd import evaluate
+from scdviz.scd import plan as plans
+from scdviz.scd.cli import SCD_ASSETS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quick_calib(builtin_pair):
+    cfg = cal.CalibConfig(corpus="jargon", n_fit=8, n_select=2, aligner_steps=30, n_candidates=2, patch_k=1, op_patch_k=1)
+    return cal.calibrate(builtin_pair, cfg, progress=False)
+
+
+def test_full_rank_codes_with_own_sink_beat_raw_reuse_on_held_out_text(builtin_pair, quick_calib):
+    windows = data.token_windows(builtin_pair.tokenizer, data.load_split("jargon", "eval"), 256 + 16, 3)
+    cases = evaluate.prepare_cases(builtin_pair, windows, 16, progress=False)
+    rank_k, rank_v = cal.full_ranks(quick_calib)
+    lineup = [plans.raw_plan(30), plans.raw_plan(30, bits=4), plans.scd_plan(rank_k, rank_v, code_bits=8)]
+    raw, four, scd = evaluate.run_methods(builtin_pair, quick_calib, cases, lineup, progress=False)
+    assert four.payload_bytes_per_token < raw.payload_bytes_per_token / 3
+    assert scd.payload_bytes_per_token < raw.payload_bytes_per_token / 1.8
+    assert scd.kl < 0.8 * raw.kl  # DESIGN §7: the map + own token 0 roughly halves raw reuse's KL
+    assert all(d >= 0 for d in raw.divergence) and raw.divergence[-1] > raw.divergence[1]
+
+
+def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
+    jargon = cal.load(SCD_ASSETS / "jargon", builtin_pair)
+    assert len(jargon.key_codes) == 30 and jargon.patch_order
+    if not (SCD_ASSETS / "bible" / "calibration.json").is_file():
+        pytest.skip("no shipped bible calibration")
+    with pytest.raises(PairError, match="builtin:bible"):
+        cal.load(SCD_ASSETS / "bible", builtin_pair)
