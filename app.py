@@ -13,7 +13,7 @@ from __future__ import annotations
 import gradio as gr
 
 from scdviz import data, drift, service, settings
-from scdviz.ui import pair_tab
+from scdviz.ui import evict_tab, pair_tab, scd_tab
 
 try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
     import spaces  # type: ignore
@@ -45,7 +45,7 @@ def load(producer, consumer, progress):
 
 @gpu
 def generate(key, prompt, max_new, chat):
-    pair = service.get_pair(*key.split("\n"))
+    pair = _pair(key)
     gen = service.generate_both(pair, prompt, max_new, chat)
     tok = pair.tokenizer
     pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
@@ -53,6 +53,35 @@ def generate(key, prompt, max_new, chat):
     md = (f"Prompt: {gen.prompt_tokens} tokens. Consumer agrees with producer on {same}/{len(gen.consumer_ids)} "
           f"generated positions. Both generations took {gen.seconds:.1f} s.")
     return pieces[0], pieces[1], md
+
+
+def _pair(key: str):
+    return service.get_pair(*key.split("\n"))
+
+
+@gpu
+def scd_run(key, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_s):
+    return service.scd_run(_pair(key), text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps,
+                           latency_s)
+
+
+@gpu
+def evict_run(key, context, question, aware, unit, budget, which, method):
+    return service.evict_run(_pair(key), context, question, aware, unit, budget, which, method)
+
+
+def _windows(n: int = 3, tokens: int = 288) -> list[str]:
+    """Decoded evaluation windows of ``tokens`` tokens (the benchmark's own windows)."""
+    from transformers import AutoTokenizer
+
+    from scdviz.models import builtin
+
+    tok = AutoTokenizer.from_pretrained(builtin.producer_dir())
+    out = []
+    for corpus in data.corpora():
+        for w in data.token_windows(tok, data.load_split(corpus, "eval"), tokens, (n + 1) // 2):
+            out.append(tok.decode(w))
+    return out[:n]
 
 
 def build_demo() -> gr.Blocks:
@@ -79,6 +108,11 @@ def build_demo() -> gr.Blocks:
                 pair_state,
                 demo,
             )
+        windows = _windows()
+        with gr.Tab("SCD transfer"):
+            scd_tab.build(scd_run, windows, pair_state)
+        with gr.Tab("DistillCache eviction"):
+            evict_tab.build(evict_run, _examples(3, 2000), pair_state)
     demo.queue(default_concurrency_limit=1, max_size=32)
     return demo
 

@@ -111,3 +111,105 @@ def pair_summary(pair: Pair) -> str:
         f"**Compatible**: {pair.producer_source} → {pair.consumer_source} share architecture, "
         f"shapes, RoPE and tokenizer. Loaded in {pair.load_seconds:.1f} s on `{pair.device}` ({pair.dtype})."
     )
+
+
+# ----------------------------------------------------------------------------- SCD tab
+
+_CALIBS: dict[tuple[str, str], object] = {}
+
+
+def get_calibration(pair: Pair):
+    """The shipped SCD calibration of a built-in specialist (loaded once, identity-checked)."""
+    from scdviz.scd import calibrate as cal
+
+    key = (pair.producer_source, pair.consumer_source)
+    if key not in _CALIBS:
+        name = pair.consumer_source.split(":", 1)[1] if pair.consumer_source.startswith("builtin:") else None
+        folder = settings.ASSETS_DIR / "scd" / (name or "")
+        if not name or not (folder / "calibration.json").is_file():
+            raise UserError(f"no shipped SCD calibration for {pair.consumer_source}; make one with "
+                            f"`python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
+        _CALIBS[key] = cal.load(folder, pair)
+    return _CALIBS[key]
+
+
+def _parse_layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"manual patch layers must be integers separated by commas, got {text!r}") from None
+
+
+def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, rank_k: int, rank_v: int,
+            patch_k: int, placement: str, layers: str, gbps: float, latency_s: float) -> dict:
+    """Every SCD method on one text, with tables, token texts and figures for the tab."""
+    from scdviz import link, plots
+    from scdviz.scd import evaluate, explore
+
+    calib = get_calibration(pair)
+    if patch_k > len(calib.patch_order) and placement != "manual":
+        raise UserError(f"this calibration orders {len(calib.patch_order)} patch layers; choose k ≤ {len(calib.patch_order)}")
+    if gbps <= 0:
+        raise UserError("link bandwidth must be positive")
+    plan = explore.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, _parse_layers(layers))
+    report = explore.explore(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens())
+    table = report.table()
+    own = link.Link(gbps, latency_s)
+    table["ttft_your_link_ms"] = [
+        round(1000 * (r.oracle_seconds if r.method == "oracle" else
+                      link.ttft(r.payload_bytes_per_token * r.prompt_tokens, r.consumer_seconds + r.encode_seconds, own)), 1)
+        for r in report.methods]
+    tok = pair.tokenizer
+    texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
+    res = report.methods
+    spectra = evaluate.spectra(calib)
+    figures = {
+        "drift_k": plots.layer_drift(res[1:], "K"), "drift_v": plots.layer_drift(res[1:], "V"),
+        "accumulation": plots.error_accumulation(res), "amplification": plots.amplification(res[1:]),
+        "placement": plots.patch_placement(calib.ideal_gain, plan.layers_in("patch")),
+        "spectra_k": plots.rank_spectra(spectra, "K", plan.rank_k), "spectra_v": plots.rank_spectra(spectra, "V", plan.rank_v),
+        "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
+    }
+    info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. SCD full patches layers "
+            f"{plan.layers_in('patch') or 'none'} with {bits}-bit codes. Consumer {pair.consumer_source}.")
+    return {"info": info, "table": table, "texts": texts, "figures": figures}
+
+
+# ----------------------------------------------------------------------------- eviction tab
+
+
+def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, budget: float, which: str,
+              method: str) -> dict:
+    """Every eviction method on one context, with retained-token views, texts and figures."""
+    from scdviz import plots
+    from scdviz.evict.explore import explore
+
+    if not context or not context.strip():
+        raise UserError("the context is empty")
+    n_ctx = len(pair.tokenizer(context, add_special_tokens=False)["input_ids"])
+    if n_ctx > settings.max_prompt_tokens():
+        raise UserError(f"the context has {n_ctx} tokens; this app accepts at most {settings.max_prompt_tokens()}")
+    if unit.startswith("%"):
+        if not 0 < budget < 100:
+            raise UserError(f"a kept budget must be between 0 and 100 %, got {budget:g}")
+        keep: float | int = float(budget) / 100
+    else:
+        if budget < 1 or budget != int(budget):
+            raise UserError(f"a token budget must be a positive whole number, got {budget:g}")
+        keep = int(budget)
+    model = pair.producer if which == "producer" else pair.consumer
+    view = explore(model, pair.tokenizer, context, question, keep, aware)
+    method = method if method in view.kept_fraction else next(iter(view.kept_fraction))
+    kept = list(zip(view.context_tokens, view.kept_fraction[method]))
+    import pandas as pd
+
+    figures = {
+        "kl_steps": plots.kl_per_step(view.kl_steps), "sweep": plots.budget_sweep(view.sweep),
+        "heatmap": plots.kept_heatmap(view.kept_per_layer[method], view.context_tokens, method),
+        "features": plots.feature_distributions(view.features, view.kept_fraction[method], view.feature_names),
+    }
+    info = (f"{method}: keeps {view.tokens_kept} of {len(view.context_tokens)} context tokens per layer and KV head "
+            f"({view.budget_label}); {which} model. Full-cache continuation: “{view.continuation.strip()}”")
+    texts = [[m, g] for m, g in view.generations.items()]
+    return {"info": info, "kept": kept, "table": pd.DataFrame(view.rows), "texts": texts,
+            "methods": sorted(view.kept_fraction), "figures": figures}

@@ -93,9 +93,55 @@ def test_pair_tab_loads_pair_and_generates(page, tmp_path_factory):
     _shot(page, "pair", tmp_path_factory)
 
 
+def _plots_drawn(page, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        plot = page.locator(f"#{prefix}-{name} .js-plotly-plot")
+        plot.first.wait_for(timeout=60_000)
+        assert plot.count() >= 1, name
+
+
+def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
+    from scdviz.ui.scd_tab import FIGURES
+
+    page.get_by_role("tab", name="SCD transfer").click()
+    page.locator("#scd-run").click()
+    page.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=300_000)
+    table = page.locator("#scd-table").inner_text()
+    for method in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only", "SCD full"):
+        assert method in table
+    texts = page.locator("#scd-texts").inner_text()
+    assert "oracle:" in texts and "SCD full:" in texts
+    _plots_drawn(page, "scd", FIGURES)
+    _shot(page, "scd", tmp_path_factory)
+
+
+def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
+    from scdviz.ui.evict_tab import FIGURES
+
+    page.get_by_role("tab", name="DistillCache eviction").click()
+    page.locator("#ev-run").click()
+    page.locator("#ev-info").get_by_text("keeps").wait_for(timeout=300_000)
+    table = page.locator("#ev-table").inner_text()
+    for method in ("distillcache-head", "distillcache-global", "SnapKV", "ObservedAttention", "StreamingLLM", "TOVA",
+                   "ExpectedAttention", "Knorm", "Random"):
+        assert method in table
+    assert len(page.locator("#ev-kept").inner_text().split()) > 50  # the context, token by token
+    assert "distillcache-head" in page.locator("#ev-texts").inner_text()
+    _plots_drawn(page, "ev", FIGURES)
+    _shot(page, "evict", tmp_path_factory)
+
+
 def test_bad_input_shows_a_message_not_a_traceback(page):
+    page.get_by_role("tab", name="Pair").click()
     page.locator("#pair-prompt textarea").fill("   ")
     page.locator("#pair-generate").click()
-    toast = page.get_by_text("the prompt is empty")
-    toast.first.wait_for(timeout=60_000)
+    page.get_by_text("the prompt is empty").first.wait_for(timeout=60_000)
+    page.get_by_role("tab", name="DistillCache eviction").click()
+    page.locator("#ev-budget input").fill("250")
+    page.locator("#ev-run").click()
+    page.get_by_text("must be between 0 and 100").first.wait_for(timeout=60_000)
+    page.get_by_role("tab", name="SCD transfer").click()
+    page.locator("#scd-text textarea").fill("too short")
+    page.locator("#scd-run").click()
+    page.get_by_text("SCD needs at least").first.wait_for(timeout=60_000)
     assert "Traceback" not in page.content()

@@ -159,21 +159,25 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     obs.scores = {(name, lab): obs.scores[(name, frac)] for name in presses for lab, frac in fracs.items()}
     tail = ids[:, prefix:]
     ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), tail, prefix)[0]
-    results = {}
+    results, kept = {}, {}
     for label, n_keep in budgets(cfg, prefix):
         for name, idx in method_indices(obs, feats, policies, label, n_keep).items():
             logits = hf.continue_logits(model, prune(model, obs, idx), tail, prefix)[0]
             results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": n_keep}
+            kept[(name, label)] = idx
     seconds = _policy_seconds(feats, policies) | obs.score_seconds
-    return {"results": results, "overhead": {k: v / obs.prefill_seconds for k, v in seconds.items()}, "feats": feats}
+    overhead = {k: v / obs.prefill_seconds for k, v in seconds.items()}
+    return {"results": results, "overhead": overhead, "feats": feats, "kept": kept, "observed": obs}
 
 
 def _metrics(ref, logits, tail, cont_len: int) -> dict:
     """KL, top-1 and NLL over the continuation part of the tail."""
     r, g = ref[-cont_len:], logits[-cont_len:]
     nll = metrics.nll_per_token(g[:-1], tail[-cont_len + 1 :])
+    kl = metrics.kl_per_token(r, g)
     return {
-        "kl": float(metrics.kl_per_token(r, g).mean()),
+        "kl": float(kl.mean()),
+        "kl_steps": kl.tolist(),
         "top1": float(metrics.top1_agreement(r, g).mean()),
         "nll": nll.tolist(),
     }

@@ -88,12 +88,16 @@ def bench(
     budgets: tuple[float, ...] = (),
     specialist: str | None = None,
     progress: bool = True,
+    scd_full: Plan | None = None,
 ) -> BenchReport:
-    """Run the lineup (and sweeps) on ``windows``; see the module docstring."""
+    """Run the lineup (and sweeps) on ``windows``; see the module docstring.
+
+    scd_full: the SCD plan in the lineup (default: the calibration's operating point).
+    """
     n = hf.n_layers(pair.consumer)
     cases = evaluate.prepare_cases(pair, windows, cont_len, progress)
     oracle, gens = evaluate.oracle_result(pair, cases, gen_tokens)
-    lineup = evaluate.lineup(calib, n)
+    lineup = evaluate.lineup(calib, n, scd_full)
     results = evaluate.run_methods(pair, calib, cases, lineup, "method", gen_tokens, gens, progress)
     report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup})
     if sweeps:

@@ -50,6 +50,8 @@ class MethodResult:
     drift_k: list[float] = field(default_factory=list)  # (L,) ‖K − K^oracle‖² / ‖K^oracle‖² of the cache
     drift_v: list[float] = field(default_factory=list)  # (L,) same for values
     divergence: list[float] = field(default_factory=list)  # (L+1,) ‖h_l − h_l^oracle‖ / ‖h_l^oracle‖, continuation
+    prompt_tokens: float = 0.0  # mean prompt tokens carried by the payload
+    generations: list[list[int]] = field(default_factory=list)  # greedy token ids per prompt (when generated)
 
     @property
     def speedup_10gbps(self) -> float:
@@ -70,10 +72,13 @@ def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress:
     ]
 
 
-def lineup(calib: cal.Calibration, n_layers: int) -> list[plans.Plan]:
-    """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full."""
+def lineup(calib: cal.Calibration, n_layers: int, scd_full: plans.Plan | None = None) -> list[plans.Plan]:
+    """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.
+
+    scd_full: the SCD plan to compare (default: the calibration's operating point).
+    """
     k = calib.config.op_patch_k
-    scd_full = cal.operating_plan(calib)
+    scd_full = scd_full or cal.operating_plan(calib)
     reuse = cal.operating_plan(calib, patch_k=0, name="SCD reuse-only")
     block = plans.contiguous_block(calib.ideal_gain, k)
     return [plans.raw_plan(n_layers), plans.raw_plan(n_layers, bits=4), plans.droidspeak_plan(n_layers, block), reuse, scd_full]
@@ -103,6 +108,7 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
     """Run one plan on every case and aggregate (generation when gen_tokens > 0)."""
     kl_prompt, top1, nll, nll_o, f1 = [], [], [], [], []
     dk, dv, div, cons, enc, orc, pay, ttfts = [], [], [], [], [], [], [], {lk.label: [] for lk in links.PRESETS}
+    gens: list[list[int]] = []
     fp16 = pair.consumer_facts.kv_bytes_per_token_fp16
     for i, case in enumerate(cases):
         run = transfer.run_plan(pair.consumer, case, plan, calib)
@@ -125,6 +131,7 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
         if gen_tokens:
             got = hf.generate(pair.consumer, run.cache, case.fed[:, :1], case.state.ids.shape[1], gen_tokens)
             f1.append(metrics.token_f1(got, oracle_gen[i]))
+            gens.append(got)
     kl_mean, kl_se = metrics.mean_se(kl_prompt)
     bpt = sum(pay) / len(pay)
     return MethodResult(
@@ -134,6 +141,7 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
         consumer_seconds=sum(cons) / len(cons), encode_seconds=sum(enc) / len(enc), oracle_seconds=sum(orc) / len(orc),
         ttft={k: sum(v) / len(v) for k, v in ttfts.items()}, n_prompts=len(cases), n_tokens=len(top1),
         modes=list(plan.modes), drift_k=_mean(dk), drift_v=_mean(dv), divergence=_mean(div),
+        prompt_tokens=sum(c.state.ids.shape[1] for c in cases) / len(cases), generations=gens,
     )
 
 
@@ -150,6 +158,7 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
         "oracle", "method", 0.0, float("nan"), 0.0, 0.0, 1.0, metrics.perplexity(nll), metrics.perplexity(nll),
         1.0 if gen_tokens else None, orc, 0.0, orc, {lk.label: orc for lk in links.PRESETS}, len(cases), len(nll),
         ["own"] * n, [0.0] * n, [0.0] * n, [0.0] * (n + 1),
+        sum(c.state.ids.shape[1] for c in cases) / len(cases), gens,
     )
     return res, gens
 

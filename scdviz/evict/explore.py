@@ -1,0 +1,99 @@
+"""One context, every eviction method: what each keeps and what it costs (the app's view).
+
+``explore`` runs the benchmark's own ``score_context`` on a single user context (so the
+numbers equal ``bench evict`` on the same window and settings) and adds what a person
+wants to look at: which tokens each method keeps (fraction of layer × KV-head slots
+keeping each token), KL per decode step, the budget sweep, the tokens' features, and
+greedy text generated from each pruned cache. The continuation scored is the full
+cache's own greedy generation. No figures here (scdviz.plots), no training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scdviz.evict import evaluate
+from scdviz.evict.context import prune
+from scdviz.evict.features import NAMES
+from scdviz.evict.policy import keep_count
+from scdviz.models import hf
+
+SWEEP = (0.5, 0.25, 0.125)  # kept fractions of the budget sweep
+
+
+@dataclass
+class EvictionView:
+    """Everything the eviction tab shows for one context."""
+
+    context_tokens: list[str]  # (T,) decoded tokens of the compressed part
+    budget_label: str  # the chosen budget's label ("0.25" or "64tok")
+    tokens_kept: int  # tokens kept per layer / head at the chosen budget
+    kept_fraction: dict[str, list[float]]  # method -> (T,) share of layer×head slots keeping token i
+    kept_per_layer: dict[str, list[list[float]]]  # method -> (L, T) share of KV heads keeping token i
+    kl_steps: dict[str, list[float]]  # method -> KL(full ‖ pruned) per scored continuation step
+    sweep: dict[str, dict[float, float]]  # method -> kept fraction -> mean KL
+    rows: list[dict]  # method, kl, top1, ppl at the chosen budget
+    features: list[list[float]]  # (T, 5) global-form features of every context token
+    feature_names: tuple[str, ...] = NAMES  # names of the 5 features
+    continuation: str = ""  # the full cache's greedy continuation (the scored tokens)
+    generations: dict[str, str] = field(default_factory=dict)  # method -> greedy text from its pruned cache
+
+
+def _kept_masks(idx, n_tokens: int, n_layers: int) -> torch.Tensor:
+    """(L, T) share of KV heads keeping each token, from per-layer (B, Hkv, n) or one (B, n) set."""
+    per_layer = idx if isinstance(idx, list) else [idx] * n_layers
+    rows = []
+    for i in per_layer:
+        i = i[0] if i.dim() == 3 else i  # (Hkv, n) or (1, n)
+        mask = torch.zeros(i.shape[0], n_tokens)
+        mask.scatter_(1, i.cpu(), 1.0)
+        rows.append(mask.mean(0))
+    return torch.stack(rows)
+
+
+def explore(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
+            cont_len: int = 24, gen_tokens: int = 24) -> EvictionView:
+    """Compress ``context`` (plus ``question`` when aware) with every method at ``keep`` and compare."""
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
+    if len(ctx) < 16:
+        raise ValueError(f"the context has {len(ctx)} tokens; give at least 16")
+    prompt = ctx + q
+    prefix = len(prompt) - 1 if (aware or not q) else len(ctx)  # the compressed part
+    if isinstance(keep, int) and not keep < prefix:
+        raise ValueError(f"a budget of {keep} tokens keeps the whole {prefix}-token context; choose fewer")
+    hf.set_eager(model)
+    ids = torch.tensor([prompt])
+    full = hf.forward(model, ids[:, :prefix]).cache
+    cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)
+    window = torch.tensor([prompt + cont])
+    label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
+    keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
+    cfg = evaluate.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
+    policies, presses = evaluate.load_policies(()), evaluate.baselines()
+    out = evaluate.score_context(model, window, prefix, cfg, policies, presses)
+    n_layers = hf.n_layers(model)
+    masks = {m: _kept_masks(i, prefix, n_layers) for (m, lab), i in out["kept"].items() if lab == label}
+    res = out["results"]
+    methods = sorted(masks)
+    feats = out["feats"][min(out["feats"])].global_features[0]
+    gens = {}
+    for m in methods:
+        cache = prune(model, out["observed"], out["kept"][(m, label)])
+        gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
+    return EvictionView(
+        context_tokens=[tokenizer.decode([t]) for t in prompt[:prefix]],
+        budget_label=label,
+        tokens_kept=keep_count(prefix, keep),
+        kept_fraction={m: masks[m].mean(0).tolist() for m in methods},
+        kept_per_layer={m: masks[m].tolist() for m in methods},
+        kl_steps={m: res[(m, label)]["kl_steps"] for m in methods},
+        sweep={m: {k: res[(m, f"{k:g}")]["kl"] for k in keeps} for m in methods},
+        rows=[{"method": m, "kl": round(res[(m, label)]["kl"], 4), "top1": round(res[(m, label)]["top1"], 3),
+               "tokens_kept": res[(m, label)]["tokens_kept"]} for m in methods],
+        features=feats.tolist(),
+        continuation=tokenizer.decode(cont),
+        generations=gens,
+    )

@@ -1,0 +1,59 @@
+"""DistillCache tab: compress one context with every eviction method and compare.
+
+Widgets and wiring only; ``run`` arrives from app.py and returns the retained-token
+views, texts, table and figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+
+from scdviz.ui.common import guard
+
+FIGURES = ("kl_steps", "sweep", "heatmap", "features")
+
+
+def build(run: Callable, examples: list[str], pair_state: gr.State) -> None:
+    """Add the eviction tab's widgets; ``run(pair_key, context, question, ...)`` does the work."""
+    gr.Markdown(
+        "Prune the producer's cache of the context to a budget with the learned DistillCache policies and "
+        "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
+        "full cache's own greedy continuation. Same code as `python -m scdviz bench evict`."
+    )
+    context = gr.Textbox(label="Context", lines=5, value=examples[0] if examples else "", elem_id="ev-context")
+    if examples:
+        gr.Examples([[e] for e in examples], inputs=[context], label="Passages from the shipped evaluation text")
+    with gr.Row():
+        question = gr.Textbox(label="Question (optional)", value="", elem_id="ev-question")
+        aware = gr.Checkbox(label="Question-aware (compress context + question)", value=False)
+    with gr.Row():
+        unit = gr.Radio(["% kept", "tokens kept"], value="% kept", label="Budget unit")
+        budget = gr.Number(value=25, label="Budget", elem_id="ev-budget")
+        model = gr.Radio(["producer", "consumer"], value="producer", label="Model")
+        show = gr.Dropdown(["distillcache-head"], value="distillcache-head", label="Method to inspect",
+                           allow_custom_value=True, elem_id="ev-show")
+        go_btn = gr.Button("Evict", variant="primary", elem_id="ev-run")
+    info = gr.Markdown(elem_id="ev-info")
+    kept = gr.HighlightedText(label="Retained tokens (darker = kept by more layers × KV heads)",
+                              combine_adjacent=False, show_legend=False, elem_id="ev-kept")
+    table = gr.Dataframe(label="At this budget", interactive=False, elem_id="ev-table")
+    texts = gr.Dataframe(headers=["method", "generated from the pruned cache"], label="Generated text",
+                         interactive=False, wrap=True, elem_id="ev-texts")
+    plots = {}
+    for row in (FIGURES[:2], FIGURES[2:]):
+        with gr.Row():
+            for name in row:
+                plots[name] = gr.Plot(elem_id=f"ev-{name}", label=name)
+
+    def on_run(key, ctx, q, aw, u, b, m, method, progress=gr.Progress()):  # noqa: B008
+        if not key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        progress(0.1, desc="one eager prefill, then every method")
+        out = run(key, ctx, q, bool(aw), u, b, m, method)
+        return [out["info"], out["kept"], out["table"], out["texts"], gr.update(choices=out["methods"])] + [
+            out["figures"][n] for n in FIGURES]
+
+    go_btn.click(guard(on_run), [pair_state, context, question, aware, unit, budget, model, show],
+                 [info, kept, table, texts, show] + [plots[n] for n in FIGURES], concurrency_limit=1)

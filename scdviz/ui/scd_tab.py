@@ -1,0 +1,68 @@
+"""SCD tab: one prompt through every transfer method, plan controls, text, table and plots.
+
+Widgets and wiring only; ``run`` arrives from app.py and returns (table rows, headers,
+texts per method, figures, info markdown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+
+from scdviz.ui.common import diff_tokens, guard
+
+FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
+           "ttft")
+
+
+def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: int = 192) -> None:
+    """Add the SCD tab's widgets; ``run(pair_key, text, controls...)`` does the work."""
+    gr.Markdown(
+        "The producer prefills the text; each method moves its cache to the consumer, which scores the last "
+        "*continuation* tokens teacher-forced and generates greedily. KL is KL(oracle ‖ method) per token; "
+        "the oracle is the consumer's own prefill. Same code as `python -m scdviz bench scd`."
+    )
+    text = gr.Textbox(label="Text (prompt + continuation)", lines=5, value=examples[0] if examples else "",
+                      elem_id="scd-text")
+    if examples:
+        gr.Examples([[e] for e in examples], inputs=[text], label="Windows from the shipped evaluation text")
+    with gr.Row():
+        cont = gr.Slider(8, 64, value=32, step=8, label="Continuation tokens scored")
+        gen = gr.Slider(4, 48, value=24, step=4, label="Tokens generated per method")
+        bits = gr.Radio([4, 8, 16], value=4, label="Code precision (bits)")
+    with gr.Row():
+        rank_k = gr.Slider(0, max_rank, value=0, step=8, label="r_K (0 = operating point)")
+        rank_v = gr.Slider(0, max_rank, value=0, step=8, label="r_V (0 = operating point)")
+        patch_k = gr.Slider(0, 8, value=2, step=1, label="Patch layers k")
+        placement = gr.Radio(["selected", "drift", "manual"], value="selected", label="Placement")
+        layers = gr.Textbox(label="Manual patch layers (e.g. 14, 18)", value="")
+    with gr.Row():
+        gbps = gr.Slider(0.5, 100, value=10, label="Link bandwidth (Gbit/s)")
+        latency = gr.Slider(0.0, 20.0, value=0.5, step=0.5, label="Link latency (ms)")
+        go_btn = gr.Button("Transfer", variant="primary", elem_id="scd-run")
+    info = gr.Markdown(elem_id="scd-info")
+    table = gr.Dataframe(label="Results (one prompt)", interactive=False, elem_id="scd-table")
+    texts = gr.HighlightedText(label="Generated text per method (tokens that differ from the oracle's are marked)",
+                               combine_adjacent=False, show_inline_category=False, show_legend=True,
+                               color_map={"differs": "orange"}, elem_id="scd-texts")
+    plots = {}
+    for row in (FIGURES[0:2], FIGURES[2:4], FIGURES[4:6], FIGURES[6:8], FIGURES[8:]):
+        with gr.Row():
+            for name in row:
+                plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
+
+    def on_run(key, txt, c, g, b, rk, rv, k, place, lay, bw, lat, progress=gr.Progress()):  # noqa: B008
+        if not key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        progress(0.1, desc="transferring with every method")
+        out = run(key, txt, int(c), int(g), int(b), int(rk), int(rv), int(k), place, lay, float(bw), float(lat) / 1000)
+        segments = []
+        oracle = out["texts"][0][1]
+        for method, tokens in out["texts"]:
+            segments.append((f"\n{method}: ", None))
+            segments += diff_tokens(tokens, oracle)
+        return [out["info"], out["table"], segments] + [out["figures"][n] for n in FIGURES]
+
+    go_btn.click(guard(on_run), [pair_state, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps,
+                                 latency], [info, table, texts] + [plots[n] for n in FIGURES], concurrency_limit=1)
