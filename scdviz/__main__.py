@@ -104,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks that print tables (scd, evict)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     # Method CLIs register their own commands here: register(sub, bench_sub).
-    __import__("scdviz.evict.cli", fromlist=["register"]).register(sub, bench_sub)
-    __import__("scdviz.scd.cli", fromlist=["register"]).register(sub, bench_sub)
+    from scdviz.evict import cli as evict_cli
+    from scdviz.scd import cli as scd_cli
+
+    evict_cli.register(sub, bench_sub)
+    scd_cli.register(sub, bench_sub)
 
     args = parser.parse_args(argv)
     from scdviz.models.pair import PairError
