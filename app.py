@@ -10,10 +10,13 @@ per-user results live in gr.State. Nothing heavy happens at import time.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import gradio as gr
 
 from scdviz import data, drift, service, settings
-from scdviz.ui import evict_tab, pair_tab, scd_tab
+from scdviz.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
 
 try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
     import spaces  # type: ignore
@@ -70,6 +73,45 @@ def evict_run(key, context, question, aware, unit, budget, which, method):
     return service.evict_run(_pair(key), context, question, aware, unit, budget, which, method)
 
 
+def calibrate(key, corpus, n_fit, op_k, bits, name):
+    from scdviz import plots
+
+    calib, folder = service.calibrate_for(_pair(key), corpus, n_fit, op_k, bits, name)
+    md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{folder}`; the SCD tab now uses it. "
+          f"Patch order: {calib.patch_order}.")
+    return md, plots.selection_curve(calib.selection_kl, calib.patch_order)
+
+
+def load_calibration(key, folder):
+    from scdviz import plots
+
+    calib = service.load_calibration_for(_pair(key), folder)
+    return f"Loaded; the SCD tab now uses it. Patch order: {calib.patch_order}.", plots.selection_curve(
+        calib.selection_kl, calib.patch_order)
+
+
+@gpu
+def train(key, steps, contexts, per_head, name):
+    from scdviz import plots
+
+    pair = _pair(key)
+    log = None
+    for log in service.train_policy_live(pair.producer_source, steps, contexts, per_head, name):
+        done = len((log or {}).get("steps", []))
+        yield f"Training on {pair.producer_source}: {done}/{steps} REINFORCE steps.", plots.training_curve(log)
+    folder = service.runs_dir(name)
+    yield f"Done: {len(log['steps'])} steps; policy saved in `{folder}`.", plots.training_curve(log)
+
+
+def load_results(path):
+    from scdviz import plots
+
+    df, kind = service.load_results(path)
+    csv = Path(tempfile.mkdtemp(prefix="scdviz-")) / (Path(path).stem + ".csv")  # gradio serves temp files
+    df.to_csv(csv, index=False)
+    return f"{len(df)} {kind} records from `{Path(path).name}`.", df, plots.results_overview(df, kind), str(csv)
+
+
 def _windows(n: int = 3, tokens: int = 288) -> list[str]:
     """Decoded evaluation windows of ``tokens`` tokens (the benchmark's own windows)."""
     from transformers import AutoTokenizer
@@ -113,6 +155,11 @@ def build_demo() -> gr.Blocks:
             scd_tab.build(scd_run, windows, pair_state)
         with gr.Tab("DistillCache eviction"):
             evict_tab.build(evict_run, _examples(3, 2000), pair_state)
+        with gr.Tab("Calibrate / train"):
+            train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state)
+        with gr.Tab("Results"):
+            files = [*settings.ASSETS_DIR.glob("scd/*/bench.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]
+            results_tab.build(load_results, [(str(p.relative_to(settings.REPO_DIR)), str(p)) for p in sorted(files)])
     demo.queue(default_concurrency_limit=1, max_size=32)
     return demo
 

@@ -160,3 +160,49 @@ def feature_distributions(features: list[list[float]], kept: list[float], names:
     fig.update_layout(title="Features of kept vs evicted tokens", template="plotly_white", height=360,
                       margin=dict(l=40, r=20, t=70, b=40))
     return fig
+
+
+# ----------------------------------------------------------------------------- training and saved results
+
+
+def training_curve(log: dict | None) -> go.Figure:
+    """REINFORCE sampled KL per step (and its running mean) plus validation KL at checkpoints."""
+    fig = go.Figure()
+    steps = (log or {}).get("steps", [])
+    if steps:
+        xs, kl = [s["step"] for s in steps], [s["kl"] for s in steps]
+        run = [sum(kl[max(0, i - 9) : i + 1]) / len(kl[max(0, i - 9) : i + 1]) for i in range(len(kl))]
+        fig.add_scatter(x=xs, y=kl, mode="markers", name="sampled KL", marker=dict(size=4, opacity=0.4))
+        fig.add_scatter(x=xs, y=run, mode="lines", name="running mean (10)")
+    val = (log or {}).get("val", [])
+    if val:
+        fig.add_scatter(x=[v.get("step", i) for i, v in enumerate(val)], y=[v["kl"] for v in val],
+                        mode="lines+markers", name="validation KL (deterministic)")
+    return _layout(fig, "Policy training", "REINFORCE step", "KL(full ‖ pruned)")
+
+
+def selection_curve(selection_kl: list[float], order: list[int]) -> go.Figure:
+    """Continuation KL after adding each patch layer in selection order (0 = no patch)."""
+    labels = ["none"] + [f"+L{layer}" for layer in order[: max(0, len(selection_kl) - 1)]]
+    fig = go.Figure(go.Scatter(x=labels, y=selection_kl, mode="lines+markers"))
+    return _layout(fig, "Greedy patch selection on calibration data", "patch layers added", "continuation KL")
+
+
+def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
+    """A saved benchmark: payload vs KL (SCD) or KL vs kept fraction (eviction)."""
+    if kind == "scd":
+        rows = df[df.get("kind", "measured") == "measured"] if "kind" in df else df
+        rows = rows[rows["payload_bytes_per_token"] > 0]
+        fig = go.Figure()
+        for name, part in rows.groupby("specialist" if "specialist" in rows else "method"):
+            fig.add_scatter(x=part["payload_bytes_per_token"], y=part["kl"], mode="markers+text", text=part["method"],
+                            textposition="top center", name=str(name))
+        return _layout(fig, "Saved SCD benchmark: payload vs KL", "payload bytes per prompt token", "KL", log_y=True)
+    fig = go.Figure()
+    rows = df[pd.to_numeric(df["keep"], errors="coerce").notna()]
+    keys = [c for c in ("model", "mode", "method") if c in rows]
+    for name, part in rows.groupby(keys):
+        part = part.assign(keep=part["keep"].astype(float)).sort_values("keep")
+        label = " / ".join(str(x) for x in (name if isinstance(name, tuple) else (name,)))
+        fig.add_scatter(x=100 * part["keep"], y=part["kl"], mode="lines+markers", name=label)
+    return _layout(fig, "Saved eviction benchmark: KL vs budget", "% kept", "KL", log_y=True)

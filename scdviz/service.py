@@ -12,8 +12,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
-from scdviz import settings
+from scdviz import data, settings
 from scdviz.models import builtin, hf
 from scdviz.models.pair import Pair, PairError, load_pair
 
@@ -213,3 +214,100 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
     texts = [[m, g] for m, g in view.generations.items()]
     return {"info": info, "kept": kept, "table": pd.DataFrame(view.rows), "texts": texts,
             "methods": sorted(view.kept_fraction), "figures": figures}
+
+
+# ----------------------------------------------------------------------------- calibrate / train tab
+
+
+def runs_dir(name: str) -> Path:
+    """A folder for artefacts made in the app (under SCDVIZ_CACHE/runs/)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name.strip()) or "run"
+    return settings.cache_dir() / "runs" / safe
+
+
+def calibrate_for(pair: Pair, corpus: str, n_fit: int, op_k: int, bits: int, name: str) -> tuple[object, Path]:
+    """Calibrate SCD for a loaded pair on a shipped corpus, save it, and make it the pair's active calibration."""
+    from scdviz.scd import calibrate as cal
+
+    if corpus not in data.corpora():
+        raise UserError(f"unknown corpus {corpus!r}; shipped: {', '.join(data.corpora())}")
+    if not 4 <= n_fit <= 256:
+        raise UserError(f"calibration windows must be between 4 and 256, got {n_fit}")
+    cfg = cal.CalibConfig(corpus=corpus, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
+                          patch_k=max(op_k, 2))
+    calib = cal.calibrate(pair, cfg)
+    folder = runs_dir(name)
+    cal.save(calib, folder)
+    _CALIBS[(pair.producer_source, pair.consumer_source)] = calib
+    return calib, folder
+
+
+def load_calibration_for(pair: Pair, folder: str):
+    """Load a saved calibration folder for the pair (refused for another pair, or in hosted mode)."""
+    from scdviz.scd import calibrate as cal
+
+    if settings.hosted():
+        raise UserError("this hosted demo does not load local paths")
+    path = Path(folder.strip()).expanduser()
+    if not (path / "calibration.json").is_file():
+        raise UserError(f"{path} holds no calibration (calibration.json missing)")
+    calib = cal.load(path, pair)
+    _CALIBS[(pair.producer_source, pair.consumer_source)] = calib
+    return calib
+
+
+def train_policy_live(model_source: str, steps: int, contexts: int, per_head: bool, name: str):
+    """Train a DistillCache policy in a thread; yields the growing log every ~2 s, then the final log."""
+    import threading
+
+    from scdviz.evict.policy import PolicyConfig
+    from scdviz.evict.trainer import TrainConfig, train
+
+    if not 1 <= steps <= 2000 or not 2 <= contexts <= 128:
+        raise UserError("steps must be 1..2000 and contexts 2..128")
+    cfg = TrainConfig(out=str(runs_dir(name)), model=model_source, contexts=contexts, steps=steps, warm_steps=50,
+                      lr=3e-4, entropy_coef=1e-4, checkpoint_every=max(5, steps // 4), val_contexts=4,
+                      policy=PolicyConfig(per_head=per_head))
+    state: dict = {"log": None, "error": None}
+
+    def work():
+        try:
+            state["log"] = train(cfg, progress=True, on_step=lambda log: state.update(log=log))
+        except Exception as err:  # noqa: BLE001 - reported to the caller below
+            state["error"] = err
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(2.0)
+        yield state["log"]
+    if state["error"] is not None:
+        raise state["error"]
+    yield state["log"]
+
+
+# ----------------------------------------------------------------------------- results tab
+
+
+def load_results(path: str):
+    """A benchmark JSON (list of records) or CSV as a DataFrame, with its kind ('scd' or 'evict')."""
+    import json
+
+    import pandas as pd
+
+    p = Path(path)
+    if p.suffix == ".csv":
+        df = pd.read_csv(p)
+    else:
+        try:
+            records = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UserError(f"{p.name} is not a JSON file: {err}") from None
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise UserError(f"{p.name}: expected a JSON list of records from `python -m scdviz bench ...`")
+        df = pd.DataFrame(records)
+    if {"payload_bytes_per_token", "kl"} <= set(df.columns):
+        return df, "scd"
+    if {"keep", "kl", "method"} <= set(df.columns):
+        return df, "evict"
+    raise UserError(f"{p.name} has neither SCD (payload_bytes_per_token, kl) nor eviction (keep, kl) columns")

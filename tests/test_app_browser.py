@@ -131,6 +131,26 @@ def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
     _shot(page, "evict", tmp_path_factory)
 
 
+def test_results_tab_opens_shipped_records(page, tmp_path_factory):
+    page.get_by_role("tab", name="Results").click()
+    page.locator("#res-shipped input").click()
+    page.get_by_text("assets/scd/jargon/bench.json").first.click()
+    page.locator("#res-info").get_by_text("scd records from").wait_for(timeout=60_000)
+    assert "SCD full" in page.locator("#res-table").inner_text()
+    _plots_drawn(page, "res", ("plot",))
+    assert "KB" in page.locator("#res-export").inner_text()  # the exported CSV is offered
+    _shot(page, "results", tmp_path_factory)
+
+
+def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
+    page.get_by_role("tab", name="Calibrate / train").click()
+    page.locator("#train-run").click()
+    page.locator("#train-info").get_by_text("REINFORCE steps").wait_for(timeout=300_000)  # live updates
+    page.locator("#train-info").get_by_text("Done:").wait_for(timeout=600_000)
+    _plots_drawn(page, "train", ("plot",))
+    _shot(page, "train", tmp_path_factory)
+
+
 def test_bad_input_shows_a_message_not_a_traceback(page):
     page.get_by_role("tab", name="Pair").click()
     page.locator("#pair-prompt textarea").fill("   ")

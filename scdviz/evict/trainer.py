@@ -187,8 +187,11 @@ def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig,
     return {"loss": loss, "kl": float(torch.tensor(kls).mean()), "entropy": float(entropy)}
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
-    """Run (or resume) a training run; returns the log (also written to out/log.json)."""
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, on_step=None) -> dict:
+    """Run (or resume) a training run; returns the log (also written to out/log.json).
+
+    on_step(log): optional callback after every REINFORCE step (the app's live plot).
+    """
     from scdviz.models.pair import load_model
 
     out = Path(cfg.out)
@@ -242,6 +245,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
+        if on_step is not None:
+            on_step(log)
     return log
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import gradio as gr
@@ -17,17 +18,31 @@ def guard(fn):
     logged on the server with its traceback and reported to the user in one line.
     """
 
+    def translate(err: Exception) -> gr.Error:
+        if isinstance(err, gr.Error):
+            return err
+        if isinstance(err, ValueError):
+            return gr.Error(str(err), print_exception=False)
+        log.exception("handler %s failed", fn.__name__)
+        return gr.Error(f"internal error ({type(err).__name__}): {err}", print_exception=False)
+
+    if inspect.isgeneratorfunction(fn):  # streaming handlers (live plots)
+
+        @functools.wraps(fn)
+        def gen_wrapper(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - the server must survive any handler failure
+                raise translate(err) from None
+
+        return gen_wrapper
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except ValueError as err:
-            raise gr.Error(str(err), print_exception=False) from None
         except Exception as err:  # noqa: BLE001 - the server must survive any handler failure
-            log.exception("handler %s failed", fn.__name__)
-            raise gr.Error(f"internal error ({type(err).__name__}): {err}", print_exception=False) from None
+            raise translate(err) from None
 
     return wrapper
 

@@ -1,0 +1,33 @@
+"""Results tab: open a benchmark file written by `python -m scdviz bench ... --out`, see it, export it.
+
+Widgets and wiring only; ``load`` arrives from app.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+
+from scdviz.ui.common import guard
+
+
+def build(load: Callable, shipped: list[tuple[str, str]]) -> None:
+    """``load(path) -> (markdown, DataFrame, figure, csv_path)``; ``shipped``: (label, path) of bundled records."""
+    gr.Markdown("Upload the JSON (or CSV) from `python -m scdviz bench scd|evict --out FILE`, or open one of the "
+                "records shipped with the built-in pair.")
+    with gr.Row():
+        upload = gr.File(label="Benchmark JSON / CSV", file_types=[".json", ".csv"], elem_id="res-upload")
+        bundled = gr.Dropdown(shipped, label="Shipped records", value=None, elem_id="res-shipped")
+    info = gr.Markdown(elem_id="res-info")
+    plot = gr.Plot(elem_id="res-plot")
+    table = gr.Dataframe(interactive=False, elem_id="res-table")
+    export = gr.File(label="Export as CSV", elem_id="res-export")
+
+    def on_file(f):
+        if f is None:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return load(f if isinstance(f, str) else f.name)
+
+    upload.change(guard(on_file), [upload], [info, table, plot, export])
+    bundled.change(guard(on_file), [bundled], [info, table, plot, export])

@@ -1,0 +1,67 @@
+"""Calibrate / train tab: SCD calibration and DistillCache policy training for the loaded pair.
+
+Widgets and wiring only; the work arrives from app.py. Progress bars follow the library's
+tqdm bars; the training plot updates while the policy trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+
+from scdviz.ui.common import guard
+
+
+def build(calibrate: Callable, load_calibration: Callable, train: Callable, corpora: list[str],
+          pair_state: gr.State) -> None:
+    """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure); ``train`` yields them."""
+    gr.Markdown("### SCD calibration for the loaded pair\nFits REUSE codes, aligners and the patch order on a "
+                "shipped corpus's *calib* split; the result becomes the pair's calibration in the SCD tab and is "
+                "saved under `$SCDVIZ_CACHE/runs/NAME`. (Same code as `python -m scdviz calibrate`; minutes on a CPU.)")
+    with gr.Row():
+        corpus = gr.Dropdown(corpora, value=corpora[0] if corpora else None, label="Calibration corpus")
+        n_fit = gr.Slider(4, 64, value=16, step=4, label="Windows for the fits")
+        op_k = gr.Slider(0, 6, value=2, step=1, label="Patch layers at the operating point")
+        bits = gr.Radio([4, 8, 16], value=4, label="Code bits")
+        name = gr.Textbox(value="my-calibration", label="Save as")
+    with gr.Row():
+        cal_btn = gr.Button("Calibrate", variant="primary", elem_id="cal-run")
+        folder = gr.Textbox(label="…or load a saved calibration folder", elem_id="cal-folder")
+        load_btn = gr.Button("Load calibration", elem_id="cal-load")
+    cal_info = gr.Markdown(elem_id="cal-info")
+    cal_plot = gr.Plot(elem_id="cal-plot")
+
+    gr.Markdown("### DistillCache policy training\nREINFORCE with Gumbel top-B sampling and a leave-one-out "
+                "baseline on the producer, after a short warm start. Saved under `$SCDVIZ_CACHE/runs/NAME`. "
+                "(Same code as `python -m scdviz train-policy`.)")
+    with gr.Row():
+        steps = gr.Slider(5, 300, value=20, step=5, label="REINFORCE steps")
+        contexts = gr.Slider(2, 32, value=4, step=2, label="Training contexts")
+        per_head = gr.Checkbox(value=True, label="Per layer and KV head (else one token set, as specified)")
+        run_name = gr.Textbox(value="my-policy", label="Save as")
+        train_btn = gr.Button("Train", variant="primary", elem_id="train-run")
+    train_info = gr.Markdown(elem_id="train-info")
+    train_plot = gr.Plot(elem_id="train-plot")
+
+    def on_calibrate(key, c, n, k, b, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+        if not key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        return calibrate(key, c, int(n), int(k), int(b), nm)
+
+    def on_load(key, path):
+        if not key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        return load_calibration(key, path)
+
+    def on_train(key, n, ctx, ph, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+        if not key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        yield from train(key, int(n), int(ctx), bool(ph), nm)
+
+    cal_btn.click(guard(on_calibrate), [pair_state, corpus, n_fit, op_k, bits, name], [cal_info, cal_plot],
+                  concurrency_limit=1)
+    load_btn.click(guard(on_load), [pair_state, folder], [cal_info, cal_plot], concurrency_limit=1)
+    train_btn.click(guard(on_train), [pair_state, steps, contexts, per_head, run_name], [train_info, train_plot],
+                    concurrency_limit=1)
+
