@@ -63,9 +63,23 @@ def _pair(key: str):
 
 
 @gpu
-def scd_run(key, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_s):
-    return service.scd_run(_pair(key), text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps,
-                           latency_s)
+def scd_run(key, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_s, fan_out=False):
+    """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
+    import pandas as pd
+
+    pair = _pair(key)
+    args = (text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_s)
+    out = service.scd_run(pair, *args)
+    if fan_out:
+        tables = [out["table"].assign(specialist=pair.consumer_source)]
+        for consumer in service.builtin_choices()[1]:
+            if consumer != pair.consumer_source:
+                other = service.scd_run(service.get_pair(pair.producer_source, consumer), *args)
+                tables.append(other["table"].assign(specialist=consumer))
+        out["table"] = pd.concat(tables, ignore_index=True)
+        out["info"] += (f" Fan-out: {len(tables)} specialists on the same text from the same producer, each with "
+                        "its own calibration; texts and plots show the loaded pair.")
+    return out
 
 
 @gpu

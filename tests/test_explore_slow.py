@@ -46,3 +46,18 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
         service.evict_run(builtin_pair, "some context " * 20, "", False, "tokens kept", 2.5, "producer", "")
     with pytest.raises(service.UserError, match="context is empty"):
         service.evict_run(builtin_pair, " ", "", False, "% kept", 25, "producer", "")
+
+
+def test_scd_fan_out_covers_every_specialist(builtin_pair):
+    import app
+    from scdviz import data
+
+    key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
+    text = data.load_split("jargon", "eval")[3][:1200]
+    out = app.scd_run(key, text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.0005, True)
+    table = out["table"]
+    assert set(table["specialist"]) == {"builtin:jargon", "builtin:bible"}
+    for _, rows in table.groupby("specialist"):
+        assert list(rows["method"]) == ["oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only",
+                                        "SCD full"]
+    assert (table[table["method"] == "oracle"]["kl"] == 0).all()

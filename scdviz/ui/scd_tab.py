@@ -40,6 +40,7 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: in
     with gr.Row():
         gbps = gr.Slider(0.5, 100, value=10, label="Link bandwidth (Gbit/s)")
         latency = gr.Slider(0.0, 20.0, value=0.5, step=0.5, label="Link latency (ms)")
+        fan_out = gr.Checkbox(value=False, label="All built-in specialists (one table)")
         go_btn = gr.Button("Transfer", variant="primary", elem_id="scd-run")
     info = gr.Markdown(elem_id="scd-info")
     table = gr.Dataframe(label="Results (one prompt)", interactive=False, elem_id="scd-table")
@@ -52,11 +53,12 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: in
             for name in row:
                 plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
 
-    def on_run(key, txt, c, g, b, rk, rv, k, place, lay, bw, lat, progress=gr.Progress()):  # noqa: B008
+    def on_run(key, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, progress=gr.Progress()):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="transferring with every method")
-        out = run(key, txt, int(c), int(g), int(b), int(rk), int(rv), int(k), place, lay, float(bw), float(lat) / 1000)
+        out = run(key, txt, int(c), int(g), int(b), int(rk), int(rv), int(k), place, lay, float(bw), float(lat) / 1000,
+                  bool(fan))
         segments = []
         oracle = out["texts"][0][1]
         for method, tokens in out["texts"]:
@@ -65,4 +67,4 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: in
         return [out["info"], out["table"], segments] + [out["figures"][n] for n in FIGURES]
 
     go_btn.click(guard(on_run), [pair_state, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps,
-                                 latency], [info, table, texts] + [plots[n] for n in FIGURES], concurrency_limit=1)
+                                 latency, fan_out], [info, table, texts] + [plots[n] for n in FIGURES], concurrency_limit=1)
