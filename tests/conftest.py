@@ -6,6 +6,8 @@ built-in pair once per session (the producer is fetched and converted on first u
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -18,6 +20,10 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+# One torch thread unless told otherwise: on a shared 2-core machine two threads made tiny
+# models ~100x slower when another process was busy (the app picks threads by measurement).
+torch.set_num_threads(int(os.environ.get("SCDVIZ_THREADS", "1")))
 
 COMMON = dict(
     vocab_size=97,

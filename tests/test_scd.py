@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from conftest import tiny_model
@@ -16,8 +14,6 @@ from scdviz.scd import evaluate, payload, quant, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.patch import Aligner, Patch
 from scdviz.scd.rrr import allocate_ranks, fit_rrr
-
-torch.set_num_threads(int(os.environ.get("SCDVIZ_THREADS", "1")))
 
 
 class CharTokenizer:
