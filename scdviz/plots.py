@@ -199,7 +199,7 @@ def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
                             textposition="top center", name=str(name))
         return _layout(fig, "Saved SCD benchmark: payload vs KL", "payload bytes per prompt token", "KL", log_y=True)
     fig = go.Figure()
-    rows = df[pd.to_numeric(df["keep"], errors="coerce").notna()]
+    rows = df[pd.to_numeric(df["keep"], errors="coerce").notna() & df["kl"].notna()]
     keys = [c for c in ("model", "mode", "method") if c in rows]
     for name, part in rows.groupby(keys):
         part = part.assign(keep=part["keep"].astype(float)).sort_values("keep")

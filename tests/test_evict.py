@@ -334,3 +334,34 @@ def test_decode_eviction_interval_bounds_the_cache(eager_tiny):
             on_step=lambda c, s: lengths.append(hf.cache_len(c)[0]),
         )
     assert set(lengths) <= {8, 9, 10} and 10 in lengths and evictor.evictions > 0
+
+
+def test_qa_item_quotes_the_context_and_answers_with_its_next_tokens():
+    from scdviz.evict import qa
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [1000 + ord(c) for c in text]}
+
+    context = list(range(300))
+    for index in range(5):
+        item = qa.make_item(Tok(), context, index, answer_len=3)
+        cue = item.question[-qa.CUE :]
+        p = cue[-1] + 1
+        assert cue == context[p - qa.CUE : p] and item.answer == context[p : p + 3]
+        assert 100 <= p < 200  # the middle third
+
+
+def test_qa_answer_from_full_cache_of_a_repeating_model(tiny):
+    """A cache that reproduces the model's own continuation answers its own question correctly."""
+    from scdviz.evict import qa
+    from scdviz.models import hf
+
+    ctx = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    question = [5, 6, 7]
+    cache = hf.forward(tiny, ctx).cache
+    expected = hf.generate(tiny, cache, torch.tensor([question]), 40, 2)
+    got = qa.answer(tiny, cache, qa.QAItem(question=question, answer=expected), 40)
+    assert got == {"qa_correct": 1.0, "qa_f1": 1.0}
+    wrong = qa.answer(tiny, cache, qa.QAItem(question=question, answer=[(expected[0] + 1) % 97, 96]), 40)
+    assert wrong["qa_correct"] == 0.0

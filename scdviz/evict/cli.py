@@ -67,6 +67,7 @@ def _bench(args) -> None:
         question_len=args.question_len,
         modes=tuple(args.modes.split(",")),
         throughput_contexts=args.throughput_contexts,
+        qa=args.qa,
     )
     records = evaluate.run(cfg)
     print(evaluate.table(records))
@@ -115,5 +116,6 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--question-len", type=int, default=16, help="question tokens (question-aware mode)")
     p.add_argument("--modes", default="agnostic", help="agnostic and/or aware")
     p.add_argument("--throughput-contexts", type=int, default=2, help="contexts on which decode speed is timed")
+    p.add_argument("--qa", action="store_true", help="also the context-QA task (recall a quoted passage; agnostic mode)")
     p.add_argument("--out", help="write the records as JSON")
     p.set_defaults(fn=_bench)

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from scdviz import metrics, settings
+from scdviz.evict import qa
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
@@ -58,6 +59,7 @@ class EvalConfig:
     throughput_contexts: int = 2  # contexts on which decode speed is timed
     decode_steps: int = 32  # greedy steps per throughput timing
     decode_interval: int = 8  # decode-time eviction every this many new tokens
+    qa: bool = False  # also the context-QA task (scdviz.evict.qa), question-agnostic mode
 
 
 def baselines() -> dict:
@@ -150,8 +152,11 @@ def _policy_seconds(feats: dict[int, Observed], policies: dict[str, Policy]) -> 
     return out
 
 
-def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses) -> dict:
-    """All methods x budgets on one context; returns {(method, label): metrics} and timings."""
+def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None) -> dict:
+    """All methods x budgets on one context; returns {(method, label): metrics} and timings.
+
+    qa_item: optional scdviz.evict.qa.QAItem about the context, answered from every pruned cache.
+    """
     fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
     windows = sorted({p.config.window for p in policies.values()})
     obs = observe(model, ids[:, :prefix], windows[0], presses, tuple(dict.fromkeys(fracs.values())))
@@ -160,10 +165,15 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     tail = ids[:, prefix:]
     ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), tail, prefix)[0]
     results, kept = {}, {}
+    if qa_item is not None:
+        results[("full cache", "full")] = qa.answer(model, hf.make_cache(model, obs.keys, obs.values), qa_item, prefix)
     for label, n_keep in budgets(cfg, prefix):
         for name, idx in method_indices(obs, feats, policies, label, n_keep).items():
-            logits = hf.continue_logits(model, prune(model, obs, idx), tail, prefix)[0]
+            cache = prune(model, obs, idx)
+            logits = hf.continue_logits(model, cache, tail, prefix)[0]
             results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": n_keep}
+            if qa_item is not None:
+                results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
             kept[(name, label)] = idx
     seconds = _policy_seconds(feats, policies) | obs.score_seconds
     overhead = {k: v / obs.prefill_seconds for k, v in seconds.items()}
@@ -215,12 +225,13 @@ def run(cfg: EvalConfig) -> list[dict]:
         model, tokenizer = load_model(source)
         hf.set_eager(model)
         windows = contexts(cfg, tokenizer)
+        items = [qa.make_item(tokenizer, w[: cfg.context_len], i) for i, w in enumerate(windows)] if cfg.qa else None
         for mode in cfg.modes:
-            records += _run_mode(model, source, mode, windows, cfg, policies)
+            records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None)
     return records
 
 
-def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies) -> list[dict]:
+def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None) -> list[dict]:
     """Every context of one model and mode, aggregated into records."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
     presses = baselines()
@@ -228,7 +239,7 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies)
     head = next((p for p in policies.values() if p.config.per_head), None)
     for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
         ids = torch.tensor([window])
-        out = score_context(model, ids, prefix, cfg, policies, presses)
+        out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None)
         per_ctx.append(out["results"])
         for k, v in out["overhead"].items():
             overhead.setdefault(k, []).append(v)
@@ -247,6 +258,7 @@ def aggregate(
     """Records with means, standard errors and paired wins vs the best baseline per budget."""
     n_layers, (_, n_kv, head_dim) = hf.n_layers(model), hf.attn_heads(model)
     records = []
+    full = [c.pop(("full cache", "full")) for c in per_ctx if ("full cache", "full") in c]
     for label in dict.fromkeys(lab for _, lab in per_ctx[0]):
         methods = [m for m, lab in per_ctx[0] if lab == label]
         kl = {m: [c[(m, label)]["kl"] for c in per_ctx] for m in methods}
@@ -277,8 +289,20 @@ def aggregate(
                     if t and m == "distillcache-head"
                     else None,
                 }
+                | _qa_fields([c[(m, label)] for c in per_ctx])
             )
+    if full:
+        records.append({"model": source, "mode": mode, "method": "full cache", "keep": "1",
+                        "n_contexts": len(full)} | _qa_fields(full))
     return records
+
+
+def _qa_fields(rows: list[dict]) -> dict:
+    """Context-QA accuracy and answer F1 over contexts, when the QA task ran."""
+    if not rows or "qa_correct" not in rows[0]:
+        return {}
+    return {"qa_acc": round(sum(r["qa_correct"] for r in rows) / len(rows), 4),
+            "qa_f1": round(sum(r["qa_f1"] for r in rows) / len(rows), 4)}
 
 
 def table(records: list[dict]) -> str:
@@ -286,10 +310,14 @@ def table(records: list[dict]) -> str:
     head = f"{'model':22} {'mode':8} {'method':22} {'keep':>6} {'KL':>14} {'top1':>6} {'PPL':>8} {'wins':>5} {'ovh':>6} {'speed':>6}"
     lines = [head, "-" * len(head)]
     for r in records:
+        if "kl" not in r:  # the full-cache QA row
+            lines.append(f"{r['model'][-22:]:22} {r['mode']:8} {r['method']:22} {'1':>6}  QA acc {r['qa_acc']:.3f}")
+            continue
+        qa_text = f" QA {r['qa_acc']:.3f}" if "qa_acc" in r else ""
         wins = "best" if r["wins_vs_best_baseline"] is None else f"{r['wins_vs_best_baseline']:.2f}"
         speed = "" if r["decode_speedup"] is None else f"{r['decode_speedup']:.2f}"
         lines.append(
             f"{r['model'][-22:]:22} {r['mode']:8} {r['method']:22} {r['keep']:>6} {r['kl']:7.4f}±{r['kl_se']:.4f} "
-            f"{r['top1']:6.3f} {r['ppl']:8.2f} {wins:>5} {r['overhead_frac']:6.3f} {speed:>6}"
+            f"{r['top1']:6.3f} {r['ppl']:8.2f} {wins:>5} {r['overhead_frac']:6.3f} {speed:>6}{qa_text}"
         )
     return "\n".join(lines)
