@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from scdviz import data, settings
 from scdviz.models import builtin, hf
 from scdviz.models.pair import Pair, PairError, load_pair
@@ -90,20 +92,13 @@ def generate_both(pair: Pair, prompt: str, max_new_tokens: int, chat: bool = Fal
         raise UserError(f"new tokens must be between 1 and {limit} (SCDVIZ_MAX_NEW_TOKENS)")
     ids = encode_prompt(pair, prompt, chat)
     t0 = time.perf_counter()
+    prefix, last = torch.tensor([ids[:-1]]), torch.tensor([ids[-1:]])  # cache covers prompt[:-1]
     outs = []
     for model in (pair.producer, pair.consumer):
-        prefix, last = _prefix(ids)
         cache = hf.forward(model, prefix).cache
         outs.append(hf.generate(model, cache, last, len(ids) - 1, int(max_new_tokens), pair.tokenizer.eos_token_id))
     decode = pair.tokenizer.decode
     return Generation(len(ids), outs[0], outs[1], decode(outs[0]), decode(outs[1]), time.perf_counter() - t0)
-
-
-def _prefix(ids: list[int]):
-    import torch
-
-    t = torch.tensor([ids])
-    return t[:, :-1], t[:, -1:]
 
 
 def pair_summary(pair: Pair) -> str:
@@ -125,11 +120,10 @@ def get_calibration(pair: Pair):
 
     key = (pair.producer_source, pair.consumer_source)
     if key not in _CALIBS:
-        name = pair.consumer_source.split(":", 1)[1] if pair.consumer_source.startswith("builtin:") else None
-        folder = settings.ASSETS_DIR / "scd" / (name or "")
-        if not name or not (folder / "calibration.json").is_file():
-            raise UserError(f"no shipped SCD calibration for {pair.consumer_source}; make one with "
-                            f"`python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
+        folder = cal.shipped_folder(pair.consumer_source)
+        if not pair.consumer_source.startswith("builtin:") or not (folder / "calibration.json").is_file():
+            raise UserError(f"no shipped SCD calibration for {pair.consumer_source}; make one in the Calibrate tab "
+                            f"or with `python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
         _CALIBS[key] = cal.load(folder, pair)
     return _CALIBS[key]
 
@@ -148,8 +142,6 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     from scdviz.scd import evaluate, explore
 
     calib = get_calibration(pair)
-    if patch_k > len(calib.patch_order) and placement != "manual":
-        raise UserError(f"this calibration orders {len(calib.patch_order)} patch layers; choose k ≤ {len(calib.patch_order)}")
     if gbps <= 0:
         raise UserError("link bandwidth must be positive")
     plan = explore.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, _parse_layers(layers))

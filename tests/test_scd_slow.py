@@ -9,7 +9,6 @@ from scdviz.models.pair import PairError
 from scdviz.scd import calibrate as cal
 from scdviz.scd import evaluate
 from scdviz.scd import plan as plans
-from scdviz.scd.cli import SCD_ASSETS
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +32,9 @@ def test_full_rank_codes_with_own_sink_beat_raw_reuse_on_held_out_text(builtin_p
 
 
 def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
-    jargon = cal.load(SCD_ASSETS / "jargon", builtin_pair)
+    jargon = cal.load(cal.SHIPPED_DIR / "jargon", builtin_pair)
     assert len(jargon.key_codes) == 30 and jargon.patch_order
-    if not (SCD_ASSETS / "bible" / "calibration.json").is_file():
+    if not (cal.SHIPPED_DIR / "bible" / "calibration.json").is_file():
         pytest.skip("no shipped bible calibration")
     with pytest.raises(PairError, match="builtin:bible"):
-        cal.load(SCD_ASSETS / "bible", builtin_pair)
+        cal.load(cal.SHIPPED_DIR / "bible", builtin_pair)

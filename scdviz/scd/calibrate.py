@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from scdviz import data, metrics
+from scdviz import data, metrics, settings
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError
 from scdviz.scd import plan as plans
@@ -32,6 +32,7 @@ from scdviz.scd.patch import Aligner, Patch, fit_patch
 from scdviz.scd.rrr import LinearCode, RRRStats, allocate_ranks
 
 SELECTIONS = ("greedy", "drift", "given")
+SHIPPED_DIR = settings.ASSETS_DIR / "scd"  # shipped calibrations, one folder per built-in specialist
 CODE_FIELDS = ("mu_in", "mu_out", "enc", "dec", "spectrum", "fit_err")
 PATCH_FIELDS = ("in_mean", "in_std", "out_mean", "out_std")
 
@@ -391,3 +392,13 @@ def load(folder: str | Path, pair: Pair | None = None) -> Calibration:
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"],
     )
+
+
+def specialist_name(source: str) -> str:
+    """'builtin:jargon' -> 'jargon'; a path or hub id -> its last component."""
+    return source.split(":", 1)[1] if source.startswith("builtin:") else Path(source.rstrip("/")).name
+
+
+def shipped_folder(consumer_source: str) -> Path:
+    """Where the shipped calibration of a consumer lives (it may not exist)."""
+    return SHIPPED_DIR / specialist_name(consumer_source)

@@ -11,10 +11,6 @@ import json
 import math
 from pathlib import Path
 
-from scdviz import settings
-
-SCD_ASSETS = settings.ASSETS_DIR / "scd"
-
 
 def register(sub, bench_sub) -> None:
     """Add ``calibrate`` to the top-level commands and ``scd`` to the bench commands."""
@@ -56,21 +52,16 @@ def register(sub, bench_sub) -> None:
     p.set_defaults(fn=_bench)
 
 
-def _name(source: str) -> str:
-    """'builtin:jargon' -> 'jargon'; a path or hub id -> its last component."""
-    return source.split(":", 1)[1] if source.startswith("builtin:") else Path(source.rstrip("/")).name
-
-
 def _calibrate(args) -> None:
     from scdviz import data
     from scdviz.models.pair import load_pair
     from scdviz.scd import calibrate as cal
 
-    name = _name(args.consumer)
+    name = cal.specialist_name(args.consumer)
     corpus = args.corpus or (name if name in data.corpora() else None)
     if corpus is None and not args.texts:
         raise ValueError(f"no shipped corpus named {name!r}; pass --corpus ({', '.join(data.corpora())}) or --texts")
-    out = Path(args.out) if args.out else SCD_ASSETS / name
+    out = Path(args.out) if args.out else cal.shipped_folder(args.consumer)
     cfg = cal.CalibConfig(
         corpus=corpus or "", texts=args.texts, n_fit=args.n_fit, n_select=args.n_select, prompt_len=args.prompt_len,
         rank_h=args.rank_h, aligner_steps=args.aligner_steps, aligner_loss=args.aligner_loss,
@@ -96,12 +87,12 @@ def _bench(args) -> None:
     consumers = args.consumer or [f"builtin:{s}" for s in builtin.specialists()]
     if not consumers:
         raise ValueError("no consumer given and no built-in specialist installed")
-    folders = args.calib or [str(SCD_ASSETS / _name(c)) for c in consumers]
+    folders = args.calib or [str(cal.shipped_folder(c)) for c in consumers]
     if len(folders) != len(consumers):
         raise ValueError("give one --calib folder per --consumer")
     recs = []
     for consumer, folder in zip(consumers, folders):
-        name = _name(consumer)
+        name = cal.specialist_name(consumer)
         pair = load_pair(args.producer, consumer)
         calib = cal.load(folder, pair)
         passages = data.read_passages(args.texts) if args.texts else data.load_split(calib.config.corpus or name, "eval")
