@@ -54,35 +54,42 @@ def _kept_masks(idx, n_tokens: int, n_layers: int) -> torch.Tensor:
 
 
 def explore(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
-            cont_len: int = 24, gen_tokens: int = 24) -> EvictionView:
-    """Compress ``context`` (plus ``question`` when aware) with every method at ``keep`` and compare."""
+            cont_len: int = 24, gen_tokens: int = 24, policies: dict | None = None) -> EvictionView:
+    """Compress ``context`` (plus ``question`` when aware) with every method at ``keep`` and compare.
+
+    policies: extra learned policies by method name (e.g. one a user just trained) beside the shipped ones.
+    """
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
-    if len(ctx) < 16:
-        raise ValueError(f"the context has {len(ctx)} tokens; give at least 16")
+    presses = evaluate.baselines()
+    # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
+    need = max([16, *(int(getattr(p, "window_size", 0)) + 1 for p in presses.values())])
     prompt = ctx + q
     prefix = len(prompt) - 1 if (aware or not q) else len(ctx)  # the compressed part
+    if prefix < need:
+        raise ValueError(f"the context has {prefix} tokens to compress; give at least {need} (SnapKV scores "
+                         f"with a {need - 1}-token observation window)")
     if isinstance(keep, int) and not keep < prefix:
         raise ValueError(f"a budget of {keep} tokens keeps the whole {prefix}-token context; choose fewer")
-    hf.set_eager(model)
-    ids = torch.tensor([prompt])
-    full = hf.forward(model, ids[:, :prefix]).cache
-    cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)
-    window = torch.tensor([prompt + cont])
-    label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
-    keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
-    cfg = evaluate.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
-    policies, presses = evaluate.load_policies(()), evaluate.baselines()
-    out = evaluate.score_context(model, window, prefix, cfg, policies, presses)
-    n_layers = hf.n_layers(model)
-    masks = {m: _kept_masks(i, prefix, n_layers) for (m, lab), i in out["kept"].items() if lab == label}
-    res = out["results"]
-    methods = sorted(masks)
-    feats = out["feats"][min(out["feats"])].global_features[0]
-    gens = {}
-    for m in methods:
-        cache = prune(model, out["observed"], out["kept"][(m, label)])
-        gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
+    with hf.eager(model):  # restored on exit: the model may be shared by other requests
+        ids = torch.tensor([prompt])
+        full = hf.forward(model, ids[:, :prefix]).cache
+        cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)
+        window = torch.tensor([prompt + cont])
+        label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
+        keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
+        cfg = evaluate.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
+        policies = evaluate.load_policies(()) | dict(policies or {})
+        out = evaluate.score_context(model, window, prefix, cfg, policies, presses)
+        n_layers = hf.n_layers(model)
+        masks = {m: _kept_masks(i, prefix, n_layers) for (m, lab), i in out["kept"].items() if lab == label}
+        res = out["results"]
+        methods = sorted(masks)
+        feats = out["feats"][min(out["feats"])].global_features[0]
+        gens = {}
+        for m in methods:
+            cache = prune(model, out["observed"], out["kept"][(m, label)])
+            gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
     return EvictionView(
         context_tokens=[tokenizer.decode([t]) for t in prompt[:prefix]],
         budget_label=label,

@@ -12,6 +12,12 @@ Shapes (B batch, T tokens, H query heads, Hkv KV heads, D head_dim, d hidden):
   attn                   (B, H, T_query, T_key)
   logits                 (B, T, V)
 
+Threads: a loaded model may be shared by many requests (the app serves many users).
+Hooks live on the shared modules, so every function here that runs a model holds that
+model's re-entrant work lock (``exclusive``) while it does: a forward pass with its
+capture hooks, or a whole ``attention_hook`` / ``eager`` block, never overlaps another
+thread's use of the same model. Nothing per request is left on a model afterwards.
+
 What it does not do: choose what to send between models (scdviz.scd), score tokens
 (scdviz.evict), or load models (scdviz.models.pair).
 """
@@ -19,6 +25,9 @@ What it does not do: choose what to send between models (scdviz.scd), score toke
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +61,44 @@ class Trace:
         return [layer.values for layer in self.cache.layers]
 
 
+# ----------------------------------------------------------------------------- threads
+
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RLock
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock_of(model) -> threading.RLock:
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
+
+
+@contextlib.contextmanager
+def exclusive(*models):
+    """Hold the work locks of ``models`` (re-entrant, taken in one global order) for a block.
+
+    Use it around several calls that must see no other thread's hooks or attention
+    setting in between; single calls of this module take it themselves.
+    """
+    with contextlib.ExitStack() as stack:
+        for model in sorted(set(models), key=id):
+            stack.enter_context(_lock_of(model))
+        yield
+
+
+def _one_at_a_time(fn):
+    """Run ``fn(model, ...)`` holding the model's work lock."""
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with _lock_of(model):
+            return fn(model, *args, **kwargs)
+
+    return wrapper
+
+
 # ----------------------------------------------------------------------------- structure
 
 
@@ -79,8 +126,26 @@ def attn_heads(model) -> tuple[int, int, int]:
 
 
 def set_eager(model) -> None:
-    """Use eager attention, the only implementation that returns attention probabilities."""
+    """Use eager attention for good (a model this caller owns; shared models: ``eager``)."""
     model.set_attn_implementation("eager")
+
+
+@contextlib.contextmanager
+def eager(model):
+    """Eager attention (the only one returning attention probabilities) inside the block.
+
+    Holds the model's work lock throughout and restores the previous implementation on
+    exit, so a shared model is never left switched for other requests.
+    """
+    with _lock_of(model):
+        before = model.config._attn_implementation
+        if before != "eager":
+            model.set_attn_implementation("eager")
+        try:
+            yield model
+        finally:
+            if before != "eager":
+                model.set_attn_implementation(before)
 
 
 def _key_source(layer):
@@ -196,6 +261,7 @@ def _hooks(model, capture: frozenset, attentions: bool, trace_lists: dict):
             h.remove()
 
 
+@_one_at_a_time
 def forward(
     model,
     input_ids: Tensor,
@@ -240,6 +306,7 @@ def forward(
     )
 
 
+@_one_at_a_time
 def kv_from_hin(model, layer_idx: int, h_in: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """Regenerate one layer's (post-RoPE keys, values) from its normalised input H_in.
 
@@ -269,6 +336,7 @@ def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor
     return forward(model, ids, cache=clone_cache(model, cache), positions=positions).logits
 
 
+@_one_at_a_time
 def generate(
     model,
     cache: DynamicCache,
@@ -315,6 +383,7 @@ def _causal_mask(t: int, dtype: torch.dtype, device) -> Tensor:
     return mask[None, None]
 
 
+@_one_at_a_time
 def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int) -> tuple[Tensor, list, list]:
     """Run decoder layers start..stop-1 on a residual stream, as a fresh prefill of its tokens.
 
@@ -362,8 +431,8 @@ def attention_hook(model, fn):
     attentions (B, H, T, T_cache) with eager attention, else None; kwargs the attention
     module's keyword arguments (position_embeddings, ...). ``module.layer_idx`` is the
     layer. If fn returns (keys, values), they replace the layer's cache (pruning).
-    The module also gets ``rotary_emb`` set, as kvpress's presses expect. Hooks are
-    always removed on exit.
+    The module also gets ``rotary_emb`` set, as kvpress's presses expect. Hooks and that
+    attribute are removed on exit; the model's work lock is held throughout.
     """
     handles = []
     rotary = decoder(model).rotary_emb
@@ -377,17 +446,26 @@ def attention_hook(model, fn):
             layer.keys, layer.values = new
         return output
 
-    try:
-        for layer in layers(model):
-            layer.self_attn.rotary_emb = rotary
-            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    lock = _lock_of(model)
+    added = []  # attention modules that got ``rotary_emb`` from us (removed again on exit)
+    with lock:
+        try:
+            for layer in layers(model):
+                attn = layer.self_attn
+                if getattr(attn, "rotary_emb", None) is None:
+                    attn.rotary_emb = rotary
+                    added.append(attn)
+                handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for attn in added:
+                del attn.rotary_emb
 
 
 
+@_one_at_a_time
 def decoder_cache(model, ids: Tensor) -> DynamicCache:
     """Prefill ``ids`` (B, T) at positions 0..T-1 through the decoder only (no LM head): the cache.
 
