@@ -1,9 +1,12 @@
 """What the app's handlers call: shared loaded pairs and request-sized operations.
 
 Loaded models are heavy and shared by every user of a running app (an LRU of a few
-pairs behind a lock); per-user results are returned as plain data for ``gr.State``.
-Every user mistake raises ``UserError`` with a specific message. This module imports
-torch but not gradio; the UI modules import gradio but not torch.
+pairs); each request works on its own caches, and ``scdviz.models.hf`` serialises the
+model work that installs hooks, so concurrent requests never see each other's tensors.
+Per-user artefacts (calibrations, policies, run folders) live in a ``Session`` held in
+``gr.State``; shipped artefacts are loaded read-only. Every user mistake raises
+``UserError`` with a specific message, checked (``scdviz.inputs``) before work starts.
+This module imports torch but not gradio; the UI modules import gradio but not torch.
 """
 
 from __future__ import annotations
@@ -16,49 +19,71 @@ from pathlib import Path
 
 import torch
 
-from scdviz import data, settings
-from scdviz.models import builtin, hf
+from scdviz import data, hosting, inputs, settings
+from scdviz.inputs import UserError
+from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, load_pair
+from scdviz.session import Session
 
-
-class UserError(ValueError):
-    """A request the user can fix; the message says how."""
-
+__all__ = ["UserError", "Session"]
 
 _PAIRS: OrderedDict[tuple[str, str], Pair] = OrderedDict()
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # guards _PAIRS and _LOADING only (never held while a model loads)
+_LOADING: dict[tuple[str, str], threading.Lock] = {}  # one lock per pair being loaded
 MAX_PAIRS = 2  # pairs kept in memory at once (each ~1 GB in fp32 for the built-in pair)
 
 
 def builtin_choices() -> tuple[str, list[str]]:
     """(producer source, consumer sources) of the built-in pair."""
-    return f"builtin:{builtin.PRODUCER_NAME}", [f"builtin:{name}" for name in builtin.specialists()]
+    producer, *consumers = hosting.builtin_sources()
+    return producer, consumers
 
 
-def get_pair(producer: str, consumer: str, progress=None) -> Pair:
-    """The loaded pair for these sources, loading (and caching) it on first request."""
-    producer, consumer = (producer or "").strip(), (consumer or "").strip()
-    if not producer or not consumer:
-        raise UserError("choose both a producer and a consumer")
-    key = (producer, consumer)
+def get_pair(producer, consumer, progress=None) -> Pair:
+    """The loaded pair for these sources, loading (and caching) it on first request.
+
+    Sources are checked (scdviz.hosting) before anything loads. Only requests for the
+    *same* pair wait for its load; everyone else's pairs stay available meanwhile.
+    """
+    for what, source in (("producer", producer), ("consumer", consumer)):
+        if not isinstance(source, str) or not source.strip():
+            raise UserError(f"choose a {what}")
+        try:
+            hosting.check_source(source)
+        except UserError as err:
+            raise UserError(f"{what}: {err}") from None
+    key = (producer.strip(), consumer.strip())
     with _LOCK:
         if key in _PAIRS:
             _PAIRS.move_to_end(key)
             return _PAIRS[key]
+        loading = _LOADING.setdefault(key, threading.Lock())
+    with loading:
+        with _LOCK:
+            if key in _PAIRS:
+                return _PAIRS[key]
         try:
-            pair = load_pair(producer, consumer, progress=progress)
+            pair = load_pair(*key, progress=progress)
         except PairError as err:
             raise UserError(str(err)) from None
-        _PAIRS[key] = pair
-        while len(_PAIRS) > MAX_PAIRS:
-            _PAIRS.popitem(last=False)
+        finally:
+            with _LOCK:
+                _LOADING.pop(key, None)
+        with _LOCK:
+            _PAIRS[key] = pair
+            while len(_PAIRS) > MAX_PAIRS:
+                _PAIRS.popitem(last=False)
         return pair
 
 
+def _text(value, field: str, required: bool = True) -> str:
+    """A text field capped in characters before any tokenizer sees it."""
+    return inputs.text(value, field, settings.max_prompt_chars(), required)
+
+
 def encode_prompt(pair: Pair, prompt: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt, checked against the configured length limits."""
-    if not prompt or not prompt.strip():
-        raise UserError("the prompt is empty")
+    """Token ids of a prompt, checked against the configured length limits (characters first)."""
+    prompt = _text(prompt, "the prompt")
     if chat:
         messages = [{"role": "user", "content": prompt}]
         ids = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -87,16 +112,15 @@ class Generation:
 
 def generate_both(pair: Pair, prompt: str, max_new_tokens: int, chat: bool = False) -> Generation:
     """Greedy generation from the producer and the consumer, each from its own prefill."""
-    limit = settings.max_new_tokens()
-    if not 1 <= int(max_new_tokens) <= limit:
-        raise UserError(f"new tokens must be between 1 and {limit} (SCDVIZ_MAX_NEW_TOKENS)")
-    ids = encode_prompt(pair, prompt, chat)
+    max_new_tokens = inputs.integer(max_new_tokens, "New tokens", 1, settings.max_new_tokens())
+    ids = encode_prompt(pair, prompt, inputs.flag(chat, "Chat template"))
     t0 = time.perf_counter()
     prefix, last = torch.tensor([ids[:-1]]), torch.tensor([ids[-1:]])  # cache covers prompt[:-1]
     outs = []
     for model in (pair.producer, pair.consumer):
-        cache = hf.forward(model, prefix).cache
-        outs.append(hf.generate(model, cache, last, len(ids) - 1, int(max_new_tokens), pair.tokenizer.eos_token_id))
+        with hf.exclusive(model):  # prefill + decode of this request back to back
+            cache = hf.forward(model, prefix).cache
+            outs.append(hf.generate(model, cache, last, len(ids) - 1, max_new_tokens, pair.tokenizer.eos_token_id))
     decode = pair.tokenizer.decode
     return Generation(len(ids), outs[0], outs[1], decode(outs[0]), decode(outs[1]), time.perf_counter() - t0)
 
@@ -111,40 +135,64 @@ def pair_summary(pair: Pair) -> str:
 
 # ----------------------------------------------------------------------------- SCD tab
 
-_CALIBS: dict[tuple[str, str], object] = {}
+_SHIPPED_CALIBS: dict[tuple[str, str], object] = {}  # read-only shipped calibrations, loaded once
+_SHIPPED_LOCK = threading.Lock()
+SCD_BITS = (4, 8, 16)
+PLACEMENTS = ("selected", "drift", "manual")
 
 
-def get_calibration(pair: Pair):
-    """The shipped SCD calibration of a built-in specialist (loaded once, identity-checked)."""
+def get_calibration(pair: Pair, session: Session | None = None):
+    """The pair's SCD calibration: the one this session made or loaded, else the shipped one."""
     from scdviz.scd import calibrate as cal
 
     key = (pair.producer_source, pair.consumer_source)
-    if key not in _CALIBS:
-        folder = cal.shipped_folder(pair.consumer_source)
-        if not pair.consumer_source.startswith("builtin:") or not (folder / "calibration.json").is_file():
-            raise UserError(f"no shipped SCD calibration for {pair.consumer_source}; make one in the Calibrate tab "
-                            f"or with `python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
-        _CALIBS[key] = cal.load(folder, pair)
-    return _CALIBS[key]
+    if session is not None and key in session.calibrations:
+        return session.calibrations[key]
+    with _SHIPPED_LOCK:
+        if key not in _SHIPPED_CALIBS:
+            folder = cal.shipped_folder(pair.consumer_source)
+            shipped = pair.producer_source == builtin_choices()[0] and pair.consumer_source in builtin_choices()[1]
+            if not shipped or not (folder / "calibration.json").is_file():
+                raise UserError(f"no SCD calibration for {pair.consumer_source} yet; make one in the Calibrate / train "
+                                f"tab or with `python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
+            _SHIPPED_CALIBS[key] = cal.load(folder, pair)
+        return _SHIPPED_CALIBS[key]
 
 
-def _parse_layers(text: str) -> list[int]:
+def _parse_layers(text, n_layers: int) -> list[int]:
+    text = inputs.text(text, "Manual patch layers", 200, required=False)
     try:
-        return [int(x) for x in text.replace(",", " ").split()]
+        layers = [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
         raise UserError(f"manual patch layers must be integers separated by commas, got {text!r}") from None
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad:
+        raise UserError(f"manual patch layers must be between 0 and {n_layers - 1}, got {bad}")
+    return layers
 
 
 def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, rank_k: int, rank_v: int,
-            patch_k: int, placement: str, layers: str, gbps: float, latency_s: float) -> dict:
+            patch_k: int, placement: str, layers: str, gbps: float, latency_s: float,
+            session: Session | None = None) -> dict:
     """Every SCD method on one text, with tables, token texts and figures for the tab."""
     from scdviz import link, plots
     from scdviz.scd import evaluate, explore
 
-    calib = get_calibration(pair)
-    if gbps <= 0:
-        raise UserError("link bandwidth must be positive")
-    plan = explore.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, _parse_layers(layers))
+    text = _text(text, "the text")
+    cont_len = inputs.integer(cont_len, "Continuation tokens scored", 8, 64)
+    gen_tokens = inputs.integer(gen_tokens, "Tokens generated per method", 1, 48)
+    bits = int(inputs.choice(inputs.integer(bits, "Code precision (bits)", 4, 16), "Code precision (bits)", SCD_BITS))
+    placement = inputs.choice(placement, "Placement", PLACEMENTS)
+    gbps = inputs.number(gbps, "Link bandwidth (Gbit/s)", 0.01, 10_000)
+    latency_s = inputs.number(latency_s, "Link latency (s)", 0, 10)
+    calib = get_calibration(pair, session)
+    full_k = max(c.max_rank for c in calib.key_codes)
+    full_v = max(c.max_rank for c in calib.value_codes)
+    rank_k = inputs.integer(rank_k, "r_K", 0, full_k)
+    rank_v = inputs.integer(rank_v, "r_V", 0, full_v)
+    patch_k = inputs.integer(patch_k, "Patch layers k", 0, calib.n_layers)
+    manual = _parse_layers(layers, calib.n_layers)
+    plan = explore.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
     report = explore.explore(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens())
     table = report.table()
     own = link.Link(gbps, latency_s)
@@ -163,36 +211,50 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
         "spectra_k": plots.rank_spectra(spectra, "K", plan.rank_k), "spectra_v": plots.rank_spectra(spectra, "V", plan.rank_v),
         "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
     }
+    mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
     info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. SCD full patches layers "
-            f"{plan.layers_in('patch') or 'none'} with {bits}-bit codes. Consumer {pair.consumer_source}.")
+            f"{plan.layers_in('patch') or 'none'} with {bits}-bit codes. Consumer {pair.consumer_source}; "
+            f"{'your calibration' if mine else 'the shipped calibration'}.")
     return {"info": info, "table": table, "texts": texts, "figures": figures}
 
 
 # ----------------------------------------------------------------------------- eviction tab
 
 
+EVICT_UNITS = ("% kept", "tokens kept")
+EVICT_MODELS = ("producer", "consumer")
+
+
 def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, budget: float, which: str,
-              method: str) -> dict:
+              method: str, session: Session | None = None) -> dict:
     """Every eviction method on one context, with retained-token views, texts and figures."""
     from scdviz import plots
     from scdviz.evict.explore import explore
 
-    if not context or not context.strip():
-        raise UserError("the context is empty")
+    context = _text(context, "the context")
+    question = _text(question, "the question", required=False)
+    if len(context) + len(question) > settings.max_prompt_chars():
+        raise UserError(f"context and question have {len(context) + len(question):,} characters together; this app "
+                        f"accepts at most {settings.max_prompt_chars():,} (SCDVIZ_MAX_PROMPT_CHARS)")
+    aware = inputs.flag(aware, "Question-aware")
+    unit = inputs.choice(unit, "Budget unit", EVICT_UNITS)
+    which = inputs.choice(which, "Model", EVICT_MODELS)
     n_ctx = len(pair.tokenizer(context, add_special_tokens=False)["input_ids"])
-    if n_ctx > settings.max_prompt_tokens():
-        raise UserError(f"the context has {n_ctx} tokens; this app accepts at most {settings.max_prompt_tokens()}")
-    if unit.startswith("%"):
+    n_q = len(pair.tokenizer(question, add_special_tokens=False)["input_ids"]) if question.strip() else 0
+    if n_ctx + n_q > settings.max_prompt_tokens():
+        raise UserError(f"context and question have {n_ctx + n_q} tokens together; this app accepts at most "
+                        f"{settings.max_prompt_tokens()} (SCDVIZ_MAX_PROMPT_TOKENS)")
+    if unit == "% kept":
+        budget = inputs.number(budget, "Budget (% kept)", 0, 100)
         if not 0 < budget < 100:
-            raise UserError(f"a kept budget must be between 0 and 100 %, got {budget:g}")
-        keep: float | int = float(budget) / 100
+            raise UserError(f"Budget (% kept) must be strictly between 0 and 100, got {budget:g}")
+        keep: float | int = budget / 100
     else:
-        if budget < 1 or budget != int(budget):
-            raise UserError(f"a token budget must be a positive whole number, got {budget:g}")
-        keep = int(budget)
+        keep = inputs.integer(budget, "Budget (tokens kept)", 1, settings.max_prompt_tokens())
     model = pair.producer if which == "producer" else pair.consumer
-    view = explore(model, pair.tokenizer, context, question, keep, aware)
-    method = method if method in view.kept_fraction else next(iter(view.kept_fraction))
+    extra = {name: policy for name, (source, policy) in (session.policies if session else {}).items()}
+    view = explore(model, pair.tokenizer, context, question, keep, aware, policies=extra)
+    method = method if isinstance(method, str) and method in view.kept_fraction else next(iter(view.kept_fraction))
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd
 
@@ -211,53 +273,52 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
 # ----------------------------------------------------------------------------- calibrate / train tab
 
 
-def runs_dir(name: str) -> Path:
-    """A folder for artefacts made in the app (under SCDVIZ_CACHE/runs/)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name.strip()) or "run"
-    return settings.cache_dir() / "runs" / safe
+CAL_BITS = (4, 8, 16)
 
 
-def calibrate_for(pair: Pair, corpus: str, n_fit: int, op_k: int, bits: int, name: str) -> tuple[object, Path]:
-    """Calibrate SCD for a loaded pair on a shipped corpus, save it, and make it the pair's active calibration."""
+def calibrate_for(pair: Pair, session: Session, corpus: str, n_fit: int, op_k: int, bits: int,
+                  name: str) -> tuple[object, Path]:
+    """Calibrate SCD for a loaded pair on a shipped corpus, save it in a new run folder, and
+    make it this session's calibration for the pair (no one else's changes)."""
     from scdviz.scd import calibrate as cal
 
-    if corpus not in data.corpora():
-        raise UserError(f"unknown corpus {corpus!r}; shipped: {', '.join(data.corpora())}")
-    if not 4 <= n_fit <= 256:
-        raise UserError(f"calibration windows must be between 4 and 256, got {n_fit}")
+    corpus = inputs.choice(corpus, "Calibration corpus", data.corpora())
+    n_fit = inputs.integer(n_fit, "Windows for the fits", 4, 64)
+    op_k = inputs.integer(op_k, "Patch layers at the operating point", 0, 6)
+    bits = int(inputs.choice(inputs.integer(bits, "Code bits", 4, 16), "Code bits", CAL_BITS))
+    folder = session.new_run(name)
     cfg = cal.CalibConfig(corpus=corpus, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
                           patch_k=max(op_k, 2))
     calib = cal.calibrate(pair, cfg)
-    folder = runs_dir(name)
     cal.save(calib, folder)
-    _CALIBS[(pair.producer_source, pair.consumer_source)] = calib
+    session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
     return calib, folder
 
 
-def load_calibration_for(pair: Pair, folder: str):
-    """Load a saved calibration folder for the pair (refused for another pair, or in hosted mode)."""
+def load_calibration_for(pair: Pair, session: Session, folder) -> object:
+    """Load a saved calibration folder for the pair into this session (refused for another pair).
+
+    In hosted mode only this session's own run folders can be named.
+    """
     from scdviz.scd import calibrate as cal
 
-    if settings.hosted():
-        raise UserError("this hosted demo does not load local paths")
-    path = Path(folder.strip()).expanduser()
-    if not (path / "calibration.json").is_file():
-        raise UserError(f"{path} holds no calibration (calibration.json missing)")
+    path = hosting.user_folder(folder, "calibration folder", roots=(session.folder,))
     calib = cal.load(path, pair)
-    _CALIBS[(pair.producer_source, pair.consumer_source)] = calib
+    session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
     return calib
 
 
-def train_policy_live(model_source: str, steps: int, contexts: int, per_head: bool, name: str):
-    """Train a DistillCache policy in a thread; yields the growing log every ~2 s, then the final log."""
-    import threading
-
-    from scdviz.evict.policy import PolicyConfig
+def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, per_head: bool, name: str):
+    """Train a DistillCache policy on the pair's producer in a thread; yields the growing log
+    every ~2 s, then (folder, final log). The best policy joins this session's eviction methods."""
+    from scdviz.evict.policy import Policy, PolicyConfig
     from scdviz.evict.trainer import TrainConfig, train
 
-    if not 1 <= steps <= 2000 or not 2 <= contexts <= 128:
-        raise UserError("steps must be 1..2000 and contexts 2..128")
-    cfg = TrainConfig(out=str(runs_dir(name)), model=model_source, contexts=contexts, steps=steps, warm_steps=50,
+    steps = inputs.integer(steps, "REINFORCE steps", 1, 300)
+    contexts = inputs.integer(contexts, "Training contexts", 2, 32)
+    per_head = inputs.flag(per_head, "Per layer and KV head")
+    folder = session.new_run(name)
+    cfg = TrainConfig(out=str(folder), model=pair.producer_source, contexts=contexts, steps=steps, warm_steps=50,
                       lr=3e-4, entropy_coef=1e-4, checkpoint_every=max(5, steps // 4), val_contexts=4,
                       policy=PolicyConfig(per_head=per_head))
     state: dict = {"log": None, "error": None}
@@ -275,31 +336,49 @@ def train_policy_live(model_source: str, steps: int, contexts: int, per_head: bo
         yield state["log"]
     if state["error"] is not None:
         raise state["error"]
-    yield state["log"]
+    session.policies[f"yours:{folder.name}"] = (pair.producer_source, Policy.load(folder / "best.safetensors"))
+    yield folder, state["log"]
 
 
 # ----------------------------------------------------------------------------- results tab
 
 
-def load_results(path: str):
-    """A benchmark JSON (list of records) or CSV as a DataFrame, with its kind ('scd' or 'evict')."""
+def shipped_results() -> list[Path]:
+    """Benchmark records shipped in assets/ (read-only)."""
+    assets = settings.ASSETS_DIR
+    return sorted([*assets.glob("scd/*/bench.json"), *assets.glob("policy/bench/*.json")])
+
+
+def load_results(path, upload_roots: tuple[Path, ...] = ()):
+    """A benchmark JSON (list of records) or CSV as a DataFrame, with its kind ('scd' or 'evict').
+
+    ``path`` must be a shipped record or, in hosted mode, lie under ``upload_roots``.
+    """
     import json
 
     import pandas as pd
 
-    p = Path(path)
-    if p.suffix == ".csv":
-        df = pd.read_csv(p)
+    roots = (settings.ASSETS_DIR, *upload_roots)
+    p = hosting.user_file(path, "benchmark file", roots=roots)
+    if p.suffix.lower() not in (".json", ".csv"):
+        raise UserError(f"{p.name}: open a .json or .csv file from `python -m scdviz bench ... --out`")
+    if p.stat().st_size > settings.max_upload_mb() * 2**20:
+        raise UserError(f"{p.name} is larger than {settings.max_upload_mb()} MB (SCDVIZ_MAX_UPLOAD_MB)")
+    if p.suffix.lower() == ".csv":
+        try:
+            df = pd.read_csv(p)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UserError(f"{p.name} is not a readable CSV file: {str(err).splitlines()[0][:200]}") from None
     else:
         try:
             records = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise UserError(f"{p.name} is not a JSON file: {err}") from None
-        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
             raise UserError(f"{p.name}: expected a JSON list of records from `python -m scdviz bench ...`")
         df = pd.DataFrame(records)
     if {"payload_bytes_per_token", "kl"} <= set(df.columns):
         return df, "scd"
     if {"keep", "kl", "method"} <= set(df.columns):
         return df, "evict"
-    raise UserError(f"{p.name} has neither SCD (payload_bytes_per_token, kl) nor eviction (keep, kl) columns")
+    raise UserError(f"{p.name} has neither SCD (payload_bytes_per_token, kl) nor eviction (keep, kl, method) columns")

@@ -26,7 +26,8 @@ def device_name() -> str:
 
 
 def hosted() -> bool:
-    """Hosted mode refuses local paths as model sources (SCDVIZ_HOSTED=1)."""
+    """Hosted (public demo) mode: no local paths, hub ids only from an allow-list, per-session
+    folders (SCDVIZ_HOSTED=1). The rules themselves are in scdviz.hosting."""
     return os.environ.get("SCDVIZ_HOSTED", "0").lower() in ("1", "true", "yes")
 
 
@@ -54,3 +55,36 @@ def threads() -> int | None:
     """Fixed CPU thread count (SCDVIZ_THREADS); None means: choose by measurement."""
     value = os.environ.get("SCDVIZ_THREADS")
     return int(value) if value else None
+
+
+def max_prompt_chars() -> int:
+    """Longest text field in characters, checked before tokenising (SCDVIZ_MAX_PROMPT_CHARS).
+
+    Default: 16 characters per allowed prompt token (English averages about 4.5).
+    """
+    return int(os.environ.get("SCDVIZ_MAX_PROMPT_CHARS") or 16 * max_prompt_tokens())
+
+
+def hub_allow() -> list[str]:
+    """Hub ids a hosted demo may load (SCDVIZ_HUB_ALLOW, comma-separated; default none)."""
+    return [s.strip() for s in os.environ.get("SCDVIZ_HUB_ALLOW", "").split(",") if s.strip()]
+
+
+def hub_timeout() -> float:
+    """Seconds to wait for the hub to answer about a model id (SCDVIZ_HUB_TIMEOUT)."""
+    return float(os.environ.get("SCDVIZ_HUB_TIMEOUT", "5"))
+
+
+def max_upload_mb() -> int:
+    """Largest uploaded file in MB (SCDVIZ_MAX_UPLOAD_MB)."""
+    return int(os.environ.get("SCDVIZ_MAX_UPLOAD_MB", "8"))
+
+
+def max_session_runs() -> int:
+    """Runs (calibrations, policies) one visitor may keep in hosted mode (SCDVIZ_MAX_SESSION_RUNS)."""
+    return int(os.environ.get("SCDVIZ_MAX_SESSION_RUNS", "4"))
+
+
+def session_ttl() -> int:
+    """Seconds after which an idle session's state and folder are removed (SCDVIZ_SESSION_TTL)."""
+    return int(os.environ.get("SCDVIZ_SESSION_TTL", "7200"))

@@ -71,5 +71,5 @@ def test_prompt_limits(monkeypatch):
     with pytest.raises(service.UserError, match="at least 2 tokens"):
         service.encode_prompt(_FakePair(), "a")
     assert service.encode_prompt(_FakePair(), "abc") == [97, 98, 99]
-    with pytest.raises(service.UserError, match="choose both"):
+    with pytest.raises(service.UserError, match="choose a consumer"):
         service.get_pair("builtin:smollm2-135m", "")

@@ -55,15 +55,19 @@ def test_layer_types_mismatch():
 def test_source_resolution_errors(tmp_path, monkeypatch):
     with pytest.raises(pairmod.PairError, match="empty model source"):
         pairmod._resolve("  ")
-    with pytest.raises(pairmod.PairError, match="unknown built-in specialist 'nope'"):
+    with pytest.raises(pairmod.PairError, match="unknown built-in model 'nope'"):
         pairmod._resolve("builtin:nope")
     with pytest.raises(pairmod.PairError, match="not a model folder"):
         pairmod._resolve(str(tmp_path))
     (tmp_path / "adapter_config.json").write_text("{}")
     assert pairmod._resolve(str(tmp_path))[0] == "adapter"
+    assert pairmod._resolve("org/model")[0] == "hub"
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")
-    with pytest.raises(pairmod.PairError, match="does not load local paths"):
+    with pytest.raises(pairmod.PairError, match="local folders are not available here"):
         pairmod._resolve(str(tmp_path))
+    with pytest.raises(pairmod.PairError, match="allow-list"):
+        pairmod._resolve("org/model")
+    monkeypatch.setenv("SCDVIZ_HUB_ALLOW", "org/model, org/other")
     assert pairmod._resolve("org/model")[0] == "hub"
 
 

@@ -36,11 +36,10 @@ def specialists() -> list[str]:
 
 def adapter_dir(name: str) -> Path:
     """Folder of a shipped specialist; raises ValueError naming the known ones."""
-    path = ADAPTERS_DIR / name
-    if not (path / "adapter_config.json").is_file():
-        known = ", ".join(specialists()) or "none"
-        raise ValueError(f"unknown built-in specialist {name!r}; known: {known}")
-    return path
+    known = specialists()  # the name is looked up, never joined to a path unchecked
+    if name not in known:
+        raise ValueError(f"unknown built-in specialist {name[:60]!r}; known: {', '.join(known) or 'none'}")
+    return ADAPTERS_DIR / name
 
 
 def producer_dir(progress=None) -> Path:

@@ -180,29 +180,25 @@ def check_compatible(a: ModelFacts, b: ModelFacts) -> None:
 
 
 def _resolve(source: str) -> tuple[str, Path | str, Path | None]:
-    """(kind, model location, adapter folder) for a source string."""
-    source = source.strip()
-    if not source:
-        raise PairError("empty model source")
-    if source.startswith("builtin:"):
-        name = source.split(":", 1)[1]
-        if name == builtin.PRODUCER_NAME:
-            return "builtin", name, None
-        try:
-            return "builtin", builtin.PRODUCER_NAME, builtin.adapter_dir(name)
-        except ValueError as err:
-            raise PairError(f"{err} (or builtin:{builtin.PRODUCER_NAME})") from None
-    path = Path(source).expanduser()
-    looks_local = path.exists() or source.startswith(("/", ".", "~"))
-    if looks_local:
-        if settings.hosted():
-            raise PairError("this hosted demo does not load local paths; use a built-in name or a hub id")
-        if (path / "adapter_config.json").is_file():
-            return "adapter", path, path
-        if (path / "config.json").is_file():
-            return "local", path, None
-        raise PairError(f"{source}: not a model folder (no config.json) nor a LoRA folder (no adapter_config.json)")
-    return "hub", source, None
+    """(kind, model location, adapter folder) for a source string (checked by scdviz.hosting)."""
+    from scdviz import hosting
+
+    try:
+        kind, what = hosting.check_source(source)
+    except ValueError as err:
+        raise PairError(str(err)) from None
+    if kind == "builtin":
+        if what == builtin.PRODUCER_NAME:
+            return "builtin", what, None
+        return "builtin", builtin.PRODUCER_NAME, builtin.adapter_dir(what)
+    if kind == "hub":
+        return "hub", what, None
+    path = Path(what)
+    if (path / "adapter_config.json").is_file():
+        return "adapter", path, path
+    if (path / "config.json").is_file():
+        return "local", path, None
+    raise PairError(f"{source.strip()}: not a model folder (no config.json) nor a LoRA folder (no adapter_config.json)")
 
 
 def load_model(source: str, base: str | None = None, progress=None):
@@ -220,22 +216,42 @@ def load_model(source: str, base: str | None = None, progress=None):
             raise PairError("the base of a LoRA adapter must be a full model, not another adapter")
         model, tokenizer = load_model(base, progress=progress)
         return _merge_adapter(model, adapter), tokenizer
+    elif kind == "hub":
+        from scdviz import hosting
+
+        try:
+            hosting.probe_hub(where)
+        except ValueError as err:
+            raise PairError(str(err)) from None
     device, dtype = choose_device()
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=False,
+                                                     use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
-    except OSError as err:
-        raise PairError(f"could not load {source!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any failure here is about the source the user named
+        raise PairError(f"could not load {source.strip()!r} ({type(err).__name__}): {_first_line(err)}") from None
     if adapter is not None:
         model = _merge_adapter(model, adapter)
     return model.to(device).eval(), tokenizer
+
+
+def _first_line(err: Exception, limit: int = 300) -> str:
+    line = (str(err).strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _merge_adapter(model, adapter: Path):
     """Apply a peft LoRA adapter and merge it into the weights (plain model out)."""
     from peft import PeftModel
 
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    try:
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    except Exception as err:  # noqa: BLE001 - a broken or foreign adapter is the user's input
+        shape = "size mismatch" in str(err)
+        raise PairError(
+            f"the LoRA adapter in {adapter} does not fit its base model "
+            + ("(its weight shapes belong to another model; pick the base it was trained on as producer)"
+               if shape else f"({type(err).__name__}: {_first_line(err)})")) from None
     return merged.eval()
 
 

@@ -362,14 +362,33 @@ def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) 
 
 
 def load(folder: str | Path, pair: Pair | None = None) -> Calibration:
-    """Read an artefact; with ``pair``, PairError unless it was made for that pair."""
+    """Read an artefact; with ``pair``, PairError unless it was made for that pair.
+
+    A folder that is not a complete calibration (missing or damaged file, missing field or
+    tensor) raises ValueError saying which part is wrong.
+    """
     folder = Path(folder)
     meta_path = folder / "calibration.json"
     if not meta_path.is_file():
         raise ValueError(f"no SCD calibration in {folder} (calibration.json missing); run python -m scdviz calibrate")
-    meta = json.loads(meta_path.read_text())
-    if pair is not None:
-        check_identity(meta["identity"], pair, str(folder))
+    try:
+        meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("identity"), dict):
+            raise KeyError("identity")
+        if pair is not None:
+            check_identity(meta["identity"], pair, str(folder))
+        return _from_files(folder, meta)
+    except PairError:
+        raise
+    except (KeyError, IndexError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{folder} is not a complete SCD calibration ({type(err).__name__}: {err}); "
+                         "make it again with python -m scdviz calibrate") from None
+    except Exception as err:  # noqa: BLE001 - safetensors / shape errors: the files are damaged
+        raise ValueError(f"{folder}: calibration.safetensors is missing or damaged ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:200] if str(err) else ''}); make it again") from None
+
+
+def _from_files(folder: Path, meta: dict) -> Calibration:
     t = load_file(str(folder / "calibration.safetensors"))
     n = len(meta["drift_k"])
 

@@ -15,18 +15,19 @@ from scdviz.ui.common import guard
 FIGURES = ("kl_steps", "sweep", "heatmap", "features")
 
 
-def build(run: Callable, examples: list[str], pair_state: gr.State) -> None:
-    """Add the eviction tab's widgets; ``run(pair_key, context, question, ...)`` does the work."""
+def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384) -> None:
+    """Add the eviction tab's widgets; ``run(pair_key, session, context, question, ...)`` checks and does the work."""
     gr.Markdown(
         "Prune the producer's cache of the context to a budget with the learned DistillCache policies and "
         "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
         "full cache's own greedy continuation. Same code as `python -m scdviz bench evict`."
     )
-    context = gr.Textbox(label="Context", lines=5, value=examples[0] if examples else "", elem_id="ev-context")
+    context = gr.Textbox(label="Context", lines=5, value=examples[0] if examples else "", elem_id="ev-context",
+                         max_length=max_chars)
     if examples:
         gr.Examples([[e] for e in examples], inputs=[context], label="Passages from the shipped evaluation text")
     with gr.Row():
-        question = gr.Textbox(label="Question (optional)", value="", elem_id="ev-question")
+        question = gr.Textbox(label="Question (optional)", value="", elem_id="ev-question", max_length=max_chars)
         aware = gr.Checkbox(label="Question-aware (compress context + question)", value=False)
     with gr.Row():
         unit = gr.Radio(["% kept", "tokens kept"], value="% kept", label="Budget unit")
@@ -47,13 +48,13 @@ def build(run: Callable, examples: list[str], pair_state: gr.State) -> None:
             for name in row:
                 plots[name] = gr.Plot(elem_id=f"ev-{name}", label=name)
 
-    def on_run(key, ctx, q, aw, u, b, m, method, progress=gr.Progress()):  # noqa: B008
+    def on_run(key, sess, ctx, q, aw, u, b, m, method, progress=gr.Progress()):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="one eager prefill, then every method")
-        out = run(key, ctx, q, bool(aw), u, b, m, method)
+        out = run(key, sess, ctx, q, aw, u, b, m, method)
         return [out["info"], out["kept"], out["table"], out["texts"], gr.update(choices=out["methods"])] + [
             out["figures"][n] for n in FIGURES]
 
-    go_btn.click(guard(on_run), [pair_state, context, question, aware, unit, budget, model, show],
-                 [info, kept, table, texts, show] + [plots[n] for n in FIGURES], concurrency_limit=1)
+    go_btn.click(guard(on_run), [pair_state, session, context, question, aware, unit, budget, model, show],
+                 [info, kept, table, texts, show] + [plots[n] for n in FIGURES], concurrency_limit=1, api_name="evict")

@@ -26,6 +26,7 @@ class PairTabFns:
     generate: Callable  # (pair_key, prompt, max_new, chat) -> (prod_tokens, cons_tokens, info_md)
     examples: list[str]  # example prompts
     max_new_tokens: int  # upper bound of the slider
+    max_chars: int = 16384  # longest prompt in characters (checked again on the server)
 
 
 def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
@@ -47,7 +48,8 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
                          elem_id="pair-facts")
 
     gr.Markdown("### Generate from both (each from its own prefill)")
-    prompt = gr.Textbox(label="Prompt", lines=4, value=fns.examples[0] if fns.examples else "", elem_id="pair-prompt")
+    prompt = gr.Textbox(label="Prompt", lines=4, value=fns.examples[0] if fns.examples else "", elem_id="pair-prompt",
+                        max_length=fns.max_chars)
     with gr.Row():
         max_new = gr.Slider(1, fns.max_new_tokens, value=min(32, fns.max_new_tokens), step=1, label="New tokens")
         chat = gr.Checkbox(label="Wrap in the chat template", value=False)
@@ -72,10 +74,12 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
     def on_generate(key, text, n, use_chat):
         if not key:
             raise gr.Error("load a pair first", print_exception=False)
-        prod_tokens, cons_tokens, md = fns.generate(key, text, int(n), bool(use_chat))
+        prod_tokens, cons_tokens, md = fns.generate(key, text, n, use_chat)
         return md, [(t, None) for t in prod_tokens], diff_tokens(cons_tokens, prod_tokens)
 
-    load_btn.click(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1)
-    demo.load(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1)
+    load_btn.click(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
+                   api_name="load_pair")
+    demo.load(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
+              api_name=False)
     gen_btn.click(guard(on_generate), [pair_state, prompt, max_new, chat], [info, prod_out, cons_out],
-                  concurrency_limit=1)
+                  concurrency_limit=1, api_name="generate")

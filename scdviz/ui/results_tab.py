@@ -12,8 +12,8 @@ import gradio as gr
 from scdviz.ui.common import guard
 
 
-def build(load: Callable, shipped: list[tuple[str, str]]) -> None:
-    """``load(path) -> (markdown, DataFrame, figure, csv_path)``; ``shipped``: (label, path) of bundled records."""
+def build(load: Callable, shipped: list[tuple[str, str]], session: gr.State) -> None:
+    """``load(path, session) -> (markdown, DataFrame, figure, csv_path)``; ``shipped``: (label, path) of bundled records."""
     gr.Markdown("Upload the JSON (or CSV) from `python -m scdviz bench scd|evict --out FILE`, or open one of the "
                 "records shipped with the built-in pair.")
     with gr.Row():
@@ -24,10 +24,10 @@ def build(load: Callable, shipped: list[tuple[str, str]]) -> None:
     table = gr.Dataframe(interactive=False, elem_id="res-table")
     export = gr.File(label="Export as CSV", elem_id="res-export")
 
-    def on_file(f):
+    def on_file(f, sess):
         if f is None:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return load(f if isinstance(f, str) else f.name)
+        return load(f if isinstance(f, str) else f.name, sess)
 
-    upload.change(guard(on_file), [upload], [info, table, plot, export])
-    bundled.change(guard(on_file), [bundled], [info, table, plot, export])
+    upload.change(guard(on_file), [upload, session], [info, table, plot, export], api_name="open_upload")
+    bundled.change(guard(on_file), [bundled, session], [info, table, plot, export], api_name="open_shipped")

@@ -16,15 +16,16 @@ FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "
            "ttft")
 
 
-def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: int = 192) -> None:
-    """Add the SCD tab's widgets; ``run(pair_key, text, controls...)`` does the work."""
+def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384,
+          max_rank: int = 192) -> None:
+    """Add the SCD tab's widgets; ``run(pair_key, session, text, controls...)`` checks the controls and does the work."""
     gr.Markdown(
         "The producer prefills the text; each method moves its cache to the consumer, which scores the last "
         "*continuation* tokens teacher-forced and generates greedily. KL is KL(oracle ‖ method) per token; "
         "the oracle is the consumer's own prefill. Same code as `python -m scdviz bench scd`."
     )
     text = gr.Textbox(label="Text (prompt + continuation)", lines=5, value=examples[0] if examples else "",
-                      elem_id="scd-text")
+                      elem_id="scd-text", max_length=max_chars)
     if examples:
         gr.Examples([[e] for e in examples], inputs=[text], label="Windows from the shipped evaluation text")
     with gr.Row():
@@ -53,12 +54,11 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: in
             for name in row:
                 plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
 
-    def on_run(key, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, progress=gr.Progress()):  # noqa: B008
+    def on_run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, progress=gr.Progress()):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="transferring with every method")
-        out = run(key, txt, int(c), int(g), int(b), int(rk), int(rv), int(k), place, lay, float(bw), float(lat) / 1000,
-                  bool(fan))
+        out = run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan)
         segments = []
         oracle = out["texts"][0][1]
         for method, tokens in out["texts"]:
@@ -66,5 +66,6 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, max_rank: in
             segments += diff_tokens(tokens, oracle)
         return [out["info"], out["table"], segments] + [out["figures"][n] for n in FIGURES]
 
-    go_btn.click(guard(on_run), [pair_state, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps,
-                                 latency, fan_out], [info, table, texts] + [plots[n] for n in FIGURES], concurrency_limit=1)
+    go_btn.click(guard(on_run), [pair_state, session, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers,
+                                 gbps, latency, fan_out], [info, table, texts] + [plots[n] for n in FIGURES],
+                 concurrency_limit=1, api_name="scd")

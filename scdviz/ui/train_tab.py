@@ -14,11 +14,13 @@ from scdviz.ui.common import guard
 
 
 def build(calibrate: Callable, load_calibration: Callable, train: Callable, corpora: list[str],
-          pair_state: gr.State) -> None:
-    """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure); ``train`` yields them."""
+          pair_state: gr.State, session: gr.State) -> None:
+    """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure, session); ``train`` yields them.
+
+    What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
     gr.Markdown("### SCD calibration for the loaded pair\nFits REUSE codes, aligners and the patch order on a "
-                "shipped corpus's *calib* split; the result becomes the pair's calibration in the SCD tab and is "
-                "saved under `$SCDVIZ_CACHE/runs/NAME`. (Same code as `python -m scdviz calibrate`; minutes on a CPU.)")
+                "shipped corpus's *calib* split; the result becomes *your* calibration for the pair in the SCD tab "
+                "(other visitors keep theirs) and is saved as a run named NAME. (Same code as `python -m scdviz calibrate`; minutes on a CPU.)")
     with gr.Row():
         corpus = gr.Dropdown(corpora, value=corpora[0] if corpora else None, label="Calibration corpus")
         n_fit = gr.Slider(4, 64, value=16, step=4, label="Windows for the fits")
@@ -33,7 +35,8 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
     cal_plot = gr.Plot(elem_id="cal-plot")
 
     gr.Markdown("### DistillCache policy training\nREINFORCE with Gumbel top-B sampling and a leave-one-out "
-                "baseline on the producer, after a short warm start. Saved under `$SCDVIZ_CACHE/runs/NAME`. "
+                "baseline on the producer, after a short warm start. Saved as a run named NAME and added to your "
+                "eviction methods. "
                 "(Same code as `python -m scdviz train-policy`.)")
     with gr.Row():
         steps = gr.Slider(5, 300, value=20, step=5, label="REINFORCE steps")
@@ -44,24 +47,25 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
     train_info = gr.Markdown(elem_id="train-info")
     train_plot = gr.Plot(elem_id="train-plot")
 
-    def on_calibrate(key, c, n, k, b, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+    def on_calibrate(key, sess, c, n, k, b, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        return calibrate(key, c, int(n), int(k), int(b), nm)
+        return calibrate(key, sess, c, n, k, b, nm)
 
-    def on_load(key, path):
+    def on_load(key, sess, path):
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        return load_calibration(key, path)
+        return load_calibration(key, sess, path)
 
-    def on_train(key, n, ctx, ph, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+    def on_train(key, sess, n, ctx, ph, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        yield from train(key, int(n), int(ctx), bool(ph), nm)
+        yield from train(key, sess, n, ctx, ph, nm)
 
-    cal_btn.click(guard(on_calibrate), [pair_state, corpus, n_fit, op_k, bits, name], [cal_info, cal_plot],
-                  concurrency_limit=1)
-    load_btn.click(guard(on_load), [pair_state, folder], [cal_info, cal_plot], concurrency_limit=1)
-    train_btn.click(guard(on_train), [pair_state, steps, contexts, per_head, run_name], [train_info, train_plot],
-                    concurrency_limit=1)
+    cal_btn.click(guard(on_calibrate), [pair_state, session, corpus, n_fit, op_k, bits, name],
+                  [cal_info, cal_plot, session], concurrency_limit=1, api_name="calibrate")
+    load_btn.click(guard(on_load), [pair_state, session, folder], [cal_info, cal_plot, session], concurrency_limit=1,
+                   api_name="load_calibration")
+    train_btn.click(guard(on_train), [pair_state, session, steps, contexts, per_head, run_name],
+                    [train_info, train_plot, session], concurrency_limit=1, api_name="train")
 

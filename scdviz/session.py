@@ -1,0 +1,97 @@
+"""One visitor's artefacts: the calibrations and policies they made or loaded, and their folder.
+
+A ``Session`` lives in the app's ``gr.State`` (one per open page), never in a module
+global, so one visitor's calibration never replaces another's. Shipped artefacts are read
+from ``assets/`` and never written.
+
+Where runs go:
+  local use    ``$SCDVIZ_CACHE/runs/<name>`` (kept; a name already used is refused)
+  hosted mode  ``$SCDVIZ_CACHE/sessions/<id>/runs/<name>``, at most SCDVIZ_MAX_SESSION_RUNS
+               of them, deleted with the session (page closed, or idle past SCDVIZ_SESSION_TTL)
+               and at the next start of the app.
+Scratch files (CSV exports) go to ``$SCDVIZ_CACHE/sessions/<id>/scratch`` in both modes
+and are deleted with the session. This module imports neither torch nor gradio.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scdviz import settings
+from scdviz.inputs import UserError, run_name
+
+
+def sessions_root() -> Path:
+    """Parent of every session folder."""
+    return settings.cache_dir() / "sessions"
+
+
+def runs_root() -> Path:
+    """Where runs made in local (not hosted) use are kept."""
+    return settings.cache_dir() / "runs"
+
+
+def clean_stale() -> int:
+    """Remove session folders left by an earlier process (the app calls this at start); returns how many."""
+    root = sessions_root()
+    if not root.is_dir():
+        return 0
+    stale = [p for p in root.iterdir() if p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return len(stale)
+
+
+@dataclass
+class Session:
+    """What one visitor made or loaded; lives in gr.State."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    calibrations: dict = field(default_factory=dict)  # (producer, consumer) -> Calibration, made/loaded here
+    policies: dict = field(default_factory=dict)  # method name -> (producer source, Policy) trained here
+    runs: list = field(default_factory=list)  # folders written for this visitor, oldest first
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __deepcopy__(self, memo):  # gradio copies state values; a session is one visitor's, shared by reference
+        return self
+
+    @property
+    def folder(self) -> Path:
+        """This session's own folder (scratch, and runs in hosted mode)."""
+        return sessions_root() / self.id
+
+    def scratch(self) -> Path:
+        """A folder for throw-away files of this session (created on demand)."""
+        path = self.folder / "scratch"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def new_run(self, name) -> Path:
+        """A fresh folder for a run named ``name``: validated, unique, and bounded in hosted mode."""
+        name = run_name(name)
+        parent = self.folder / "runs" if settings.hosted() else runs_root()
+        path = parent / name
+        with self._lock:
+            if settings.hosted() and len(self.runs) >= settings.max_session_runs():
+                raise UserError(f"this hosted demo keeps at most {settings.max_session_runs()} runs per visitor "
+                                f"and you have made {len(self.runs)}; reload the page to start a new session")
+            if path in self.runs or path.exists():
+                raise UserError(f"a run named {name!r} already exists ({path}); choose another name")
+            path.mkdir(parents=True)
+            self.runs.append(path)
+        return path
+
+    def close(self) -> None:
+        """Forget this visitor's artefacts and delete the session folder (hosted runs included)."""
+        self.calibrations.clear()
+        self.policies.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def open_session() -> Session:
+    """A new visitor's Session (gr.State calls this once per page load)."""
+    return Session()

@@ -1,0 +1,143 @@
+"""Hosted mode's rules, input checks and per-session folders (fast tier: no models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scdviz import hosting, inputs, session, settings
+from scdviz.inputs import UserError
+from scdviz.models import builtin
+
+OUTSIDE = ["builtin:/etc", "builtin:../../../..", "builtin:../adapters/jargon", "builtin:jargon/../bible",
+           "builtin:", "builtin:JARGON", "builtin:jargon ", "builtin:\x00"]
+
+
+@pytest.mark.parametrize("source", OUTSIDE)
+@pytest.mark.parametrize("hosted", ["0", "1"])
+def test_builtin_names_are_looked_up_never_joined(source, hosted, monkeypatch):
+    monkeypatch.setenv("SCDVIZ_HOSTED", hosted)
+    if source == "builtin:jargon ":  # surrounding blanks are stripped: the shipped name itself
+        assert hosting.check_source(source) == ("builtin", "jargon")
+        return
+    with pytest.raises(UserError, match="unknown built-in model"):
+        hosting.check_source(source)
+
+
+def test_adapter_dir_refuses_paths():
+    for name in ("/etc", "..", "../adapters/jargon"):
+        with pytest.raises(ValueError, match="unknown built-in specialist"):
+            builtin.adapter_dir(name)
+    assert builtin.adapter_dir("jargon").parent == builtin.ADAPTERS_DIR
+
+
+def test_hosted_sources(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    monkeypatch.delenv("SCDVIZ_HUB_ALLOW", raising=False)
+    for source in (str(tmp_path), "./models", "~/x", "/etc", "a/b/c", "..\\x", "C:\\models"):
+        with pytest.raises(UserError, match="local folders are not available"):
+            hosting.check_source(source)
+    with pytest.raises(UserError, match="allow-list"):
+        hosting.check_source("org/model")
+    monkeypatch.setenv("SCDVIZ_HUB_ALLOW", "org/model")
+    assert hosting.check_source(" org/model ") == ("hub", "org/model")
+    with pytest.raises(UserError, match="'org/other' is not on it"):
+        hosting.check_source("org/other")
+    assert hosting.check_source("builtin:bible") == ("builtin", "bible")
+    with pytest.raises(UserError, match="at most 300 characters"):
+        hosting.check_source("org/" + "x" * 400)
+
+
+def test_local_sources_when_not_hosted(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCDVIZ_HOSTED", "0")
+    assert hosting.check_source(str(tmp_path)) == ("local", str(tmp_path))
+    assert hosting.check_source("org/model") == ("hub", "org/model")
+    with pytest.raises(UserError, match="neither a built-in name"):
+        hosting.check_source("no spaces/allowed here!")
+
+
+def test_probe_hub_fails_fast_offline(monkeypatch):
+    import time
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match="offline"):
+        hosting.probe_hub("nobody-xyz/not-a-model-1234")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_user_paths(monkeypatch, tmp_path):
+    inside, outside = tmp_path / "mine", tmp_path / "other"
+    inside.mkdir(), outside.mkdir()
+    (outside / "r.json").write_text("[]")
+    monkeypatch.setenv("SCDVIZ_HOSTED", "0")
+    assert hosting.user_folder(str(outside), "calibration folder") == outside.resolve()
+    with pytest.raises(UserError, match="is not a folder"):
+        hosting.user_folder(str(outside / "r.json"), "calibration folder")
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    for path in (str(outside), str(inside / ".." / "other"), "/etc", "~"):
+        with pytest.raises(UserError, match="does not read local paths"):
+            hosting.user_folder(path, "calibration folder", roots=(inside,))
+    with pytest.raises(UserError, match="does not read local paths"):
+        hosting.user_file(str(outside / "r.json"), "benchmark file", roots=(inside,))
+    assert hosting.user_folder(str(inside), "calibration folder", roots=(inside,)) == inside.resolve()
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, "is empty"), ("", "is empty"), ("abc", "must be a number"), ("Infinity", "must be between"),
+    (float("nan"), "must be between"), (float("inf"), "must be between"), (-1, "must be between"),
+    (101, "must be between"), (True, "must be a number"), ([1], "must be a number"), (2.5, "whole number"),
+])
+def test_integer_checks_name_the_field_and_range(value, message):
+    with pytest.raises(UserError, match=message) as err:
+        inputs.integer(value, "Widgets", 0, 100)
+    assert "Widgets" in str(err.value)
+
+
+def test_number_and_choice_accept_what_the_ui_sends():
+    assert inputs.integer("7", "x", 0, 10) == 7 and inputs.integer(7.0, "x", 0, 10) == 7
+    assert inputs.number("2.5", "x", 0, 10) == 2.5
+    assert inputs.choice(4, "bits", (4, 8)) == "4"
+    assert inputs.flag("true", "f") is True and inputs.flag(0, "f") is False
+    with pytest.raises(UserError, match="must be one of 4, 8"):
+        inputs.choice(5, "bits", (4, 8))
+    with pytest.raises(UserError, match="true or false"):
+        inputs.flag("maybe", "f")
+
+
+@pytest.mark.parametrize("name", ["", " ", ".", "..", "../x", "a/b", "a\\b", ".hidden", "x" * 65, "a b", "é", None])
+def test_bad_run_names(name):
+    with pytest.raises(UserError, match="run name"):
+        inputs.run_name(name)
+
+
+def test_text_is_capped_before_tokenising():
+    with pytest.raises(UserError, match="has 5,000,001 characters"):
+        inputs.text("x" * 5_000_001, "the prompt", 1000)
+    with pytest.raises(UserError, match="must be text"):
+        inputs.text(123, "the prompt", 1000)
+    assert inputs.text("", "q", 10, required=False) == ""
+
+
+def test_sessions_are_separate_unique_and_bounded(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCDVIZ_CACHE", str(tmp_path))
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    monkeypatch.setenv("SCDVIZ_MAX_SESSION_RUNS", "2")
+    a, b = session.Session(), session.Session()
+    ra, rb = a.new_run("run"), b.new_run("run")  # the same name in two sessions: two folders
+    assert ra != rb and ra.is_relative_to(a.folder) and rb.is_relative_to(b.folder)
+    with pytest.raises(UserError, match="already exists"):
+        a.new_run("run")
+    a.new_run("second")
+    with pytest.raises(UserError, match="at most 2 runs"):
+        a.new_run("third")
+    (a.scratch() / "x.csv").write_text("1")
+    a.close()
+    assert not a.folder.exists() and rb.is_dir()
+    assert session.clean_stale() == 1 and not b.folder.exists()
+    monkeypatch.setenv("SCDVIZ_HOSTED", "0")
+    local = session.Session().new_run("kept")
+    assert local == settings.cache_dir() / "runs" / "kept"
+    with pytest.raises(UserError, match="already exists"):
+        session.Session().new_run("kept")  # another session, same folder: refused, not overwritten
