@@ -218,10 +218,13 @@ def build_demo() -> gr.Blocks:
         with gr.Tab("Calibrate / train"):
             train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state, sess)
         with gr.Tab("Results"):
-            files = service.shipped_results()
-            uploads = (Path(get_upload_folder()),)
-            results_tab.build(lambda path, s: load_results(path, s, uploads),
-                              [(str(p.relative_to(settings.REPO_DIR)), str(p)) for p in files], sess)
+            shipped = {str(p.relative_to(settings.REPO_DIR)): p for p in service.shipped_results()}
+            uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
+
+            def open_record(path, s):  # a shipped record by its name, else an uploaded file
+                return load_results(shipped.get(path, path), s, uploads)
+
+            results_tab.build(open_record, list(shipped), sess)
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
 

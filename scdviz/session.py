@@ -5,11 +5,12 @@ global, so one visitor's calibration never replaces another's. Shipped artefacts
 from ``assets/`` and never written.
 
 Where runs go:
-  local use    ``$SCDVIZ_CACHE/runs/<name>`` (kept; a name already used is refused)
-  hosted mode  ``$SCDVIZ_CACHE/sessions/<id>/runs/<name>``, at most SCDVIZ_MAX_SESSION_RUNS
+  local use    ``$SCDVIZ_WORK/runs/<name>`` (kept; a name already used is refused)
+  hosted mode  ``$SCDVIZ_WORK/sessions/<id>/runs/<name>``, at most SCDVIZ_MAX_SESSION_RUNS
                of them, deleted with the session (page closed, or idle past SCDVIZ_SESSION_TTL)
                and at the next start of the app.
-Scratch files (CSV exports) go to ``$SCDVIZ_CACHE/sessions/<id>/scratch`` in both modes
+``SCDVIZ_WORK`` defaults to ``SCDVIZ_CACHE``. Scratch files (CSV exports) go to
+``$SCDVIZ_WORK/sessions/<id>/scratch`` in both modes
 and are deleted with the session. This module imports neither torch nor gradio.
 """
 
@@ -27,12 +28,12 @@ from scdviz.inputs import UserError, run_name
 
 def sessions_root() -> Path:
     """Parent of every session folder."""
-    return settings.cache_dir() / "sessions"
+    return settings.work_dir() / "sessions"
 
 
 def runs_root() -> Path:
     """Where runs made in local (not hosted) use are kept."""
-    return settings.cache_dir() / "runs"
+    return settings.work_dir() / "runs"
 
 
 def clean_stale() -> int:

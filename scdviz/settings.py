@@ -20,6 +20,13 @@ def cache_dir() -> Path:
     return Path(path).expanduser()
 
 
+def work_dir() -> Path:
+    """Folder for runs and per-session folders (SCDVIZ_WORK, default SCDVIZ_CACHE). On a Space,
+    point it at persistent storage (e.g. /data) to keep local-mode runs across restarts."""
+    path = os.environ.get("SCDVIZ_WORK")
+    return Path(path).expanduser() if path else cache_dir()
+
+
 def device_name() -> str:
     """Requested device: 'auto' (CUDA when present), 'cpu' or 'cuda' (SCDVIZ_DEVICE)."""
     return os.environ.get("SCDVIZ_DEVICE", "auto").lower()

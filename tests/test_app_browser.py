@@ -8,52 +8,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from apprunner import running_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("app") / "app.log"
-    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"app exited early:\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"app did not start:\n{log.read_text()[-3000:]}")
-    yield url
-    proc.terminate()
-    proc.wait(30)
+    folder = tmp_path_factory.mktemp("app")
+    with running_app(folder / "app.log", SCDVIZ_WORK=str(folder)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

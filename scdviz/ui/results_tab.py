@@ -12,8 +12,8 @@ import gradio as gr
 from scdviz.ui.common import guard
 
 
-def build(load: Callable, shipped: list[tuple[str, str]], session: gr.State) -> None:
-    """``load(path, session) -> (markdown, DataFrame, figure, csv_path)``; ``shipped``: (label, path) of bundled records."""
+def build(load: Callable, shipped: list[str], session: gr.State) -> None:
+    """``load(path, session) -> (markdown, DataFrame, figure, csv_path)``; ``shipped``: names of bundled records."""
     gr.Markdown("Upload the JSON (or CSV) from `python -m scdviz bench scd|evict --out FILE`, or open one of the "
                 "records shipped with the built-in pair.")
     with gr.Row():

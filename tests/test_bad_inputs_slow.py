@@ -1,0 +1,275 @@
+"""The catalogue of bad inputs: every row sent over HTTP to a running app gets a specific message.
+
+Two apps run on the built-in pair: one hosted (``SCDVIZ_HOSTED=1``, the public demo) and
+one local. Each row names the endpoint (the UI's events, as an API client or a browser
+sends them), the inputs, the app it runs against and a fragment the message must contain.
+No row may reach "internal error" or a traceback, and each answer comes within seconds
+because every check happens before model work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from apprunner import running_app
+
+pytestmark = pytest.mark.slow
+
+P, J, B = "builtin:smollm2-135m", "builtin:jargon", "builtin:bible"
+BIG = "x" * 4_000_000  # a 4 MB prompt: refused on length before any tokenizer sees it
+LONG_TOKENS = "the " * 1100  # ~1,100 tokens in ~4,400 characters: under the character cap, over the token cap
+CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches from the gate and the children "
+       "laugh in the orchard under the old apple trees. ") * 6  # ~180 tokens
+SCD = dict(text=None, cont=32, gen=8, bits=4, rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
+           gbps=10, latency=0.5, fan=False)
+EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer", method="distillcache-head")
+CAL = dict(corpus="jargon", n_fit=16, op_k=2, bits=4, name="bad-input-run")
+TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
+
+
+def scd(**kw):
+    return ("/scd", tuple({**SCD, **kw}.values()))
+
+
+def ev(**kw):
+    return ("/evict", tuple({**EV, **kw}.values()))
+
+
+def cal(**kw):
+    return ("/calibrate", tuple({**CAL, **kw}.values()))
+
+
+def tr(**kw):
+    return ("/train", tuple({**TR, **kw}.values()))
+
+
+# (mode, (endpoint, args), expected fragment); mode: "both", "hosted", "local", or "nopair" (a fresh visitor)
+ROWS = [
+    # ---- Pair tab: sources
+    ("both", ("/load_pair", ("", J)), "choose a producer"),
+    ("both", ("/load_pair", (P, "  ")), "choose a consumer"),
+    ("both", ("/load_pair", (P, "builtin:/etc")), "unknown built-in model '/etc'"),
+    ("both", ("/load_pair", (P, "builtin:../../../..")), "unknown built-in model"),
+    ("both", ("/load_pair", ("builtin:../adapters/jargon", J)), "unknown built-in model"),
+    ("both", ("/load_pair", (P, "builtin:nope")), "unknown built-in model 'nope'"),
+    ("both", ("/load_pair", (P, "org/" + "y" * 400)), "at most 300 characters"),
+    ("hosted", ("/load_pair", ("/etc", J)), "local folders are not available"),
+    ("hosted", ("/load_pair", (P, "../../models")), "local folders are not available"),
+    ("hosted", ("/load_pair", (P, "~/models")), "local folders are not available"),
+    ("hosted", ("/load_pair", (P, "someorg/some-model")), "allow-list"),
+    ("local", ("/load_pair", (P, "/nonexistent/folder")), "not a model folder"),
+    ("local", ("/load_pair", (P, "{empty}")), "not a model folder"),
+    ("local", ("/load_pair", (P, "{lora_other}")), "does not fit its base model"),
+    ("local", ("/load_pair", (P, "{tiny}")), "incompatible pair"),
+    ("local", ("/load_pair", (P, "{broken_model}")), "could not load"),
+    ("local", ("/load_pair", (P, "nobody-xyz/not-a-model-1234")), "offline"),
+    ("local", ("/load_pair", (P, "no spaces/allowed here!")), "neither a built-in name"),
+    # ---- Pair tab: generate
+    ("nopair", ("/generate", ("Hello there", 8, False)), "load a pair first"),
+    ("both", ("/generate", ("   ", 8, False)), "the prompt is empty"),
+    ("both", ("/generate", ("", 8, False)), "the prompt is empty"),
+    ("both", ("/generate", (BIG, 8, False)), "4,000,000 characters"),
+    ("both", ("/generate", ("a", 8, False)), "at least 2 tokens"),
+    ("both", ("/generate", (LONG_TOKENS, 8, False)), "this app accepts at most 1024"),
+    ("both", ("/generate", ("Hello there", 0, False)), "is less than minimum value"),
+    ("both", ("/generate", ("Hello there", 1000, False)), "is greater than maximum value"),
+    ("both", ("/generate", ("Hello there", "abc", False)), "Expected a `float`"),
+    ("both", ("/generate", ("Hello there", 2.5, False)), "New tokens must be a whole number"),
+    ("both", ("/generate", ("Hello there", 8, "maybe")), "Chat template must be true or false"),
+    # ---- SCD tab
+    ("nopair", scd(text="{window}"), "load a pair first"),
+    ("both", scd(text="too short"), "SCD needs at least"),
+    ("both", scd(text=""), "the text is empty"),
+    ("both", scd(text=BIG), "4,000,000 characters"),
+    ("both", scd(text=LONG_TOKENS), "this app accepts at most 1024"),
+    ("both", scd(text="{window}", cont="abc"), "Expected a `float`"),
+    ("both", scd(text="{window}", cont=3), "is less than minimum value"),
+    ("both", scd(text="{window}", gen=100), "is greater than maximum value"),
+    ("both", scd(text="{window}", bits=5), "not in the list of choices"),
+    ("both", scd(text="{window}", rank_k=999), "is greater than maximum value"),
+    ("both", scd(text="{window}", rank_v=-8), "is less than minimum value"),
+    ("both", scd(text="{window}", rank_k=12.5), "r_K must be a whole number"),
+    ("both", scd(text="{window}", patch_k=99), "is greater than maximum value"),
+    ("both", scd(text="{window}", placement="somewhere"), "somewhere"),
+    ("both", scd(text="{window}", placement="manual", layers="a, b"), "integers separated by commas"),
+    ("both", scd(text="{window}", placement="manual", layers="99"), "between 0 and 29"),
+    ("both", scd(text="{window}", placement="manual", layers="0"), "no aligner for layer 0"),
+    ("both", scd(text="{window}", placement="manual", layers="1," * 150), "Manual patch layers has"),
+    ("both", scd(text="{window}", gbps=0), "is less than minimum value"),
+    ("both", scd(text="{window}", latency=-1), "is less than minimum value"),
+    ("both", scd(text="{window}", fan="maybe"), "All built-in specialists must be true or false"),
+    # ---- eviction tab
+    ("nopair", ev(), "load a pair first"),
+    ("both", ev(context=""), "the context is empty"),
+    ("both", ev(context="   \n  "), "the context is empty"),
+    ("both", ev(context="A short context of a few words."), "give at least 65"),
+    ("both", ev(context=BIG), "4,000,000 characters"),
+    ("both", ev(question=BIG), "4,000,000 characters"),
+    ("both", ev(context="y" * 9000, question="z" * 9000), "together"),
+    ("both", ev(question=LONG_TOKENS), "tokens together"),
+    ("both", ev(budget=None), "Budget (% kept) is empty"),
+    ("both", ev(budget="abc"), "Budget (% kept) must be a number"),
+    ("both", ev(budget="Infinity"), "Budget (% kept) must be between 0 and 100"),
+    ("both", ev(budget=0), "strictly between 0 and 100"),
+    ("both", ev(budget=100), "strictly between 0 and 100"),
+    ("both", ev(budget=-5), "Budget (% kept) must be between"),
+    ("both", ev(unit="tokens kept", budget=2.5), "Budget (tokens kept) must be a whole number"),
+    ("both", ev(unit="tokens kept", budget=100000), "Budget (tokens kept) must be between 1 and 1024"),
+    ("both", ev(unit="tokens kept", budget=900), "keeps the whole"),
+    ("both", ev(unit="bytes"), "bytes"),
+    ("both", ev(model="both"), "both"),
+    ("both", ev(aware="maybe"), "Question-aware must be true or false"),
+    # ---- calibrate / train tab
+    ("nopair", cal(), "load a pair first"),
+    ("both", cal(corpus="nope"), "nope"),
+    ("both", cal(n_fit=1), "is less than minimum value"),
+    ("both", cal(n_fit="abc"), "Expected a `float`"),
+    ("both", cal(op_k=9), "is greater than maximum value"),
+    ("both", cal(bits=3), "3"),
+    ("both", cal(name=""), "the run name is empty"),
+    ("both", cal(name=".."), "is not allowed"),
+    ("both", cal(name="../../etc"), "is not allowed"),
+    ("both", cal(name="a/b"), "is not allowed"),
+    ("both", cal(name="/tmp/x"), "is not allowed"),
+    ("both", tr(steps=0), "is less than minimum value"),
+    ("both", tr(steps=5000), "is greater than maximum value"),
+    ("both", tr(contexts=1), "is less than minimum value"),
+    ("both", tr(per_head="x"), "Per layer and KV head must be true or false"),
+    ("both", tr(name="."), "is not allowed"),
+    ("both", tr(name="my policy"), "is not allowed"),
+    ("nopair", tr(), "load a pair first"),
+    ("hosted", ("/load_calibration", ("/etc",)), "does not read local paths"),
+    ("hosted", ("/load_calibration", ("{shipped_calib}",)), "does not read local paths"),
+    ("both", ("/load_calibration", ("",)), "no calibration folder given"),
+    ("local", ("/load_calibration", ("/nonexistent/calib",)), "is not a folder"),
+    ("local", ("/load_calibration", ("{empty}",)), "calibration.json missing"),
+    ("local", ("/load_calibration", ("{calib_notjson}",)), "not a complete SCD calibration"),
+    ("local", ("/load_calibration", ("{calib_nokeys}",)), "not a complete SCD calibration"),
+    ("local", ("/load_calibration", ("{calib_notensors}",)), "missing or damaged"),
+    ("local", ("/load_calibration", ("{calib_other_pair}",)), "was made for"),
+    # ---- results tab
+    ("both", ("/open_shipped", ("/etc/passwd",)), "/etc/passwd"),
+    ("both", ("/open_upload", ("@notjson.json",)), "is not a JSON file"),
+    ("both", ("/open_upload", ("@dict.json",)), "expected a JSON list of records"),
+    ("both", ("/open_upload", ("@empty.json",)), "expected a JSON list of records"),
+    ("both", ("/open_upload", ("@nocolumns.json",)), "neither SCD"),
+    ("both", ("/open_upload", ("@garbage.csv",)), "neither SCD"),
+    ("both", ("/open_upload", ("@binary.csv",)), "not a readable CSV"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Folders and uploads the rows name: broken models, foreign adapters, damaged calibrations."""
+    from conftest import tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    from scdviz import data
+    from scdviz.models import builtin
+    from scdviz.scd.calibrate import shipped_folder
+
+    root = tmp_path_factory.mktemp("bad")
+    out = {}
+    (out_empty := root / "empty").mkdir()
+    out["empty"] = out_empty
+    tiny = tiny_model("llama")
+    lora = get_peft_model(tiny, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(root / "lora_other")
+    out["lora_other"] = root / "lora_other"
+    tiny_model("llama").save_pretrained(root / "tiny")
+    for f in builtin.producer_dir().glob("*token*"):
+        shutil.copy(f, root / "tiny" / f.name)
+    out["tiny"] = root / "tiny"
+    (root / "broken_model").mkdir()
+    (root / "broken_model" / "config.json").write_text("{not json")
+    out["broken_model"] = root / "broken_model"
+    jargon, bible = shipped_folder(J), shipped_folder(B)
+    for name in ("calib_notjson", "calib_nokeys", "calib_notensors"):
+        (root / name).mkdir()
+    (root / "calib_notjson" / "calibration.json").write_text("{oops")
+    meta = json.loads((jargon / "calibration.json").read_text())
+    (root / "calib_nokeys" / "calibration.json").write_text(json.dumps({"identity": meta["identity"]}))
+    shutil.copy(jargon / "calibration.safetensors", root / "calib_nokeys" / "calibration.safetensors")
+    shutil.copy(jargon / "calibration.json", root / "calib_notensors" / "calibration.json")
+    out["calib_notjson"], out["calib_nokeys"] = root / "calib_notjson", root / "calib_nokeys"
+    out["calib_notensors"], out["calib_other_pair"], out["shipped_calib"] = root / "calib_notensors", bible, jargon
+    uploads = {"notjson.json": b"{this is not json", "dict.json": b'{"kl": 1}', "empty.json": b"[]",
+               "nocolumns.json": b'[{"a": 1}]', "garbage.csv": b"a,b\n1,2\n", "binary.csv": bytes(range(256)) * 4}
+    for name, content in uploads.items():
+        (root / name).write_bytes(content)
+        out["@" + name] = root / name
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(builtin.producer_dir())
+    window = next(iter(data.token_windows(tok, data.load_split("jargon", "eval"), 160, 1)))
+    out["window"] = tok.decode(window)
+    return out
+
+
+def _resolve(args, files):
+    from gradio_client import handle_file
+
+    resolved = []
+    for a in args:
+        if isinstance(a, str) and a.startswith("@"):
+            resolved.append(handle_file(str(files[a])))
+        elif isinstance(a, str) and a.startswith("{") and a.endswith("}") and a[1:-1] in files:
+            resolved.append(str(files[a[1:-1]]))
+        else:
+            resolved.append(a)
+    return resolved
+
+
+def _clients(url):
+    from gradio_client import Client
+
+    loaded = Client(url, verbose=False)
+    loaded.predict(P, J, api_name="/load_pair")
+    return {"loaded": loaded, "fresh": Client(url, verbose=False)}
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("apps")
+    with running_app(folder / "hosted.log", SCDVIZ_HOSTED="1", SCDVIZ_WORK=str(folder / "hosted")) as hosted, \
+            running_app(folder / "local.log", SCDVIZ_WORK=str(folder / "local"), HF_HUB_OFFLINE="1") as local:
+        yield {"hosted": _clients(hosted), "local": _clients(local), "logs": folder}
+
+
+def _ask(client, endpoint, args) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    try:
+        result = client.predict(*args, api_name=endpoint)
+        return f"(no error: {str(result)[:200]})", time.perf_counter() - t0
+    except Exception as err:  # noqa: BLE001 - the message is what we check
+        return str(err), time.perf_counter() - t0
+
+
+def test_the_catalogue_is_large_and_covers_every_tab():
+    assert len(ROWS) >= 60
+    endpoints = {endpoint for _, (endpoint, _), _ in ROWS}
+    assert endpoints >= {"/load_pair", "/generate", "/scd", "/evict", "/calibrate", "/train", "/load_calibration",
+                         "/open_upload", "/open_shipped"}
+
+
+@pytest.mark.parametrize("row", range(len(ROWS)), ids=[f"{r[1][0]}-{i}" for i, r in enumerate(ROWS)])
+def test_bad_input_gets_a_specific_message(row, apps, files):
+    mode, (endpoint, args), fragment = ROWS[row]
+    targets = {"both": ("hosted", "local"), "hosted": ("hosted",), "local": ("local",),
+               "nopair": ("hosted", "local")}[mode]
+    for target in targets:
+        client = apps[target]["fresh" if mode == "nopair" else "loaded"]
+        message, seconds = _ask(client, endpoint, _resolve(args, files))
+        assert fragment in message, f"{target} app: expected {fragment!r}, got {message[:400]!r}"
+        assert "internal error" not in message.lower() and "Traceback" not in message
+        assert seconds < 20, f"{target} app took {seconds:.1f} s to refuse"
+
+
+def test_no_handler_failed_unexpectedly(apps):
+    """The server logs hold no 'handler ... failed' trace from any row above (run last in this module)."""
+    for log in Path(apps["logs"]).glob("*.log"):
+        assert "failed" not in "".join(line for line in log.read_text().splitlines(True) if "scdviz.ui" in line), log
