@@ -28,17 +28,23 @@ def app_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(app_url, tmp_path_factory):
+def browser(app_url):
     if not Path(CHROMIUM).exists():
         pytest.fail("Debian's chromium is missing: apt-get install chromium (.ci/run does this)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1800})
-        pg.goto(app_url)
-        yield pg
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, app_url):
+    pg = browser.new_page(viewport={"width": 1400, "height": 1800})
+    pg.goto(app_url)
+    yield pg
+    pg.close()
 
 
 def _shot(page, name: str, tmp_path_factory) -> Path:
@@ -136,3 +142,49 @@ def test_bad_input_shows_a_message_not_a_traceback(page):
     page.locator("#scd-run").click()
     page.get_by_text("SCD needs at least").first.wait_for(timeout=60_000)
     assert "Traceback" not in page.content()
+
+
+def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, builtin_pair, tmp_path_factory):
+    """One page runs SCD while another generates and then evicts; both show their own, correct results."""
+    from scdviz import data, service
+
+    tok = builtin_pair.tokenizer
+    context = tok.decode(next(iter(data.token_windows(tok, data.load_split("bible", "eval"), 100, 1))))
+    prompt = "The hacker's favourite editor is"
+    pages = []
+    for _ in range(2):  # two browser contexts: two visitors with their own sessions
+        ctx = browser.new_context(viewport={"width": 1400, "height": 1800})
+        pg = ctx.new_page()
+        pg.goto(app_url)
+        pg.locator("#pair-summary").get_by_text("Compatible").wait_for(timeout=240_000)
+        pages.append(pg)
+    one, two = pages
+    one.get_by_role("tab", name="SCD transfer").click()
+    window = one.locator("#scd-text textarea").input_value()
+    one.locator("#scd-run").click()  # runs on the server while the other visitor works
+    two.locator("#pair-prompt textarea").fill(prompt)
+    two.locator("#pair-generate").click()
+    two.locator("#pair-gen-info").get_by_text("generated positions").wait_for(timeout=300_000)
+    two.get_by_role("tab", name="DistillCache eviction").click()
+    two.locator("#ev-context textarea").fill(context)
+    two.locator("#ev-run").click()
+    one.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=600_000)
+    two.locator("#ev-info").get_by_text("keeps").wait_for(timeout=600_000)
+
+    gen = service.generate_both(builtin_pair, prompt, 32)  # the page's default: 32 new tokens
+    assert f"Prompt: {gen.prompt_tokens} tokens" in two.locator("#pair-gen-info").inner_text()
+    assert gen.consumer_text.split()[0] in two.locator("#consumer-text").inner_text()
+    alone = service.scd_run(builtin_pair, window, 32, 24, 4, 0, 0, 2, "selected", "", 10, 0.0005)  # page defaults
+    assert alone["info"].split(" SCD full")[0] in one.locator("#scd-info").inner_text()
+    scd_shown = one.locator("#scd-table").inner_text()
+    for row in alone["table"].itertuples():
+        assert row.method in scd_shown and f"{row.kl:g}"[:5] in scd_shown, row.method
+    ev = service.evict_run(builtin_pair, context, "", False, "% kept", 25, "producer", "distillcache-head")
+    shown = two.locator("#ev-table").inner_text()
+    for row in ev["table"].itertuples():
+        assert row.method in shown and f"{row.kl:g}"[:5] in shown, row.method
+    _shot(one, "two-visitors-scd", tmp_path_factory)
+    _shot(two, "two-visitors-evict", tmp_path_factory)
+    for pg in pages:
+        assert "internal error" not in pg.content() and "Traceback" not in pg.content()
+        pg.context.close()

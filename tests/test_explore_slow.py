@@ -42,7 +42,7 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
         service.scd_run(builtin_pair, "x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.0005)
     with pytest.raises(service.UserError, match="between 0 and 100"):
         service.evict_run(builtin_pair, "some context " * 20, "", False, "% kept", 120, "producer", "")
-    with pytest.raises(service.UserError, match="positive whole number"):
+    with pytest.raises(service.UserError, match="must be a whole number between 1 and"):
         service.evict_run(builtin_pair, "some context " * 20, "", False, "tokens kept", 2.5, "producer", "")
     with pytest.raises(service.UserError, match="context is empty"):
         service.evict_run(builtin_pair, " ", "", False, "% kept", 25, "producer", "")
@@ -54,10 +54,32 @@ def test_scd_fan_out_covers_every_specialist(builtin_pair):
 
     key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
     text = data.load_split("jargon", "eval")[3][:1200]
-    out = app.scd_run(key, text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.0005, True)
+    out = app.scd_run(key, None, text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True)
     table = out["table"]
     assert set(table["specialist"]) == {"builtin:jargon", "builtin:bible"}
     for _, rows in table.groupby("specialist"):
         assert list(rows["method"]) == ["oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only",
                                         "SCD full"]
     assert (table[table["method"] == "oracle"]["kl"] == 0).all()
+
+
+def test_a_loaded_calibration_belongs_to_one_visitor(builtin_pair, tmp_path, monkeypatch):
+    """One visitor's calibration never replaces the shipped one for anybody else (hosted or not)."""
+    import shutil
+
+    from scdviz.session import Session
+
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
+    a, b = Session(), Session()
+    shutil.copytree(cal.shipped_folder("builtin:jargon"), tmp_path / "mine")
+    shipped = service.get_calibration(builtin_pair)
+    mine = service.load_calibration_for(builtin_pair, a, str(tmp_path / "mine"))
+    assert mine is not shipped
+    assert service.get_calibration(builtin_pair, a) is mine
+    assert service.get_calibration(builtin_pair, b) is shipped and service.get_calibration(builtin_pair) is shipped
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")  # a visitor of a hosted demo names only their own session's runs
+    with pytest.raises(service.UserError, match="does not read local paths"):
+        service.load_calibration_for(builtin_pair, b, str(tmp_path / "mine"))
+    shutil.copytree(tmp_path / "mine", b.folder / "runs" / "mine")
+    assert service.load_calibration_for(builtin_pair, b, str(b.folder / "runs" / "mine")) is not shipped
+    assert service.get_calibration(builtin_pair, a) is mine

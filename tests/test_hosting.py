@@ -141,3 +141,46 @@ def test_sessions_are_separate_unique_and_bounded(monkeypatch, tmp_path):
     assert local == settings.cache_dir() / "runs" / "kept"
     with pytest.raises(UserError, match="already exists"):
         session.Session().new_run("kept")  # another session, same folder: refused, not overwritten
+
+
+def test_space_front_matter_matches_requirements():
+    import re
+
+    import gradio
+
+    readme = (settings.REPO_DIR / "README.md").read_text()
+    assert readme.startswith("---\n")
+    meta = dict(line.split(": ", 1) for line in readme.split("---\n")[1].splitlines() if ": " in line)
+    pinned = re.search(r"^gradio==([\w.]+)$", (settings.REPO_DIR / "requirements.txt").read_text(), re.M)
+    assert meta["sdk"] == "gradio" and meta["app_file"] == "app.py" and (settings.REPO_DIR / "app.py").is_file()
+    assert pinned and meta["sdk_version"] == pinned.group(1) == gradio.__version__
+    assert meta["suggested_hardware"]
+
+
+def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(monkeypatch):
+    """With the Spaces package present, each handler is wrapped with a duration no longer than ZeroGPU allows."""
+    import importlib
+    import sys
+    import types
+
+    asked = {}
+
+    def gpu(duration):
+        def wrap(fn):
+            asked[fn.__name__] = duration
+            return fn
+
+        return wrap
+
+    monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=gpu))
+    import app
+
+    app = importlib.reload(app)
+    try:
+        assert set(asked) == {"load", "generate", "_scd_one", "_scd_fan_out", "evict_run", "calibrate", "train"}
+        assert all(30 <= s <= 300 for s in asked.values())
+        assert "server_name" not in app.launch_kwargs() and "server_port" not in app.launch_kwargs()
+        assert app.launch_kwargs()["max_file_size"] == f"{settings.max_upload_mb()}mb"
+    finally:
+        monkeypatch.delitem(sys.modules, "spaces")
+        importlib.reload(app)
