@@ -43,6 +43,7 @@ def browser(app_url):
 def page(browser, app_url):
     pg = browser.new_page(viewport={"width": 1400, "height": 1800})
     pg.goto(app_url)
+    pg.locator("#pair-summary").get_by_text("Compatible").wait_for(timeout=240_000)  # the default pair, on open
     yield pg
     pg.close()
 
@@ -126,6 +127,13 @@ def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
     page.locator("#train-info").get_by_text("Done:").wait_for(timeout=600_000)
     _plots_drawn(page, "train", ("plot",))
     _shot(page, "train", tmp_path_factory)
+    # the trained policy is this visitor's own eviction method from now on
+    assert "yours:my-policy" in page.locator("#train-info").inner_text()
+    page.get_by_role("tab", name="DistillCache eviction").click()
+    context = page.locator("#ev-context textarea")
+    context.fill(" ".join(context.input_value().split()[:90]))
+    page.locator("#ev-run").click()
+    page.locator("#ev-table").get_by_text("yours:my-policy").wait_for(timeout=300_000)
 
 
 def test_bad_input_shows_a_message_not_a_traceback(page):
