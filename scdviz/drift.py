@@ -40,7 +40,7 @@ def facts_table(pair: Pair) -> str:
 
 def split_prompt(window: list[int], cont_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(prefix = prompt[:-1], fed = [prompt[-1]] + cont[:-1], targets = cont), each (1, n)."""
-    ids = torch.tensor([window])
+    ids = hf.ids_tensor(window)  # host-side ids; hf moves them to the model
     prompt, cont = ids[:, :-cont_len], ids[:, -cont_len:]
     fed = torch.cat([prompt[:, -1:], cont[:, :-1]], dim=1)
     return prompt[:, :-1], fed, cont
@@ -65,7 +65,7 @@ def reuse_drift(pair: Pair, window: list[int], cont_len: int) -> dict:
 
 def window_nll(model, window: list[int]) -> list[float]:
     """Next-token NLL of every position of a window (teacher-forced, one pass)."""
-    ids = torch.tensor([window])
+    ids = hf.ids_tensor(window)
     logits = hf.forward(model, ids[:, :-1]).logits[0]
     return metrics.nll_per_token(logits, ids[0, 1:].to(logits.device)).tolist()
 

@@ -32,7 +32,7 @@ def nll_per_token(logits: Tensor, targets: Tensor) -> Tensor:
 
 def perplexity(nll: Tensor | list[float]) -> float:
     """exp(mean NLL) over all given tokens."""
-    nll = torch.as_tensor(nll, dtype=torch.float64)
+    nll = torch.as_tensor(nll, dtype=torch.float64, device=nll.device if isinstance(nll, Tensor) else "cpu")
     return float(math.exp(nll.mean())) if nll.numel() else float("nan")
 
 
@@ -50,7 +50,7 @@ def token_f1(pred: list[int] | list[str], ref: list[int] | list[str]) -> float:
 
 def mean_se(values: list[float]) -> tuple[float, float]:
     """Mean and standard error of the mean."""
-    t = torch.as_tensor(values, dtype=torch.float64)
+    t = torch.as_tensor(values, dtype=torch.float64, device="cpu")  # a list of Python floats
     if t.numel() < 2:
         return float(t.mean()) if t.numel() else float("nan"), float("nan")
     return float(t.mean()), float(t.std(unbiased=True) / math.sqrt(t.numel()))

@@ -17,8 +17,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from scdviz import data, hosting, inputs, settings
 from scdviz.inputs import UserError
 from scdviz.models import hf
@@ -115,7 +113,7 @@ def generate_both(pair: Pair, prompt: str, max_new_tokens: int, chat: bool = Fal
     max_new_tokens = inputs.integer(max_new_tokens, "New tokens", 1, settings.max_new_tokens())
     ids = encode_prompt(pair, prompt, inputs.flag(chat, "Chat template"))
     t0 = time.perf_counter()
-    prefix, last = torch.tensor([ids[:-1]]), torch.tensor([ids[-1:]])  # cache covers prompt[:-1]
+    prefix, last = hf.ids_tensor(ids[:-1]), hf.ids_tensor(ids[-1:])  # cache covers prompt[:-1]
     outs = []
     for model in (pair.producer, pair.consumer):
         with hf.exclusive(model):  # prefill + decode of this request back to back

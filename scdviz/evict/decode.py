@@ -58,6 +58,8 @@ class DecodeEvictor:
         if self.budget < 1 or self.interval < 1:
             raise ValueError(f"budget and interval must be at least 1, got {self.budget} and {self.interval}")
         self.states.clear()
+        if isinstance(self.press, DistillCachePress):
+            self.press.policy.to(hf.device_of(model))
         with hf.attention_hook(model, self._on_layer):
             yield self
 
@@ -84,15 +86,16 @@ class DecodeEvictor:
         if attn is None:
             if isinstance(self.press, DistillCachePress):
                 raise ValueError("decode-time DistillCache needs eager attention: call hf.set_eager(model) first")
-            attn = torch.zeros(b, n_kv, n_new, tk)
+            attn = torch.zeros(b, n_kv, n_new, tk, device=keys.device)
         state = self.states.get(layer)
         if state is None:
             old = tk - n_new  # tokens cached before the evictor saw this layer: positions 0..old-1
-            start = torch.arange(old).view(1, 1, old).expand(b, n_kv, old)
-            state = _LayerState(attn[..., :0, :old], hidden[:, :0], start, torch.zeros(b, n_kv, old))
+            start = torch.arange(old, device=keys.device).view(1, 1, old).expand(b, n_kv, old)
+            state = _LayerState(attn[..., :0, :old], hidden[:, :0], start, torch.zeros(b, n_kv, old, device=keys.device))
         rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
-        seen = torch.cat([state.seen, torch.zeros(b, n_kv, n_new)], -1)
-        causal = (torch.arange(n_new).view(-1, 1) >= torch.arange(n_new).view(1, -1)).sum(0)  # rows seeing new token j
+        seen = torch.cat([state.seen, torch.zeros(b, n_kv, n_new, device=keys.device)], -1)
+        steps = torch.arange(n_new, device=keys.device)
+        causal = (steps.view(-1, 1) >= steps.view(1, -1)).sum(0)  # rows seeing new token j
         seen[..., -n_new:] = causal.float()
         seen[..., :-n_new] += n_new
         state = _LayerState(

@@ -157,6 +157,7 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
 
     qa_item: optional scdviz.evict.qa.QAItem about the context, answered from every pruned cache.
     """
+    policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
     fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
     windows = sorted({p.config.window for p in policies.values()})
     obs = observe(model, ids[:, :prefix], windows[0], presses, tuple(dict.fromkeys(fracs.values())))
@@ -238,7 +239,7 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     per_ctx, overhead, timing = [], {}, {}
     head = next((p for p in policies.values() if p.config.per_head), None)
     for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
-        ids = torch.tensor([window])
+        ids = hf.ids_tensor(window)
         out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None)
         per_ctx.append(out["results"])
         for k, v in out["overhead"].items():

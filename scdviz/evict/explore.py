@@ -47,7 +47,7 @@ def _kept_masks(idx, n_tokens: int, n_layers: int) -> torch.Tensor:
     rows = []
     for i in per_layer:
         i = i[0] if i.dim() == 3 else i  # (Hkv, n) or (1, n)
-        mask = torch.zeros(i.shape[0], n_tokens)
+        mask = torch.zeros(i.shape[0], n_tokens, device=hf.HOST)  # for the plots
         mask.scatter_(1, i.cpu(), 1.0)
         rows.append(mask.mean(0))
     return torch.stack(rows)
@@ -72,10 +72,10 @@ def explore(model, tokenizer, context: str, question: str = "", keep: float | in
     if isinstance(keep, int) and not keep < prefix:
         raise ValueError(f"a budget of {keep} tokens keeps the whole {prefix}-token context; choose fewer")
     with hf.eager(model):  # restored on exit: the model may be shared by other requests
-        ids = torch.tensor([prompt])
+        ids = hf.ids_tensor(prompt)
         full = hf.forward(model, ids[:, :prefix]).cache
         cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)
-        window = torch.tensor([prompt + cont])
+        window = hf.ids_tensor(prompt + cont)
         label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
         keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
         cfg = evaluate.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))

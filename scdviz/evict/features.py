@@ -34,9 +34,9 @@ def window_rows(attn: Tensor, window: int) -> Tensor:
     return attn[..., -window:, :]
 
 
-def prefill_visibility(n_tokens: int, window: int) -> Tensor:
+def prefill_visibility(n_tokens: int, window: int, device=None) -> Tensor:
     """How many of the last ``window`` queries of a causal prefill see token i: (T,)."""
-    i = torch.arange(n_tokens)
+    i = torch.arange(n_tokens, device=device)
     return torch.clamp(n_tokens - i, max=min(window, n_tokens)).float()
 
 
@@ -69,8 +69,8 @@ def prefill_layer_features(attn: Tensor, values: Tensor, window: int, groups: in
     """``layer_features`` after a causal prefill (B, H, T, T): window rows, visibility, positions."""
     t = attn.shape[-1]
     w = min(window, attn.shape[-2])
-    positions = torch.arange(t, dtype=torch.float32) / max(t - 1, 1)
-    return layer_features(window_rows(attn, w), values, prefill_visibility(t, w), positions, groups)
+    positions = torch.arange(t, dtype=torch.float32, device=attn.device) / max(t - 1, 1)
+    return layer_features(window_rows(attn, w), values, prefill_visibility(t, w, attn.device), positions, groups)
 
 
 def global_features(per_layer: list[Tensor]) -> Tensor:

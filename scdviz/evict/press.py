@@ -58,6 +58,7 @@ class DistillCachePress(ScorerPress):
         """Remember the layer count (a cache may grow its layers lazily during the prefill)."""
         self._n_layers = hf.n_layers(model)
         self._global.clear()
+        self.policy.to(hf.device_of(model))  # features are computed on the model's device (in fp32)
 
     @classmethod
     def keeping(cls, policy: Policy, keep: float) -> DistillCachePress:

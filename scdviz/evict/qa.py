@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from scdviz import metrics
 from scdviz.models import hf
 
@@ -40,6 +38,6 @@ def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3) ->
 
 def answer(model, cache, item: QAItem, start: int) -> dict:
     """Greedy answer from a (possibly pruned) cache of ``start`` context tokens: correct and F1."""
-    ids = torch.tensor([item.question])
+    ids = hf.ids_tensor(item.question)
     got = hf.generate(model, cache, ids, start, len(item.answer))
     return {"qa_correct": float(got[:1] == item.answer[:1]), "qa_f1": metrics.token_f1(got, item.answer)}

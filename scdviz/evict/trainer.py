@@ -52,7 +52,7 @@ def plackett_luce_logprob(scores: Tensor, ranking: Tensor) -> Tensor:
 
 def gumbel_top_b(scores: Tensor, n_keep: int, generator: torch.Generator | None = None) -> Tensor:
     """A Plackett-Luce sample of the first ``n_keep`` of a ranking: (..., T) -> (..., B), best first."""
-    u = torch.rand(scores.shape, generator=generator).clamp(1e-10, 1 - 1e-10)
+    u = torch.rand(scores.shape, generator=generator, device=scores.device).clamp(1e-10, 1 - 1e-10)
     gumbel = -(-u.log()).log()
     return (scores.detach() + gumbel).topk(n_keep, dim=-1).indices
 
@@ -147,7 +147,7 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
         raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
     out = []
     for w in tqdm(windows[:count], desc=f"prefill {split} contexts", disable=not progress):
-        ids = torch.tensor([w])
+        ids = hf.ids_tensor(w)
         obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window)
         cont = ids[:, cfg.context_len :]
         ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), cont, cfg.context_len)[0]
@@ -182,9 +182,9 @@ def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig,
     scores = rows(policy, sample.obs)
     rankings = torch.stack([gumbel_top_b(scores, n_keep, gen) for _ in range(cfg.samples)])  # (M, R, B)
     kls = [rollout_kl(model, sample, indices_from_rows(r, sample.obs, policy.config.per_head)) for r in rankings]
-    rewards = -torch.tensor(kls)
+    rewards = -torch.tensor(kls, device=scores.device)
     loss, entropy = reinforce_loss(scores, rankings, rewards, cfg.entropy_coef)
-    return {"loss": loss, "kl": float(torch.tensor(kls).mean()), "entropy": float(entropy)}
+    return {"loss": loss, "kl": sum(kls) / len(kls), "entropy": float(entropy)}
 
 
 def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, on_step=None) -> dict:
@@ -201,11 +201,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, on_step
     model, tokenizer = load_model(cfg.model)
     hf.set_eager(model)
     torch.manual_seed(cfg.seed)
-    policy = Policy(cfg.policy)
+    policy = Policy(cfg.policy).to(hf.device_of(model))
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     log = {"config": asdict(cfg), "warm": [], "steps": [], "val": [], "seconds": 0.0}
     if resume:
-        policy, opt, log = _load_checkpoint(out, cfg)
+        policy, opt, log = _load_checkpoint(out, cfg, hf.device_of(model))
     log["started"] = time.time() - log["seconds"]
     samples = prepare(model, tokenizer, cfg, "train", cfg.contexts, progress)
     held_out = prepare(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
@@ -224,7 +224,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, on_step
         warm_start(policy, samples, cfg, opt, log)
         _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
     order = random.Random(cfg.seed + len(log["steps"]))
-    gen = torch.Generator().manual_seed(cfg.seed + len(log["steps"]))
+    gen = torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed + len(log["steps"]))
     bar = tqdm(range(len(log["steps"]), cfg.steps), desc="reinforce", disable=not progress)
     for step in bar:
         sample = samples[order.randrange(len(samples))]
@@ -278,10 +278,10 @@ def _save_checkpoint(out: Path, policy: Policy, opt, log: dict) -> None:
     (out / "log.json").write_text(json.dumps(log, indent=1))
 
 
-def _load_checkpoint(out: Path, cfg: TrainConfig):
-    policy = Policy.load(out / "policy.safetensors").train()
+def _load_checkpoint(out: Path, cfg: TrainConfig, device=hf.HOST):
+    policy = Policy.load(out / "policy.safetensors").to(device).train()
     if policy.config != cfg.policy:
         raise ValueError(f"checkpoint policy config {policy.config} differs from the requested {cfg.policy}")
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    opt.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))  # tensors only, no code
+    opt.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True, map_location=device))  # tensors only
     return policy, opt, json.loads((out / "log.json").read_text())

@@ -99,6 +99,28 @@ def _one_at_a_time(fn):
     return wrapper
 
 
+# ----------------------------------------------------------------------------- device and dtype
+
+HOST = torch.device("cpu")  # where host-side data lives: token ids from text, payload bytes, SCD codes
+
+
+def device_of(model) -> torch.device:
+    """The device of a model's weights: every tensor that meets the model is made there."""
+    return next(model.parameters()).device
+
+
+def dtype_of(model) -> torch.dtype:
+    """The floating dtype of a model's weights (bf16 on CUDA, fp32 on CPU, as loaded)."""
+    return next(model.parameters()).dtype
+
+
+def ids_tensor(ids, device=HOST) -> Tensor:
+    """Token ids (a list, or a list of lists) as a (B, T) long tensor on ``device``."""
+    ids = list(ids)
+    rows = ids if ids and isinstance(ids[0], list | tuple) else [ids]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 # ----------------------------------------------------------------------------- structure
 
 
@@ -159,9 +181,8 @@ def _key_source(layer):
 
 def rope(model, positions: Tensor) -> tuple[Tensor, Tensor]:
     """cos, sin of shape (B, T, D) for integer positions (B, T), in the model's dtype."""
-    param = next(model.parameters())
-    dummy = torch.zeros(1, dtype=param.dtype, device=param.device)
-    return decoder(model).rotary_emb(dummy, positions.to(param.device))
+    dummy = torch.zeros(1, dtype=dtype_of(model), device=device_of(model))
+    return decoder(model).rotary_emb(dummy, positions.to(device_of(model)))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -280,7 +301,7 @@ def forward(
     capture: subset of {"keys_pre", "h_in", "resid"}.
     attentions: also capture attention probabilities (needs eager attention).
     """
-    device = next(model.parameters()).device
+    device = device_of(model)
     input_ids = input_ids.to(device)
     if cache is None:
         cache = DynamicCache(config=model.config)
@@ -332,7 +353,7 @@ def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor
 
     The cache is cloned first, so the caller's cache is not changed.
     """
-    positions = _positions(ids, start)
+    positions = _positions(ids, start, device_of(model))
     return forward(model, ids, cache=clone_cache(model, cache), positions=positions).logits
 
 
@@ -357,21 +378,22 @@ def generate(
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     ids, pos, out = first_ids, start, []
     for step in range(max_new_tokens):
-        logits = forward(model, ids, cache=cache, positions=_positions(ids, pos)).logits
+        logits = forward(model, ids, cache=cache, positions=_positions(ids, pos, device_of(model))).logits
         token = int(logits[0, -1].argmax())
         out.append(token)
         if token in eos:
             break
         pos += ids.shape[1]
-        ids = torch.tensor([[token]])
+        ids = torch.tensor([[token]], device=device_of(model))
         if on_step is not None:
             on_step(cache, step)
     return out
 
 
-def _positions(ids: Tensor, start: int | Tensor) -> Tensor:
+def _positions(ids: Tensor, start: int | Tensor, device=None) -> Tensor:
     n = ids.shape[1]
-    return (torch.arange(n) + int(start)).unsqueeze(0).expand(ids.shape[0], -1)
+    device = device if device is not None else ids.device
+    return (torch.arange(n, device=device) + int(start)).unsqueeze(0).expand(ids.shape[0], -1)
 
 
 # ----------------------------------------------------------------------------- layer-wise
@@ -472,7 +494,7 @@ def decoder_cache(model, ids: Tensor) -> DynamicCache:
     What a server does before the first decode step; the LM head over every prompt
     token would be wasted work (and would inflate a measured prefill time).
     """
-    device = next(model.parameters()).device
+    device = device_of(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         decoder(model)(input_ids=ids.to(device), past_key_values=cache, use_cache=True)

@@ -161,10 +161,10 @@ def _fit_codes(pair: Pair, windows: list[list[int]], cfg: CalibConfig, progress)
     d_kv = hf.attn_heads(pair.producer)[1] * hf.attn_heads(pair.producer)[2]
     k_stats = [RRRStats(d_kv, d_kv) for _ in range(n)]
     v_stats = [RRRStats(d_kv, d_kv) for _ in range(n)]
-    err = torch.zeros(n, 4, dtype=torch.float64)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
+    err = torch.zeros(n, 4, dtype=torch.float64, device=hf.HOST)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
     h_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
     for window in tqdm(windows, desc="calibrate: paired prefills", disable=progress is None):
-        prefix = torch.tensor([window[: cfg.prompt_len - 1]])
+        prefix = hf.ids_tensor(window[: cfg.prompt_len - 1])
         p = transfer.producer_state(pair.producer, prefix)
         c = transfer.producer_state(pair.consumer, prefix)
         for layer in range(n):

@@ -96,7 +96,7 @@ def fit_patch(
     aligner = Aligner(h_p.shape[1], hidden)
     opt = torch.optim.Adam(aligner.parameters(), lr=lr)
     for _ in range(steps):
-        idx = torch.randint(0, zp.shape[0], (min(batch, zp.shape[0]),))
+        idx = torch.randint(0, zp.shape[0], (min(batch, zp.shape[0]),), device=zp.device)
         err = aligner(zp[idx]) - zc[idx]
         loss = ((err @ proj) ** 2).mean() if proj is not None else (err**2).mean()
         opt.zero_grad()
@@ -111,6 +111,6 @@ def fit_patch(
 def _kv_error(patch: Patch, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None) -> float:
     """Relative squared error of the aligned H_in (through kv_weight when given)."""
     est = patch.decode(patch.encode(h_p))
-    w = kv_weight.float().T if kv_weight is not None else torch.eye(h_c.shape[1])
+    w = kv_weight.float().T if kv_weight is not None else torch.eye(h_c.shape[1], device=h_c.device)
     ref = h_c @ w
     return float(((est @ w - ref) ** 2).sum() / ((ref - ref.mean(0)) ** 2).sum())

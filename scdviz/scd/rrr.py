@@ -55,11 +55,12 @@ class RRRStats:
 
     def __init__(self, d_in: int, d_out: int):
         self.n = 0
-        self.sx = torch.zeros(d_in, dtype=torch.float64)
-        self.sy = torch.zeros(d_out, dtype=torch.float64)
-        self.sxx = torch.zeros(d_in, d_in, dtype=torch.float64)
-        self.sxy = torch.zeros(d_in, d_out, dtype=torch.float64)
-        self.syy = torch.zeros((), dtype=torch.float64)
+        host = dict(dtype=torch.float64, device="cpu")  # statistics of host-side codes (see scd.transfer)
+        self.sx = torch.zeros(d_in, **host)
+        self.sy = torch.zeros(d_out, **host)
+        self.sxx = torch.zeros(d_in, d_in, **host)
+        self.sxy = torch.zeros(d_in, d_out, **host)
+        self.syy = torch.zeros((), **host)
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """Add rows x (N, d_in), y (N, d_out)."""
@@ -79,7 +80,7 @@ class RRRStats:
         cross = self.sxy - n * torch.outer(mu_x, mu_y)  # Xcᵀ Yc
         total = (self.syy - n * (mu_y**2).sum()).clamp_min(1e-30)  # ‖Yc‖²
         lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
-        b = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), cross)
+        b = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), cross)
         evals, evecs = torch.linalg.eigh(b.T @ gram @ b)  # ŶᵀŶ = V S² Vᵀ
         order = evals.argsort(descending=True)
         r = min(max_rank or order.numel(), order.numel())
@@ -87,7 +88,7 @@ class RRRStats:
         v = evecs[:, order[:r]]  # (d_out, r)
         c = ((b @ v) * (cross @ v)).sum(0) / s.clamp_min(1e-30)  # u_iᵀ Yc v_i
         gains = torch.cumsum(2 * s * c - s**2, 0)
-        fit_err = torch.cat([torch.ones(1, dtype=s.dtype), 1 - gains / total])
+        fit_err = torch.cat([torch.ones(1, dtype=s.dtype, device=s.device), 1 - gains / total])
         return LinearCode(mu_x.float(), mu_y.float(), (b @ v).float(), v.T.float(), s.float(), fit_err.float())
 
 

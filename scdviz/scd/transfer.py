@@ -138,7 +138,7 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
         return t.to(device=param.device, dtype=param.dtype)
 
     skip = 1 if plan.sink == "recompute" else 0
-    positions = torch.arange(skip, msg.n_tokens).unsqueeze(0)
+    positions = torch.arange(skip, msg.n_tokens, device=hf.device_of(model)).unsqueeze(0)
     cos, sin = hf.rope(model, positions)
     keys: list[Tensor | None] = [None] * len(plan.modes)
     values: list[Tensor | None] = [None] * len(plan.modes)
@@ -152,7 +152,7 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
         elif mode == "patch":
             h = dev(calib.patch_for(layer).decode(by[layer, "h_code"]))
             keys[layer], values[layer] = hf.kv_from_hin(model, layer, h.unsqueeze(0), positions)
-    all_positions = torch.arange(msg.n_tokens).unsqueeze(0)
+    all_positions = torch.arange(msg.n_tokens, device=hf.device_of(model)).unsqueeze(0)
     for start, stop in plan.runs():
         _, ks, vs = hf.run_layers(model, dev(by[start, "resid"]).unsqueeze(0), all_positions, start, stop)
         keys[start:stop], values[start:stop] = ks, vs
@@ -164,7 +164,7 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
 
 def _put_own_sink(model, token0: int, n_tokens: int, keys: list[Tensor], values: list[Tensor]) -> None:
     """Give every layer the consumer's own K, V of token 0: prepended to T-1 rows, or replacing row 0 of T."""
-    own = hf.decoder_cache(model, torch.tensor([[token0]]))
+    own = hf.decoder_cache(model, hf.ids_tensor([token0], hf.device_of(model)))
     for layer, lyr in enumerate(own.layers):
         for store, mine in ((keys, lyr.keys), (values, lyr.values)):
             rest = store[layer]
@@ -174,7 +174,7 @@ def _put_own_sink(model, token0: int, n_tokens: int, keys: list[Tensor], values:
 
 def continuation(model, cache, case_fed: Tensor, start: int) -> tuple[Tensor, list[Tensor]]:
     """Teacher-forced logits (n, V) and residual stream per layer [(n, d)] on a copy of ``cache``."""
-    positions = torch.arange(start, start + case_fed.shape[1]).unsqueeze(0)
+    positions = torch.arange(start, start + case_fed.shape[1], device=hf.device_of(model)).unsqueeze(0)
     tr = hf.forward(model, case_fed, cache=hf.clone_cache(model, cache), positions=positions, capture={"resid"})
     return tr.logits[0], [r[0] for r in tr.resid]
 
@@ -195,7 +195,7 @@ def _first_step_seconds(model, cache, fed: Tensor, start: int) -> float:
     """Time of one decode step (the last prompt token) on a copy of the cache."""
     copy = hf.clone_cache(model, cache)
     t0 = time.perf_counter()
-    hf.forward(model, fed[:, :1], cache=copy, positions=torch.tensor([[start]]))
+    hf.forward(model, fed[:, :1], cache=copy, positions=torch.tensor([[start]], device=hf.device_of(model)))
     return time.perf_counter() - t0
 
 

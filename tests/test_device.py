@@ -1,0 +1,155 @@
+"""Tests that catch GPU bugs without a GPU: every SCD and eviction path on tiny models
+(1) under a wrong-device trap and (2) in bfloat16.
+
+The trap: the model lives on the CPU while ``torch.set_default_device("meta")`` is in force,
+so any tensor made without naming the model's device lands on ``meta`` and the first
+operation that meets real data fails. Select with ``pytest -k "bf16 or device"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from kvpress import KnormPress, ObservedAttentionPress
+from test_scd import make_pair, perturbed, small_cfg
+
+from scdviz.evict.context import observe, prune
+from scdviz.evict.decode import DecodeEvictor
+from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio
+from scdviz.evict.press import DistillCachePress
+from scdviz.evict.trainer import Sample, TrainConfig, reinforce_step
+from scdviz.models import hf
+from scdviz.scd import calibrate as cal
+from scdviz.scd import evaluate, payload, transfer
+
+
+@contextlib.contextmanager
+def wrong_device_trap():
+    """Tensors created without an explicit device go to 'meta' inside the block."""
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def test_the_device_trap_catches_a_tensor_made_without_the_model_device():
+    model = tiny_model("llama")
+    weight = next(model.parameters())
+    with wrong_device_trap(), pytest.raises((NotImplementedError, RuntimeError)):
+        torch.zeros(3) + weight[0, :3]  # what a forgotten device= looks like on a GPU
+    with wrong_device_trap():
+        assert (torch.zeros(3, device=weight.device) + weight[0, :3]).device == weight.device
+
+
+def _window(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(60)))
+    return str(path)
+
+
+def _scd_paths(pair, calib, dtype):
+    """Every SCD plan of the line-up: payload, receive, teacher-forced scoring and generation."""
+    cases = evaluate.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
+    lineup = evaluate.lineup(calib, hf.n_layers(pair.producer))
+    oracle, gens = evaluate.oracle_result(pair, cases, 3)
+    for plan in lineup:
+        blob = transfer.build_payload(cases[0].state, plan, calib)
+        assert len(blob) == payload.payload_len(payload.decode(blob).sections)
+        got = transfer.receive(pair.consumer, blob, plan, calib)
+        assert {k.dtype for k in hf.Trace(None, got.cache, None).keys} == {dtype}, plan.name
+    results = evaluate.run_methods(pair, calib, cases, lineup, gen_tokens=3, oracle_gen=gens, progress=False)
+    assert all(math.isfinite(r.kl) and r.kl >= 0 for r in results)
+    return results
+
+
+@pytest.fixture(scope="module")
+def fp32_pair_and_calib(texts):
+    pair = make_pair(tiny_model("llama"), perturbed(1))
+    return pair, cal.calibrate(pair, small_cfg(texts), progress=False)
+
+
+def test_scd_every_plan_under_the_wrong_device_trap(fp32_pair_and_calib):
+    pair, calib = fp32_pair_and_calib
+    with wrong_device_trap():
+        _scd_paths(pair, calib, torch.float32)
+
+
+def test_scd_calibrate_and_every_plan_in_bf16(texts):
+    pair = make_pair(tiny_model("llama").to(torch.bfloat16), perturbed(1).to(torch.bfloat16))
+    pair.dtype = torch.bfloat16
+    calib = cal.calibrate(pair, small_cfg(texts), progress=False)
+    results = _scd_paths(pair, calib, torch.bfloat16)
+    assert results[0].kl > 0  # raw reuse of a different model's cache is not free
+
+
+# ----------------------------------------------------------------------------- eviction
+
+
+_POLICIES = {}
+
+
+def _policy(per_head: bool) -> Policy:
+    """A small policy made on the CPU (as Policy.load gives one); presses must move it to the model."""
+    if per_head not in _POLICIES:
+        with torch.device("cpu"):
+            torch.manual_seed(0)
+            _POLICIES[per_head] = Policy(PolicyConfig(hidden=8, per_head=per_head, window=16)).eval()
+    return _POLICIES[per_head]
+
+
+def _eviction_paths(model, dtype, baseline):
+    """Features + scores in one prefill, pruning, both presses, decode-time eviction, a REINFORCE step.
+
+    ``baseline``: the kvpress scorer observed beside the features. kvpress's ObservedAttention makes
+    a CPU arange and moves it (fine on a GPU, caught by the trap), so the trap uses Knorm.
+    """
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1), device="cpu")  # user input, on CPU
+    with hf.eager(model):
+        obs = observe(model, ids[:, :24], 16, {"baseline": baseline}, (0.5,))
+        assert obs.keys[0].dtype == dtype and torch.isfinite(obs.head_features).all()
+        cache = prune(model, obs, [s.topk(12, dim=-1).indices for s in obs.scores[("baseline", 0.5)]])
+        assert hf.cache_len(cache) == [12] * hf.n_layers(model)
+        for per_head in (True, False):
+            with DistillCachePress(policy=_policy(per_head), compression_ratio=compression_ratio(0.25))(model):
+                pruned = hf.forward(model, ids[:, :24]).cache
+            assert hf.cache_len(pruned) == [6] * hf.n_layers(model)
+        for scorer in (DistillCachePress(policy=_policy(True)), KnormPress()):
+            full = hf.forward(model, ids[:, :19]).cache
+            with DecodeEvictor(scorer, budget=8, window=4)(model):
+                out = hf.generate(model, full, ids[:, 19:20], 19, 5, on_step=lambda c, s: None)
+            assert len(out) == 5
+        ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), ids[:, 24:], 24)[0]
+        policy = _policy(True).train()
+        stats = reinforce_step(model, policy, Sample(obs, ids[:, 24:], ref), 6, TrainConfig(out="unused", samples=3),
+                               torch.Generator(device=ids.device).manual_seed(0))
+        stats["loss"].backward()
+        assert stats["kl"] >= 0 and any(p.grad is not None for p in policy.parameters())
+
+
+def test_eviction_paths_under_the_wrong_device_trap():
+    model = tiny_model("llama")
+    with wrong_device_trap():
+        _eviction_paths(model, torch.float32, KnormPress())
+
+
+def test_eviction_paths_in_bf16():
+    _eviction_paths(tiny_model("llama").to(torch.bfloat16), torch.bfloat16, ObservedAttentionPress())
+
+
+def test_generate_under_the_wrong_device_trap_and_in_bf16():
+    for model in (tiny_model("llama"), tiny_model("qwen3").to(torch.bfloat16)):
+        ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2), device="cpu")
+        with wrong_device_trap():
+            cache = hf.forward(model, ids[:, :-1]).cache
+            out = hf.generate(model, cache, ids[:, -1:], 11, 4)
+        assert len(out) == 4
