@@ -11,6 +11,12 @@ import json
 import sys
 
 
+def _app(args) -> None:
+    from scdviz.webapp import main
+
+    main()
+
+
 def _download(args) -> None:
     from scdviz.models import builtin
 
@@ -67,6 +73,9 @@ def _prepare_text(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scdviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("app", help="start the web app (settings from SCDVIZ_* / GRADIO_SERVER_* variables)")
+    p.set_defaults(fn=_app)
 
     p = sub.add_parser("download", help="fetch and convert the built-in producer (first use)")
     p.set_defaults(fn=_download)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
-ASSETS_DIR = REPO_DIR / "assets"
+# shipped, read-only artefacts: beside the checkout, or inside an installed package (scdviz/assets)
+ASSETS_DIR = REPO_DIR / "assets" if (REPO_DIR / "assets" / "adapters").is_dir() else PACKAGE_DIR / "assets"
 
 
 def cache_dir() -> Path:

@@ -49,8 +49,8 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
 
 
 def test_scd_fan_out_covers_every_specialist(builtin_pair):
-    import app
     from scdviz import data
+    from scdviz import webapp as app
 
     key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
     text = data.load_split("jargon", "eval")[3][:1200]

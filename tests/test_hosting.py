@@ -173,7 +173,7 @@ def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(mon
         return wrap
 
     monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=gpu))
-    import app
+    from scdviz import webapp as app
 
     app = importlib.reload(app)
     try:

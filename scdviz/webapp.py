@@ -1,0 +1,251 @@
+"""scdviz web app: builds the Gradio Blocks from the library and launches it.
+
+    python app.py            # from a checkout (a Space runs this file)
+    python -m scdviz app     # from an installed package
+    # both serve on http://127.0.0.1:7860 (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT to change)
+
+Settings come from environment variables (see scdviz/settings.py and the README). Models
+load once and are shared by all users (scdviz.models.hf serialises the model work that
+installs hooks); each visitor's artefacts live in a ``Session`` in gr.State; hosted mode's
+rules are in scdviz.hosting. Nothing heavy happens at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from scdviz import data, drift, service, session, settings
+from scdviz.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
+
+# Seconds of GPU each handler may hold on a ZeroGPU Space (its default is 60; its maximum
+# is about 300). Calibration and training are capped by their controls to fit.
+GPU_SECONDS = {"load": 120, "generate": 60, "scd": 120, "scd_fan_out": 240, "evict": 120, "calibrate": 300,
+               "train": 300}
+
+try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
+    import spaces  # type: ignore
+
+    def gpu(kind: str):
+        return spaces.GPU(duration=GPU_SECONDS[kind])
+except ImportError:  # pragma: no cover - the package exists only on Spaces
+
+    def gpu(kind: str):
+        return lambda fn: fn
+
+
+def _examples(n: int = 3, chars: int = 600) -> list[str]:
+    """Opening text of a few shipped evaluation passages."""
+    out = []
+    for corpus in data.corpora():
+        for passage in data.load_split(corpus, "eval")[1 : 1 + (n + 1) // 2]:
+            out.append(passage[:chars].rsplit(" ", 1)[0])
+    return out[:n]
+
+
+def _key(producer: str, consumer: str) -> str:
+    return f"{producer}\n{consumer}"
+
+
+def _pair(key: str):
+    return service.get_pair(*key.split("\n"))
+
+
+def _session(sess) -> session.Session:
+    return sess if isinstance(sess, session.Session) else session.Session()
+
+
+@gpu("load")
+def load(producer, consumer, progress):
+    pair = service.get_pair(producer, consumer, progress=progress)
+    return service.pair_summary(pair), drift.facts_rows(pair), _key(pair.producer_source, pair.consumer_source)
+
+
+@gpu("generate")
+def generate(key, prompt, max_new, chat):
+    pair = _pair(key)
+    gen = service.generate_both(pair, prompt, max_new, chat)
+    tok = pair.tokenizer
+    pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
+    same = sum(a == b for a, b in zip(gen.producer_ids, gen.consumer_ids))
+    md = (f"Prompt: {gen.prompt_tokens} tokens. Consumer agrees with producer on {same}/{len(gen.consumer_ids)} "
+          f"generated positions. Both generations took {gen.seconds:.1f} s.")
+    return pieces[0], pieces[1], md
+
+
+def scd_run(key, sess, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_ms,
+            fan_out=False):
+    """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
+    from scdviz import inputs
+
+    latency = inputs.number(latency_ms, "Link latency (ms)", 0, 10_000) / 1000
+    args = (text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency)
+    run = _scd_fan_out if inputs.flag(fan_out, "All built-in specialists") else _scd_one
+    return run(key, _session(sess), args)
+
+
+@gpu("scd")
+def _scd_one(key, sess, args):
+    return service.scd_run(_pair(key), *args, session=sess)
+
+
+@gpu("scd_fan_out")
+def _scd_fan_out(key, sess, args):
+    import pandas as pd
+
+    pair = _pair(key)
+    out = service.scd_run(pair, *args, session=sess)
+    tables = [out["table"].assign(specialist=pair.consumer_source)]
+    for consumer in service.builtin_choices()[1]:
+        if consumer != pair.consumer_source:
+            other = service.scd_run(service.get_pair(pair.producer_source, consumer), *args, session=sess)
+            tables.append(other["table"].assign(specialist=consumer))
+    out["table"] = pd.concat(tables, ignore_index=True)
+    out["info"] += (f" Fan-out: {len(tables)} specialists on the same text from the same producer, each with "
+                    "its own calibration; texts and plots show the loaded pair.")
+    return out
+
+
+@gpu("evict")
+def evict_run(key, sess, context, question, aware, unit, budget, which, method):
+    return service.evict_run(_pair(key), context, question, aware, unit, budget, which, method, session=_session(sess))
+
+
+@gpu("calibrate")
+def calibrate(key, sess, corpus, n_fit, op_k, bits, name):
+    from scdviz import plots
+
+    sess = _session(sess)
+    calib, folder = service.calibrate_for(_pair(key), sess, corpus, n_fit, op_k, bits, name)
+    md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(folder)}`; the SCD tab "
+          f"now uses it for you (other visitors keep theirs). Patch order: {calib.patch_order}.")
+    return md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
+
+
+def load_calibration(key, sess, folder):
+    from scdviz import plots
+
+    sess = _session(sess)
+    calib = service.load_calibration_for(_pair(key), sess, folder)
+    return (f"Loaded; the SCD tab now uses it for you. Patch order: {calib.patch_order}.",
+            plots.selection_curve(calib.selection_kl, calib.patch_order), sess)
+
+
+@gpu("train")
+def train(key, sess, steps, contexts, per_head, name):
+    from scdviz import plots
+
+    pair, sess = _pair(key), _session(sess)
+    for item in service.train_policy_live(pair, sess, steps, contexts, per_head, name):
+        if isinstance(item, tuple):  # (folder, final log)
+            folder, log = item
+            yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(folder)}` and added to your "
+                   f"eviction methods as `yours:{folder.name}`.", plots.training_curve(log), sess)
+        else:
+            done = len((item or {}).get("steps", []))
+            yield f"Training on {pair.producer_source}: {done} REINFORCE steps so far.", plots.training_curve(item), sess
+
+
+def _shown(folder: Path) -> str:
+    """A run folder as shown to a visitor: relative to the cache folder in hosted mode."""
+    if settings.hosted():
+        return f"(this session's folder)/{folder.name} - deleted when you close the page"
+    return str(folder)
+
+
+def load_results(path, sess, upload_roots=()):
+    from scdviz import plots
+
+    sess = _session(sess)
+    df, kind = service.load_results(path, upload_roots)
+    csv = sess.scratch() / "results.csv"  # one file per session, removed with it
+    df.to_csv(csv, index=False)
+    return f"{len(df)} {kind} records from `{Path(path).name}`.", df, plots.results_overview(df, kind), str(csv)
+
+
+
+
+def _windows(n: int = 3, tokens: int = 288) -> list[str]:
+    """Decoded evaluation windows of ``tokens`` tokens (the benchmark's own windows)."""
+    from transformers import AutoTokenizer
+
+    from scdviz.models import builtin
+
+    tok = AutoTokenizer.from_pretrained(builtin.producer_dir())
+    out = []
+    for corpus in data.corpora():
+        for w in data.token_windows(tok, data.load_split(corpus, "eval"), tokens, (n + 1) // 2):
+            out.append(tok.decode(w))
+    return out[:n]
+
+
+def build_demo() -> gr.Blocks:
+    """The whole app as a Blocks object (tests build it without launching)."""
+    from gradio.utils import get_upload_folder
+
+    producer, consumers = service.builtin_choices()
+    # gradio's own cache of served/uploaded files is swept hourly (files older than an hour)
+    with gr.Blocks(title="scdviz", delete_cache=(3600, 3600)) as demo:
+        gr.Markdown(
+            "# scdviz\nMove a KV cache from a producer model to a fine-tuned consumer (SCD) and prune it "
+            "with a learned eviction policy (DistillCache), and see what happens inside both models."
+            + ("\n\n*Hosted demo*: built-in models only; what you calibrate or train lives in this page's session "
+               "and is deleted when you close it." if settings.hosted() else "")
+        )
+        pair_state = gr.State("")
+        # one Session per open page: this visitor's calibrations, policies and folder (deleted with the page)
+        sess = gr.State(session.open_session, time_to_live=settings.session_ttl(), delete_callback=session.Session.close)
+        with gr.Tab("Pair"):
+            pair_tab.build(
+                pair_tab.PairTabFns(
+                    producer_choices=[producer],
+                    consumer_choices=consumers,
+                    default_producer=settings.default_producer(),
+                    default_consumer=settings.default_consumer(),
+                    load=load,
+                    generate=generate,
+                    examples=_examples(),
+                    max_new_tokens=settings.max_new_tokens(),
+                    max_chars=settings.max_prompt_chars(),
+                ),
+                pair_state,
+                demo,
+            )
+        windows = _windows()
+        with gr.Tab("SCD transfer"):
+            scd_tab.build(scd_run, windows, pair_state, sess, settings.max_prompt_chars())
+        with gr.Tab("DistillCache eviction"):
+            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, settings.max_prompt_chars())
+        with gr.Tab("Calibrate / train"):
+            train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state, sess)
+        with gr.Tab("Results"):
+            shipped = {f"assets/{p.relative_to(settings.ASSETS_DIR)}": p for p in service.shipped_results()}
+            uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
+
+            def open_record(path, s):  # a shipped record by its name, else an uploaded file
+                return load_results(shipped.get(path, path), s, uploads)
+
+            results_tab.build(open_record, list(shipped), sess)
+    demo.queue(default_concurrency_limit=1, max_size=64)
+    return demo
+
+
+def launch_kwargs() -> dict:
+    """launch() settings: GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are honoured (gradio reads them)."""
+    return {"max_file_size": f"{settings.max_upload_mb()}mb", "show_error": True}
+
+
+def main() -> None:
+    """Start the app (hosted mode first removes session folders left by an earlier process)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    if settings.hosted():
+        removed = session.clean_stale()  # session folders of an earlier process: their pages are gone
+        logging.getLogger("scdviz").info("hosted mode: removed %d stale session folders", removed)
+    build_demo().launch(**launch_kwargs())
+
+
+if __name__ == "__main__":
+    main()
