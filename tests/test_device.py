@@ -4,12 +4,15 @@
 The trap: the model lives on the CPU while ``torch.set_default_device("meta")`` is in force,
 so any tensor made without naming the model's device lands on ``meta`` and the first
 operation that meets real data fails. Select with ``pytest -k "bf16 or device"``.
+
+``SCDVIZ_TEST_DEVICE=cuda`` runs the same tests with the models on a GPU (scripts/gpu_check.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -26,6 +29,12 @@ from scdviz.models import hf
 from scdviz.scd import calibrate as cal
 from scdviz.scd import evaluate, payload, transfer
 
+DEVICE = torch.device(os.environ.get("SCDVIZ_TEST_DEVICE", "cpu"))  # where the tiny models live
+
+
+def on_device(model, dtype=torch.float32):
+    return model.to(device=DEVICE, dtype=dtype)
+
 
 @contextlib.contextmanager
 def wrong_device_trap():
@@ -38,7 +47,7 @@ def wrong_device_trap():
 
 
 def test_the_device_trap_catches_a_tensor_made_without_the_model_device():
-    model = tiny_model("llama")
+    model = on_device(tiny_model("llama"))
     weight = next(model.parameters())
     with wrong_device_trap(), pytest.raises((NotImplementedError, RuntimeError)):
         torch.zeros(3) + weight[0, :3]  # what a forgotten device= looks like on a GPU
@@ -74,7 +83,8 @@ def _scd_paths(pair, calib, dtype):
 
 @pytest.fixture(scope="module")
 def fp32_pair_and_calib(texts):
-    pair = make_pair(tiny_model("llama"), perturbed(1))
+    pair = make_pair(on_device(tiny_model("llama")), on_device(perturbed(1)))
+    pair.device = DEVICE
     return pair, cal.calibrate(pair, small_cfg(texts), progress=False)
 
 
@@ -85,8 +95,8 @@ def test_scd_every_plan_under_the_wrong_device_trap(fp32_pair_and_calib):
 
 
 def test_scd_calibrate_and_every_plan_in_bf16(texts):
-    pair = make_pair(tiny_model("llama").to(torch.bfloat16), perturbed(1).to(torch.bfloat16))
-    pair.dtype = torch.bfloat16
+    pair = make_pair(on_device(tiny_model("llama"), torch.bfloat16), on_device(perturbed(1), torch.bfloat16))
+    pair.device, pair.dtype = DEVICE, torch.bfloat16
     calib = cal.calibrate(pair, small_cfg(texts), progress=False)
     results = _scd_paths(pair, calib, torch.bfloat16)
     assert results[0].kl > 0  # raw reuse of a different model's cache is not free
@@ -137,17 +147,17 @@ def _eviction_paths(model, dtype, baseline):
 
 
 def test_eviction_paths_under_the_wrong_device_trap():
-    model = tiny_model("llama")
+    model = on_device(tiny_model("llama"))
     with wrong_device_trap():
         _eviction_paths(model, torch.float32, KnormPress())
 
 
 def test_eviction_paths_in_bf16():
-    _eviction_paths(tiny_model("llama").to(torch.bfloat16), torch.bfloat16, ObservedAttentionPress())
+    _eviction_paths(on_device(tiny_model("llama"), torch.bfloat16), torch.bfloat16, ObservedAttentionPress())
 
 
 def test_generate_under_the_wrong_device_trap_and_in_bf16():
-    for model in (tiny_model("llama"), tiny_model("qwen3").to(torch.bfloat16)):
+    for model in (on_device(tiny_model("llama")), on_device(tiny_model("qwen3"), torch.bfloat16)):
         ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2), device="cpu")
         with wrong_device_trap():
             cache = hf.forward(model, ids[:, :-1]).cache

@@ -1,0 +1,82 @@
+"""The prepared GPU check: both methods' bf16 and wrong-device invariants on CUDA, as a JSON report.
+
+Runs ``tests/test_device.py`` (every SCD plan and every eviction path on tiny random models:
+under a wrong-device trap and in bfloat16) with the models on the GPU
+(``SCDVIZ_TEST_DEVICE=cuda``), then the thread-isolation tests, and writes one JSON report:
+versions, the GPU, each test's outcome and seconds, and peak GPU memory. Needs no network and
+no model download; on the lent H200 machine it takes about a minute.
+
+On the device machine (it lacks kvpress and its imports; carry them, see scripts/gpu_wheels.sh):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python3 scripts/gpu_check.py --out $OUT/gpu_check.json
+
+Exit status 0 when every test passed, 1 otherwise; 2 when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_device.py", "tests/test_concurrency.py"]
+
+
+class _Collect:
+    """A pytest plugin keeping each test's outcome and duration."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            self.rows.append({"test": report.nodeid, "outcome": report.outcome, "seconds": round(report.duration, 3),
+                              "message": str(report.longrepr)[-2000:] if report.failed else ""})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report (default: %(default)s)")
+    parser.add_argument("--device", default="cuda", help="torch device for the tiny models (default: %(default)s)")
+    args = parser.parse_args(argv)
+    import pytest
+    import torch
+    import transformers
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device is visible; nothing checked", file=sys.stderr)
+        return 2
+    os.environ["SCDVIZ_TEST_DEVICE"] = args.device
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    collect = _Collect()
+    t0 = time.perf_counter()
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *TESTS], plugins=[collect])
+    report = {
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "cuda": torch.version.cuda},
+        "seconds": round(time.perf_counter() - t0, 1),
+        "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if args.device.startswith("cuda") else None,
+        "passed": sum(r["outcome"] == "passed" for r in collect.rows),
+        "failed": sum(r["outcome"] == "failed" for r in collect.rows),
+        "tests": collect.rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "tests"}, indent=1))
+    for row in collect.rows:
+        print(f"{row['outcome']:7s} {row['seconds']:7.2f} s  {row['test']}")
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
