@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from scdviz import settings
 
 TEXT_DIR = settings.ASSETS_DIR / "text"
@@ -77,3 +79,11 @@ def token_windows(tokenizer, passages: list[str], length: int, limit: int | None
             if limit is not None and len(windows) >= limit:
                 return windows
     return windows
+
+
+def split_prompt(window: list[int], cont_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prefix = prompt[:-1], fed = [prompt[-1]] + cont[:-1], targets = cont), each (1, n)."""
+    ids = torch.tensor([window], dtype=torch.long, device="cpu")  # host-side ids; hf moves them to the model
+    prompt, cont = ids[:, :-cont_len], ids[:, -cont_len:]
+    fed = torch.cat([prompt[:, -1:], cont[:, :-1]], dim=1)
+    return prompt[:, :-1], fed, cont

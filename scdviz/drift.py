@@ -14,7 +14,6 @@ This module does not transfer anything cleverer than raw KV (that is scdviz.scd)
 
 from __future__ import annotations
 
-import torch
 from tqdm.auto import tqdm
 
 from scdviz import data, metrics
@@ -38,17 +37,9 @@ def facts_table(pair: Pair) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows)
 
 
-def split_prompt(window: list[int], cont_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(prefix = prompt[:-1], fed = [prompt[-1]] + cont[:-1], targets = cont), each (1, n)."""
-    ids = hf.ids_tensor(window)  # host-side ids; hf moves them to the model
-    prompt, cont = ids[:, :-cont_len], ids[:, -cont_len:]
-    fed = torch.cat([prompt[:, -1:], cont[:, :-1]], dim=1)
-    return prompt[:, :-1], fed, cont
-
-
 def reuse_drift(pair: Pair, window: list[int], cont_len: int) -> dict:
     """Per-token KL/top-1/NLL of raw producer-KV reuse vs the oracle on one window."""
-    prefix, fed, targets = split_prompt(window, cont_len)
+    prefix, fed, targets = data.split_prompt(window, cont_len)
     start = prefix.shape[1]
     oracle_cache = hf.forward(pair.consumer, prefix).cache
     producer_cache = hf.forward(pair.producer, prefix).cache

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from scdviz import data, drift, service
+from scdviz import data, service
 
 
 def test_shipped_splits_exist_never_overlap_and_fit_the_budget():
@@ -51,7 +51,7 @@ def test_token_windows_are_exact_and_disjoint():
 
 
 def test_split_prompt_convention():
-    prefix, fed, targets = drift.split_prompt(list(range(10)), 3)
+    prefix, fed, targets = data.split_prompt(list(range(10)), 3)
     assert prefix.tolist() == [[0, 1, 2, 3, 4, 5]]
     assert fed.tolist() == [[6, 7, 8]]
     assert targets.tolist() == [[7, 8, 9]]

@@ -365,3 +365,28 @@ def test_qa_answer_from_full_cache_of_a_repeating_model(tiny):
     assert got == {"qa_correct": 1.0, "qa_f1": 1.0}
     wrong = qa.answer(tiny, cache, qa.QAItem(question=question, answer=[(expected[0] + 1) % 97, 96]), 40)
     assert wrong["qa_correct"] == 0.0
+
+
+# ----------------------------------------------------------------------------- kvpress wrappers
+
+
+def test_distillcache_presses_inside_kvpress_wrappers(eager_tiny, tmp_path):
+    """As kvpress tests its own presses: through ComposedPress and KeyRerotationPress, from a saved file."""
+    from kvpress import ComposedPress, KeyRerotationPress
+
+    for per_head in (True, False):
+        _policy(per_head).save(tmp_path / f"p{per_head}.safetensors")
+    head = DistillCachePress.from_pretrained(tmp_path / "pTrue.safetensors", compression_ratio=0.5)
+    glob = DistillCachePress.from_pretrained(tmp_path / "pFalse.safetensors", compression_ratio=0.5)
+    assert head.policy.config.per_head and not glob.policy.config.per_head
+    ids = _ids(40)
+    with ComposedPress([head, KnormPress(compression_ratio=0.5)])(eager_tiny):
+        assert hf.cache_len(hf.forward(eager_tiny, ids).cache) == [10] * 3  # 40 -> 20 -> 10
+    with KeyRerotationPress(press=head)(eager_tiny):
+        rerotated = hf.forward(eager_tiny, ids).cache
+    assert hf.cache_len(rerotated) == [20] * 3
+    for wrapper in (ComposedPress([glob, KnormPress(compression_ratio=0.5)]), KeyRerotationPress(press=glob)):
+        with pytest.raises(ValueError, match="global DistillCache press"), wrapper(eager_tiny):
+            hf.forward(eager_tiny, ids)
+    with glob(eager_tiny):  # on its own it keeps one set for every layer
+        assert hf.cache_len(hf.forward(eager_tiny, ids).cache) == [20] * 3

@@ -65,6 +65,20 @@ class DistillCachePress(ScorerPress):
         """A press that keeps the fraction ``keep`` of the context."""
         return cls(policy=policy, compression_ratio=compression_ratio(keep))
 
+    @classmethod
+    def from_pretrained(cls, path, compression_ratio: float = 0.0) -> DistillCachePress:
+        """A press from a saved policy file (``Policy.save``; safetensors, no code), kvpress-style.
+
+        The policy moves to the model's device when the press is applied (``with press(model):``).
+        """
+        return cls(policy=Policy.load(path), compression_ratio=compression_ratio)
+
+    def _refuse_wrapping(self, how: str) -> None:
+        raise ValueError(
+            f"the global DistillCache press keeps one token set for all layers, chosen at the last layer, so it "
+            f"cannot run {how}; use a per-head policy (PolicyConfig(per_head=True)) there, or apply the global "
+            "press on its own")
+
     def layer_features(self, module: nn.Module, values: Tensor, attentions: Tensor | None, groups: int) -> Tensor:
         """Features of one layer after a prefill: (B, groups, T, 5)."""
         if attentions is None:
@@ -72,7 +86,10 @@ class DistillCachePress(ScorerPress):
         return F.prefill_layer_features(attentions, values, self.policy.config.window, groups)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> Tensor:
-        """Policy scores (B, Hkv, T) of one layer's tokens (per-head scope)."""
+        """Policy scores (B, Hkv, T) of one layer's tokens (per-head scope; wrappers such as
+        KeyRerotationPress or AdaKVPress call this, which the global scope refuses)."""
+        if not self.policy.config.per_head:
+            self._refuse_wrapping("inside a wrapper press that scores layer by layer (KeyRerotationPress, AdaKVPress, ...)")
         with torch.no_grad():
             return self.policy(self.layer_features(module, values, attentions, keys.shape[1]))
 
@@ -84,8 +101,7 @@ class DistillCachePress(ScorerPress):
         if self.compression_ratio == 0 or not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output
         cache = kwargs["past_key_values"]
-        layer = cache.layers[module.layer_idx]
-        self._global.append(self.layer_features(module, layer.values, output[1], 1))
+        self._global.append(self.layer_features(module, hf.layer_kv(cache, module.layer_idx)[1], output[1], 1))
         if module.layer_idx == self._n_layers - 1:
             self._prune_all(cache)
         return output
@@ -96,5 +112,7 @@ class DistillCachePress(ScorerPress):
             scores = self.policy(F.global_features(self._global))  # (B, T)
         self._global.clear()
         idx = top_b(scores, keep_count(scores.shape[-1], 1.0 - self.compression_ratio))
-        for layer in cache.layers:
-            layer.keys, layer.values = gather_kv(layer.keys, layer.values, idx)
+        if any(n != scores.shape[-1] for n in hf.cache_len(cache)):
+            self._refuse_wrapping("beside another press that prunes layer by layer (ComposedPress)")
+        for layer, (keys, values) in enumerate(zip(*hf.cache_kv(cache))):
+            hf.set_layer_kv(cache, layer, *gather_kv(keys, values, idx))

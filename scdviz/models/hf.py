@@ -53,12 +53,12 @@ class Trace:
     @property
     def keys(self) -> list[Tensor]:
         """Post-RoPE keys per layer, (B, Hkv, T_cache, D), read from the cache."""
-        return [layer.keys for layer in self.cache.layers]
+        return cache_kv(self.cache)[0]
 
     @property
     def values(self) -> list[Tensor]:
         """Values per layer, (B, Hkv, T_cache, D), read from the cache."""
-        return [layer.values for layer in self.cache.layers]
+        return cache_kv(self.cache)[1]
 
 
 # ----------------------------------------------------------------------------- threads
@@ -219,14 +219,30 @@ def make_cache(model, keys: list[Tensor], values: list[Tensor]) -> DynamicCache:
 
 def clone_cache(model, cache: DynamicCache) -> DynamicCache:
     """An independent copy (forward passes append to a cache in place)."""
-    return make_cache(
-        model, [lyr.keys.clone() for lyr in cache.layers], [lyr.values.clone() for lyr in cache.layers]
-    )
+    keys, values = cache_kv(cache)
+    return make_cache(model, [k.clone() for k in keys], [v.clone() for v in values])
 
 
 def cache_len(cache: DynamicCache) -> list[int]:
     """Tokens held per layer."""
     return [int(lyr.keys.shape[-2]) for lyr in cache.layers]
+
+
+def cache_kv(cache: DynamicCache) -> tuple[list[Tensor], list[Tensor]]:
+    """(keys, values) per layer, each (B, Hkv, T_layer, D), keys after RoPE."""
+    return [lyr.keys for lyr in cache.layers], [lyr.values for lyr in cache.layers]
+
+
+def layer_kv(cache: DynamicCache, layer: int) -> tuple[Tensor, Tensor]:
+    """(keys, values) of one layer of the cache."""
+    lyr = cache.layers[layer]
+    return lyr.keys, lyr.values
+
+
+def set_layer_kv(cache: DynamicCache, layer: int, keys: Tensor, values: Tensor) -> None:
+    """Replace one layer's keys and values in place (pruning)."""
+    lyr = cache.layers[layer]
+    lyr.keys, lyr.values = keys, values
 
 
 # ----------------------------------------------------------------------------- forward
@@ -429,9 +445,8 @@ def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int) -
                 use_cache=True,
                 position_embeddings=(cos, sin),
             )
-    keys = [cache.layers[i].keys for i in range(start, stop)]
-    values = [cache.layers[i].values for i in range(start, stop)]
-    return hidden, keys, values
+    keys, values = cache_kv(cache)
+    return hidden, keys[start:stop], values[start:stop]
 
 
 def kv_weights(model, layer_idx: int) -> tuple[Tensor, Tensor]:
@@ -461,11 +476,10 @@ def attention_hook(model, fn):
 
     def hook(module, _args, kwargs, output):
         cache = kwargs["past_key_values"]
-        layer = cache.layers[module.layer_idx]
         attn = output[1] if len(output) > 1 else None
-        new = fn(module, kwargs["hidden_states"], layer.keys, layer.values, attn, kwargs)
+        new = fn(module, kwargs["hidden_states"], *layer_kv(cache, module.layer_idx), attn, kwargs)
         if new is not None:
-            layer.keys, layer.values = new
+            set_layer_kv(cache, module.layer_idx, *new)
         return output
 
     lock = _lock_of(model)

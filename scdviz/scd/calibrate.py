@@ -247,13 +247,13 @@ def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, bas
     base_kl = 0.0
     for case in tqdm(cases, desc="calibrate: ideal-patch gain per layer"):
         got = transfer.receive(pair.consumer, transfer.build_payload(case.state, base, calib), base, calib)
-        keys = [lyr.keys for lyr in got.cache.layers]
-        values = [lyr.values for lyr in got.cache.layers]
+        keys, values = hf.cache_kv(got.cache)
+        oracle_k, oracle_v = hf.cache_kv(case.oracle_cache)
         logits, _ = transfer.continuation(pair.consumer, got.cache, case.fed, start)
         base_kl += float(metrics.kl_per_token(case.oracle_logits, logits).mean())
         for layer in range(calib.n_layers):
             k2, v2 = list(keys), list(values)
-            k2[layer], v2[layer] = case.oracle_cache.layers[layer].keys, case.oracle_cache.layers[layer].values
+            k2[layer], v2[layer] = oracle_k[layer], oracle_v[layer]
             logits, _ = transfer.continuation(pair.consumer, hf.make_cache(pair.consumer, k2, v2), case.fed, start)
             totals[layer] += float(metrics.kl_per_token(case.oracle_logits, logits).mean())
     return [(base_kl - t) / len(cases) for t in totals]

@@ -88,12 +88,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b) ** 2).sum() / (b**2).sum().clamp_min(1e-30))
 
 
-def _layer_drift(run: transfer.PlanRun, case: transfer.Case) -> tuple[list[float], list[float]]:
-    own = case.oracle_cache.layers
-    return (
-        [_rel(m.keys, o.keys) for m, o in zip(run.cache.layers, own)],
-        [_rel(m.values, o.values) for m, o in zip(run.cache.layers, own)],
-    )
+def _layer_drift(cache, case: transfer.Case) -> tuple[list[float], list[float]]:
+    (mk, mv), (ok, ov) = hf.cache_kv(cache), hf.cache_kv(case.oracle_cache)
+    return [_rel(m, o) for m, o in zip(mk, ok)], [_rel(m, o) for m, o in zip(mv, ov)]
 
 
 def _divergence(resid: list[torch.Tensor], oracle: list[torch.Tensor]) -> list[float]:
@@ -118,7 +115,7 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
         top1 += metrics.top1_agreement(case.oracle_logits, run.logits).tolist()
         nll += metrics.nll_per_token(run.logits, targets).tolist()
         nll_o += metrics.nll_per_token(case.oracle_logits, targets).tolist()
-        k, v = _layer_drift(run, case)
+        k, v = _layer_drift(run.cache, case)
         dk.append(k)
         dv.append(v)
         div.append(_divergence(run.resid, case.oracle_resid))
@@ -154,11 +151,20 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
     nll = [x for c in cases for x in metrics.nll_per_token(c.oracle_logits, c.targets[0].to(c.oracle_logits.device)).tolist()]
     orc = sum(c.oracle_seconds for c in cases) / len(cases)
     n = hf.n_layers(pair.consumer)
+    # the oracle row is measured like every method: its own cache scored again through the same path
+    kls, top1s, drift, div = [], [], [], []
+    for c in cases:
+        logits, resid = transfer.continuation(pair.consumer, c.oracle_cache, c.fed, c.state.ids.shape[1])
+        kls.append(float(metrics.kl_per_token(c.oracle_logits, logits).mean()))
+        top1s.append(float(metrics.top1_agreement(c.oracle_logits, logits).mean()))
+        drift.append(_layer_drift(c.oracle_cache, c))
+        div.append(_divergence(resid, c.oracle_resid))
+    kl, kl_se = metrics.mean_se(kls)
     res = MethodResult(
-        "oracle", "method", 0.0, float("nan"), 0.0, 0.0, 1.0, metrics.perplexity(nll), metrics.perplexity(nll),
-        1.0 if gen_tokens else None, orc, 0.0, orc, {lk.label: orc for lk in links.PRESETS}, len(cases), len(nll),
-        ["own"] * n, [0.0] * n, [0.0] * n, [0.0] * (n + 1),
-        sum(c.state.ids.shape[1] for c in cases) / len(cases), gens,
+        "oracle", "method", 0.0, float("nan"), kl, kl_se, sum(top1s) / len(top1s), metrics.perplexity(nll),
+        metrics.perplexity(nll), 1.0 if gen_tokens else None, orc, 0.0, orc, {lk.label: orc for lk in links.PRESETS},
+        len(cases), len(nll), ["own"] * n, _mean([d[0] for d in drift]), _mean([d[1] for d in drift]),
+        _mean(div), sum(c.state.ids.shape[1] for c in cases) / len(cases), gens,
     )
     return res, gens
 

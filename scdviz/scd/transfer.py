@@ -2,7 +2,7 @@
 
 Every method is a Plan (scdviz.scd.plan) run by ``build_payload`` (producer side) and
 ``receive`` (consumer side); nothing here is specific to one method. Conventions
-(scdviz.drift): a transferred cache covers prompt[:-1] (T tokens); the consumer feeds the
+(scdviz.data.split_prompt): a transferred cache covers prompt[:-1] (T tokens); the consumer feeds the
 last prompt token, then the continuation. Timings are wall-clock seconds on this
 machine. Does not fit codes (scdviz.scd.calibrate) nor aggregate results
 (scdviz.scd.evaluate).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from scdviz import drift
+from scdviz import data
 from scdviz.models import hf
 from scdviz.scd import payload
 from scdviz.scd.payload import Section
@@ -165,8 +165,8 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
 def _put_own_sink(model, token0: int, n_tokens: int, keys: list[Tensor], values: list[Tensor]) -> None:
     """Give every layer the consumer's own K, V of token 0: prepended to T-1 rows, or replacing row 0 of T."""
     own = hf.decoder_cache(model, hf.ids_tensor([token0], hf.device_of(model)))
-    for layer, lyr in enumerate(own.layers):
-        for store, mine in ((keys, lyr.keys), (values, lyr.values)):
+    for layer, (own_k, own_v) in enumerate(zip(*hf.cache_kv(own))):
+        for store, mine in ((keys, own_k), (values, own_v)):
             rest = store[layer]
             rest = rest[:, :, 1:] if rest.shape[2] == n_tokens else rest
             store[layer] = torch.cat([mine.to(rest.dtype), rest], dim=2)
@@ -181,7 +181,7 @@ def continuation(model, cache, case_fed: Tensor, start: int) -> tuple[Tensor, li
 
 def prepare_case(producer, consumer, window: list[int], cont_len: int) -> Case:
     """Producer prefill, the oracle's timed prefill and its teacher-forced continuation."""
-    prefix, fed, targets = drift.split_prompt(window, cont_len)
+    prefix, fed, targets = data.split_prompt(window, cont_len)
     state = producer_state(producer, prefix)
     t0 = time.perf_counter()
     cache = hf.decoder_cache(consumer, prefix)
