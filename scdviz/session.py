@@ -16,6 +16,7 @@ and are deleted with the session. This module imports neither torch nor gradio.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import threading
 import uuid
@@ -34,6 +35,17 @@ def sessions_root() -> Path:
 def runs_root() -> Path:
     """Where runs made in local (not hosted) use are kept."""
     return settings.work_dir() / "runs"
+
+
+def folder_id(key: str) -> str:
+    """The folder name for a page's session key (gradio's session hash, which a client chooses):
+    hashed, so no key can name a path."""
+    return hashlib.sha256(str(key).encode()).hexdigest()[:16]
+
+
+def remove_folder_of(key: str) -> None:
+    """Delete the folder of the page with this session key (the app calls it when the page closes)."""
+    shutil.rmtree(sessions_root() / folder_id(key), ignore_errors=True)
 
 
 def clean_stale() -> int:
@@ -58,6 +70,13 @@ class Session:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __deepcopy__(self, memo):  # gradio copies state values; a session is one visitor's, shared by reference
+        return self
+
+    def bind(self, key: str | None) -> Session:
+        """Name this session's folder after the page's session key, so closing the page can remove it
+        (``remove_folder_of``); only before anything was written."""
+        if key and not self.runs and not self.folder.exists():
+            self.id = folder_id(key)
         return self
 
     @property

@@ -52,8 +52,9 @@ def _pair(key: str):
     return service.get_pair(*key.split("\n"))
 
 
-def _session(sess) -> session.Session:
-    return sess if isinstance(sess, session.Session) else session.Session()
+def _session(sess, key: str | None = None) -> session.Session:
+    """The visitor's Session; ``key`` (gradio's session hash) names its folder, removed when the page closes."""
+    return (sess if isinstance(sess, session.Session) else session.Session()).bind(key)
 
 
 @gpu("load")
@@ -113,10 +114,10 @@ def evict_run(key, sess, context, question, aware, unit, budget, which, method):
 
 
 @gpu("calibrate")
-def calibrate(key, sess, corpus, n_fit, op_k, bits, name):
+def calibrate(key, sess, corpus, n_fit, op_k, bits, name, page=None):
     from scdviz import plots
 
-    sess = _session(sess)
+    sess = _session(sess, page)
     calib, folder = service.calibrate_for(_pair(key), sess, corpus, n_fit, op_k, bits, name)
     md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(folder)}`; the SCD tab "
           f"now uses it for you (other visitors keep theirs). Patch order: {calib.patch_order}.")
@@ -133,10 +134,10 @@ def load_calibration(key, sess, folder):
 
 
 @gpu("train")
-def train(key, sess, steps, contexts, per_head, name):
+def train(key, sess, steps, contexts, per_head, name, page=None):
     from scdviz import plots
 
-    pair, sess = _pair(key), _session(sess)
+    pair, sess = _pair(key), _session(sess, page)
     for item in service.train_policy_live(pair, sess, steps, contexts, per_head, name):
         if isinstance(item, tuple):  # (folder, final log)
             folder, log = item
@@ -154,10 +155,10 @@ def _shown(folder: Path) -> str:
     return str(folder)
 
 
-def load_results(path, sess, upload_roots=()):
+def load_results(path, sess, upload_roots=(), page=None):
     from scdviz import plots
 
-    sess = _session(sess)
+    sess = _session(sess, page)
     df, kind = service.load_results(path, upload_roots)
     csv = sess.scratch() / "results.csv"  # one file per session, removed with it
     df.to_csv(csv, index=False)
@@ -223,12 +224,20 @@ def build_demo() -> gr.Blocks:
             shipped = {f"assets/{p.relative_to(settings.ASSETS_DIR)}": p for p in service.shipped_results()}
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
 
-            def open_record(path, s):  # a shipped record by its name, else an uploaded file
-                return load_results(shipped.get(path, path), s, uploads)
+            def open_record(path, s, page=None):  # a shipped record by its name, else an uploaded file
+                return load_results(shipped.get(path, path), s, uploads, page)
 
             results_tab.build(open_record, list(shipped), sess)
+        demo.unload(_on_page_closed)
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
+
+
+def _on_page_closed(request: gr.Request):
+    """A page closed: its session folder (scratch files, hosted runs) goes at once; gradio drops
+    the in-memory state an hour later (and calls Session.close then)."""
+    if request is not None and request.session_hash:
+        session.remove_folder_of(request.session_hash)
 
 
 def launch_kwargs() -> dict:

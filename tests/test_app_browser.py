@@ -20,10 +20,14 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync"]
 
 
+app_url_work: dict = {}  # app URL -> its SCDVIZ_WORK folder
+
+
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     folder = tmp_path_factory.mktemp("app")
     with running_app(folder / "app.log", SCDVIZ_WORK=str(folder)) as url:
+        app_url_work[url] = folder
         yield url
 
 
@@ -199,3 +203,25 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     for pg in pages:
         assert "internal error" not in pg.content() and "Traceback" not in pg.content()
         pg.context.close()
+
+
+def test_closing_a_page_removes_its_session_folder(browser, app_url, tmp_path_factory):
+    """What a visitor wrote (here the Results tab's CSV export) goes when their page closes."""
+    import time
+
+    work = Path(app_url_work[app_url]) / "sessions"
+    before = set(work.iterdir()) if work.is_dir() else set()
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1800})
+    pg = ctx.new_page()
+    pg.goto(app_url)
+    pg.get_by_role("tab", name="Results").click()
+    pg.locator("#res-shipped input").click()
+    pg.get_by_text("assets/scd/jargon/bench.json").first.click()
+    pg.locator("#res-info").get_by_text("scd records from").wait_for(timeout=60_000)
+    (mine,) = set(work.iterdir()) - before
+    assert (mine / "scratch" / "results.csv").is_file()
+    ctx.close()
+    deadline = time.time() + 60
+    while mine.exists() and time.time() < deadline:
+        time.sleep(1)
+    assert not mine.exists()

@@ -184,3 +184,13 @@ def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(mon
     finally:
         monkeypatch.delitem(sys.modules, "spaces")
         importlib.reload(app)
+
+
+def test_a_page_key_names_the_session_folder_and_cannot_escape(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path))
+    s = session.Session().bind("../../etc")  # a client chooses its session hash: it is hashed, never joined
+    assert s.folder.parent == session.sessions_root() and s.folder.name == session.folder_id("../../etc")
+    (s.scratch() / "results.csv").write_text("1")
+    assert s.bind("another-key").folder.name == session.folder_id("../../etc")  # never renamed once written
+    session.remove_folder_of("../../etc")
+    assert not s.folder.exists() and tmp_path.is_dir()

@@ -24,10 +24,10 @@ def build(load: Callable, shipped: list[str], session: gr.State) -> None:
     table = gr.Dataframe(interactive=False, elem_id="res-table")
     export = gr.File(label="Export as CSV", elem_id="res-export")
 
-    def on_file(f, sess):
+    def on_file(f, sess, request: gr.Request):
         if f is None:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return load(f if isinstance(f, str) else f.name, sess)
+        return load(f if isinstance(f, str) else f.name, sess, request.session_hash if request else None)
 
     upload.change(guard(on_file), [upload, session], [info, table, plot, export], api_name="open_upload")
     bundled.change(guard(on_file), [bundled, session], [info, table, plot, export], api_name="open_shipped")

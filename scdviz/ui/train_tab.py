@@ -47,20 +47,20 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
     train_info = gr.Markdown(elem_id="train-info")
     train_plot = gr.Plot(elem_id="train-plot")
 
-    def on_calibrate(key, sess, c, n, k, b, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+    def on_calibrate(key, sess, c, n, k, b, nm, request: gr.Request, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        return calibrate(key, sess, c, n, k, b, nm)
+        return calibrate(key, sess, c, n, k, b, nm, page=request.session_hash if request else None)
 
     def on_load(key, sess, path):
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         return load_calibration(key, sess, path)
 
-    def on_train(key, sess, n, ctx, ph, nm, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+    def on_train(key, sess, n, ctx, ph, nm, request: gr.Request, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        yield from train(key, sess, n, ctx, ph, nm)
+        yield from train(key, sess, n, ctx, ph, nm, page=request.session_hash if request else None)
 
     cal_btn.click(guard(on_calibrate), [pair_state, session, corpus, n_fit, op_k, bits, name],
                   [cal_info, cal_plot, session], concurrency_limit=1, api_name="calibrate")
