@@ -135,7 +135,7 @@ def pair_summary(pair: Pair) -> str:
 
 _SHIPPED_CALIBS: dict[tuple[str, str], object] = {}  # read-only shipped calibrations, loaded once
 _SHIPPED_LOCK = threading.Lock()
-SCD_BITS = (4, 8, 16)
+CODE_BITS = (4, 8, 16)  # code precisions the SCD controls offer (calibration and transfer)
 PLACEMENTS = ("selected", "drift", "manual")
 
 
@@ -155,6 +155,11 @@ def get_calibration(pair: Pair, session: Session | None = None):
                                 f"tab or with `python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
             _SHIPPED_CALIBS[key] = cal.load(folder, pair)
         return _SHIPPED_CALIBS[key]
+
+
+def _code_bits(value, field: str) -> int:
+    """One of CODE_BITS, from what a Radio or an API client sends."""
+    return int(inputs.choice(inputs.integer(value, field, min(CODE_BITS), max(CODE_BITS)), field, CODE_BITS))
 
 
 def _parse_layers(text, n_layers: int) -> list[int]:
@@ -179,7 +184,7 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     text = _text(text, "the text")
     cont_len = inputs.integer(cont_len, "Continuation tokens scored", 8, 64)
     gen_tokens = inputs.integer(gen_tokens, "Tokens generated per method", 1, 48)
-    bits = int(inputs.choice(inputs.integer(bits, "Code precision (bits)", 4, 16), "Code precision (bits)", SCD_BITS))
+    bits = _code_bits(bits, "Code precision (bits)")
     placement = inputs.choice(placement, "Placement", PLACEMENTS)
     gbps = inputs.number(gbps, "Link bandwidth (Gbit/s)", 0.01, 10_000)
     latency_s = inputs.number(latency_s, "Link latency (s)", 0, 10)
@@ -250,8 +255,7 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
     else:
         keep = inputs.integer(budget, "Budget (tokens kept)", 1, settings.max_prompt_tokens())
     model = pair.producer if which == "producer" else pair.consumer
-    extra = {name: policy for name, (source, policy) in (session.policies if session else {}).items()}
-    view = explore(model, pair.tokenizer, context, question, keep, aware, policies=extra)
+    view = explore(model, pair.tokenizer, context, question, keep, aware, policies=session.policies if session else None)
     method = method if isinstance(method, str) and method in view.kept_fraction else next(iter(view.kept_fraction))
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd
@@ -271,9 +275,6 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
 # ----------------------------------------------------------------------------- calibrate / train tab
 
 
-CAL_BITS = (4, 8, 16)
-
-
 def calibrate_for(pair: Pair, session: Session, corpus: str, n_fit: int, op_k: int, bits: int,
                   name: str) -> tuple[object, Path]:
     """Calibrate SCD for a loaded pair on a shipped corpus, save it in a new run folder, and
@@ -283,7 +284,7 @@ def calibrate_for(pair: Pair, session: Session, corpus: str, n_fit: int, op_k: i
     corpus = inputs.choice(corpus, "Calibration corpus", data.corpora())
     n_fit = inputs.integer(n_fit, "Windows for the fits", 4, 64)
     op_k = inputs.integer(op_k, "Patch layers at the operating point", 0, 6)
-    bits = int(inputs.choice(inputs.integer(bits, "Code bits", 4, 16), "Code bits", CAL_BITS))
+    bits = _code_bits(bits, "Code bits")
     folder = session.new_run(name)
     cfg = cal.CalibConfig(corpus=corpus, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
                           patch_k=max(op_k, 2))
@@ -334,7 +335,7 @@ def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, p
         yield state["log"]
     if state["error"] is not None:
         raise state["error"]
-    session.policies[f"yours:{folder.name}"] = (pair.producer_source, Policy.load(folder / "best.safetensors"))
+    session.policies[f"yours:{folder.name}"] = Policy.load(folder / "best.safetensors")
     yield folder, state["log"]
 
 

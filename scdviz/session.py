@@ -65,7 +65,7 @@ class Session:
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     calibrations: dict = field(default_factory=dict)  # (producer, consumer) -> Calibration, made/loaded here
-    policies: dict = field(default_factory=dict)  # method name -> (producer source, Policy) trained here
+    policies: dict = field(default_factory=dict)  # method name -> Policy trained here
     runs: list = field(default_factory=list)  # folders written for this visitor, oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
