@@ -14,6 +14,20 @@ State per layer: rows (B, H, w, Tk), hidden (B, w, d), positions (B, Hkv, Tk) ab
 token positions of the cached tokens, seen (B, Hkv, Tk) rows that saw each token.
 Needs eager attention for attention-based scorers. Does not compress a prefill
 (press.py) nor run generation itself (scdviz.models.hf.generate).
+
+Why not kvpress's ``DecodingPress`` (kvpress 0.5.5; tests/test_press_wrappers.py shows
+the differences): its hook hands the scorer only the attention of the current forward
+pass (one query row while decoding), keeps no window of past rows, no count of the rows
+that saw each token and no true positions (the DistillCache features would be computed
+from one row, with the cache index as position once anything was evicted), and it
+empties its hidden-state buffer at every compression, so generic scorers see one hidden
+state at interval 1. It counts ``compression_interval`` in forward passes since its
+last compression rather than tokens above the budget, so a cache that starts above the
+budget grows for ``interval`` steps before the first cut (this evictor cuts at once
+and never holds more than budget + interval - 1). It also hooks through
+``BasePress.__call__``, which neither holds the model's work lock (scdviz.models.hf)
+nor removes the ``rotary_emb`` it sets. Rebuilding on it would mean overriding its
+whole ``forward_hook``, i.e. this module again.
 """
 
 from __future__ import annotations
@@ -59,6 +73,10 @@ class DecodeEvictor:
             raise ValueError(f"budget and interval must be at least 1, got {self.budget} and {self.interval}")
         self.states.clear()
         if isinstance(self.press, DistillCachePress):
+            if not self.press.policy.config.per_head:
+                raise ValueError(
+                    "decode-time eviction keeps a token set per layer and KV head; the global DistillCache policy "
+                    "(one set for all layers) is for prefill compression only: use a per-head policy")
             self.press.policy.to(hf.device_of(model))
         with hf.attention_hook(model, self._on_layer):
             yield self

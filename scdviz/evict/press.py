@@ -10,6 +10,17 @@ Two scopes, following the policy's config:
             prefill runs, and at the last layer every layer's cache is pruned to the same
             tokens (DESIGN.md §4 as specified).
 
+Inside kvpress's wrapper presses (tests/test_press_wrappers.py):
+  per_head  works in KeyRerotationPress, CriticalKVPress, PerLayerCompressionPress,
+            DecodingPress, and first in a ComposedPress (a press after another that pruned
+            the layer gets attention over the unpruned tokens: refused with a message).
+            AdaKVPress refuses eager attention (kvpress's head-wise masking does not cover
+            it) while the press needs attention probabilities, so AdaKV needs an attention
+            implementation registered under another name that returns them; ChunkPress
+            refuses attention probabilities altogether.
+  global    refuses every wrapper that scores layer by layer, runs beside another pruning
+            press or changes the ratio per layer, with a ValueError naming the way out.
+
 This module does not train the policy (trainer.py) nor evict while decoding (decode.py).
 """
 
@@ -48,6 +59,7 @@ class DistillCachePress(ScorerPress):
     compression_ratio: float = 0.0
     _global: list[Tensor] = field(default_factory=list, repr=False)  # per-layer (B, 1, T, 5) during a prefill
     _n_layers: int = field(default=0, repr=False)  # decoder layers of the model the press is applied to
+    _ratio: float = field(default=0.0, repr=False)  # global scope: the compression ratio at layer 0 of this prefill
 
     def __post_init__(self):
         super().__post_init__()
@@ -83,6 +95,16 @@ class DistillCachePress(ScorerPress):
         """Features of one layer after a prefill: (B, groups, T, 5)."""
         if attentions is None:
             raise ValueError('DistillCachePress needs attention probabilities: use attn_implementation="eager"')
+        if attentions.shape[-1] != values.shape[-2]:
+            if not self.policy.config.per_head:
+                self._refuse_wrapping("beside another press that prunes layer by layer (ComposedPress)")
+            raise ValueError(
+                f"DistillCachePress scores from the attention over all {attentions.shape[-1]} prefill tokens, but layer "
+                f"{module.layer_idx} holds {values.shape[-2]}: a press before it pruned the layer; put DistillCachePress "
+                "first in a ComposedPress")
+        device = attentions.device
+        if next(self.policy.parameters()).device != device:  # wrappers that skip post_init_from_model
+            self.policy.to(device)
         return F.prefill_layer_features(attentions, values, self.policy.config.window, groups)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> Tensor:
@@ -98,11 +120,19 @@ class DistillCachePress(ScorerPress):
         if self.policy.config.per_head:
             return super().forward_hook(module, input, kwargs, output)
         hidden_states = kwargs["hidden_states"]
-        if self.compression_ratio == 0 or not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            return output
+        if module.layer_idx == 0:  # a new prefill
+            self._global.clear()
+            self._ratio = self.compression_ratio
+        elif self.compression_ratio != self._ratio:
+            self._global.clear()
+            self._refuse_wrapping("with a compression ratio per layer (PerLayerCompressionPress)")
+        if self.compression_ratio == 0:
             return output
         cache = kwargs["past_key_values"]
         self._global.append(self.layer_features(module, hf.layer_kv(cache, module.layer_idx)[1], output[1], 1))
-        if module.layer_idx == self._n_layers - 1:
+        if module.layer_idx == (self._n_layers or module.config.num_hidden_layers) - 1:
             self._prune_all(cache)
         return output
 
