@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from scdviz import data
+from scdviz.config import opt
 from scdviz.models import pair as pairmod
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -29,17 +30,17 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass
 class FinetuneConfig:
-    corpus: str  # shipped corpus name (assets/text/<corpus>/train.txt)
-    out: str  # adapter folder to write
-    base: str = "builtin:smollm2-135m"  # model to adapt
-    rank: int = 8  # LoRA rank
-    alpha: int | None = None  # LoRA alpha (default 2 * rank)
-    steps: int = 60  # optimiser steps
-    batch: int = 4  # windows per step
-    seq_len: int = 256  # tokens per window
-    lr: float = 1e-3  # peak learning rate
-    warmup: int = 5  # linear warm-up steps
-    seed: int = 0  # data order and LoRA init
+    corpus: str = opt(help='shipped corpus name (assets/text/<corpus>/train.txt)')
+    out: str = opt(help='adapter folder to write')
+    base: str = opt("builtin:smollm2-135m", 'model to adapt')
+    rank: int = opt(8, 'LoRA rank')
+    alpha: int | None = opt(None, 'LoRA alpha (default 2 * rank)')
+    steps: int = opt(60, 'optimiser steps')
+    batch: int = opt(4, 'windows per step')
+    seq_len: int = opt(256, 'tokens per window')
+    lr: float = opt(1e-3, 'peak learning rate')
+    warmup: int = opt(5, 'linear warm-up steps')
+    seed: int = opt(0, 'data order and LoRA init')
 
 
 def finetune(cfg: FinetuneConfig, progress=None) -> dict:

@@ -90,7 +90,7 @@ def project(
     payload = model.kv_bytes_per_token * prompt_tokens / compression
     method = link.seconds(payload) + consumer_flops_per_token * prompt_tokens / rate + step
     return {
-        "kind": "projection",
+        "row": "projection",
         "model": model.name,
         "gpu": gpu.name,
         "prompt_tokens": prompt_tokens,

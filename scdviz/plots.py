@@ -1,6 +1,6 @@
 """Plotly figures from result dataclasses and tables. Pure functions; no gradio, no models.
 
-SCD figures take ``scdviz.scd.evaluate.MethodResult`` lists (read by attribute) and the
+SCD figures take ``scdviz.scd.measure.MethodResult`` lists (read by attribute) and the
 rank-spectra DataFrame; eviction figures take the eviction records / DataFrames. Every
 function returns a ``plotly.graph_objects.Figure``.
 """
@@ -191,7 +191,7 @@ def selection_curve(selection_kl: list[float], order: list[int]) -> go.Figure:
 def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
     """A saved benchmark: payload vs KL (SCD) or KL vs kept fraction (eviction)."""
     if kind == "scd":
-        rows = df[df.get("kind", "measured") == "measured"] if "kind" in df else df
+        rows = df[df["row"] == "measured"] if "row" in df else df
         rows = rows[rows["payload_bytes_per_token"] > 0]
         fig = go.Figure()
         for name, part in rows.groupby("specialist" if "specialist" in rows else "method"):

@@ -150,7 +150,7 @@ def get_calibration(pair: Pair, session: Session | None = None):
         if key not in _SHIPPED_CALIBS:
             folder = cal.shipped_folder(pair.consumer_source)
             shipped = pair.producer_source == builtin_choices()[0] and pair.consumer_source in builtin_choices()[1]
-            if not shipped or not (folder / "calibration.json").is_file():
+            if not shipped or not (folder / cal.FILE).is_file():
                 raise UserError(f"no SCD calibration for {pair.consumer_source} yet; make one in the Calibrate / train "
                                 f"tab or with `python -m scdviz calibrate --producer ... --consumer ... --out DIR`")
             _SHIPPED_CALIBS[key] = cal.load(folder, pair)
@@ -179,7 +179,8 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
             session: Session | None = None) -> dict:
     """Every SCD method on one text, with tables, token texts and figures for the tab."""
     from scdviz import link, plots
-    from scdviz.scd import evaluate, explore
+    from scdviz.scd import bench, measure
+    from scdviz.scd import plan as plans
 
     text = _text(text, "the text")
     cont_len = inputs.integer(cont_len, "Continuation tokens scored", 8, 64)
@@ -195,8 +196,8 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     rank_v = inputs.integer(rank_v, "r_V", 0, full_v)
     patch_k = inputs.integer(patch_k, "Patch layers k", 0, calib.n_layers)
     manual = _parse_layers(layers, calib.n_layers)
-    plan = explore.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
-    report = explore.explore(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens())
+    plan = plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
+    report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens())
     table = report.table()
     own = link.Link(gbps, latency_s)
     table["ttft_your_link_ms"] = [
@@ -206,7 +207,7 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
     res = report.methods
-    spectra = evaluate.spectra(calib)
+    spectra = measure.spectra(calib)
     figures = {
         "drift_k": plots.layer_drift(res[1:], "K"), "drift_v": plots.layer_drift(res[1:], "V"),
         "accumulation": plots.error_accumulation(res), "amplification": plots.amplification(res[1:]),
@@ -232,7 +233,7 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
               method: str, session: Session | None = None) -> dict:
     """Every eviction method on one context, with retained-token views, texts and figures."""
     from scdviz import plots
-    from scdviz.evict.explore import explore
+    from scdviz.evict.view import eviction_view
 
     context = _text(context, "the context")
     question = _text(question, "the question", required=False)
@@ -255,7 +256,7 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
     else:
         keep = inputs.integer(budget, "Budget (tokens kept)", 1, settings.max_prompt_tokens())
     model = pair.producer if which == "producer" else pair.consumer
-    view = explore(model, pair.tokenizer, context, question, keep, aware, policies=session.policies if session else None)
+    view = eviction_view(model, pair.tokenizer, context, question, keep, aware, policies=session.policies if session else None)
     method = method if isinstance(method, str) and method in view.kept_fraction else next(iter(view.kept_fraction))
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd
@@ -317,14 +318,15 @@ def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, p
     contexts = inputs.integer(contexts, "Training contexts", 2, 32)
     per_head = inputs.flag(per_head, "Per layer and KV head")
     folder = session.new_run(name)
-    cfg = TrainConfig(out=str(folder), model=pair.producer_source, contexts=contexts, steps=steps, warm_steps=50,
-                      lr=3e-4, entropy_coef=1e-4, checkpoint_every=max(5, steps // 4), val_contexts=4,
-                      policy=PolicyConfig(per_head=per_head))
+    # the CLI's defaults except the sizes a live session can afford (learning rate, entropy: as the CLI)
+    cfg = TrainConfig(out=str(folder), contexts=contexts, steps=steps, warm_steps=50,
+                      checkpoint_every=max(5, steps // 4), val_contexts=4, policy=PolicyConfig(per_head=per_head))
     state: dict = {"log": None, "error": None}
 
     def work():
         try:
-            state["log"] = train(cfg, progress=True, on_step=lambda log: state.update(log=log))
+            state["log"] = train(cfg, pair.producer, pair.tokenizer, pair.producer_source, progress=True,
+                                 on_step=lambda log: state.update(log=log))
         except Exception as err:  # noqa: BLE001 - reported to the caller below
             state["error"] = err
 
@@ -349,13 +351,15 @@ def shipped_results() -> list[Path]:
 
 
 def load_results(path, upload_roots: tuple[Path, ...] = ()):
-    """A benchmark JSON (list of records) or CSV as a DataFrame, with its kind ('scd' or 'evict').
+    """A benchmark record (JSON from ``bench ... --out``) or its CSV export as (DataFrame, kind).
 
-    ``path`` must be a shipped record or, in hosted mode, lie under ``upload_roots``.
+    The kind ('scd' or 'evict') is the record's own ``kind`` field (a CSV export carries it
+    as a ``bench_kind`` column). ``path`` must be a shipped record or, in hosted mode, lie
+    under ``upload_roots``.
     """
-    import json
-
     import pandas as pd
+
+    from scdviz import records
 
     roots = (settings.ASSETS_DIR, *upload_roots)
     p = hosting.user_file(path, "benchmark file", roots=roots)
@@ -363,21 +367,18 @@ def load_results(path, upload_roots: tuple[Path, ...] = ()):
         raise UserError(f"{p.name}: open a .json or .csv file from `python -m scdviz bench ... --out`")
     if p.stat().st_size > settings.max_upload_mb() * 2**20:
         raise UserError(f"{p.name} is larger than {settings.max_upload_mb()} MB (SCDVIZ_MAX_UPLOAD_MB)")
-    if p.suffix.lower() == ".csv":
+    if p.suffix.lower() == ".json":
         try:
-            df = pd.read_csv(p)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise UserError(f"{p.name} is not a readable CSV file: {str(err).splitlines()[0][:200]}") from None
-    else:
-        try:
-            records = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise UserError(f"{p.name} is not a JSON file: {err}") from None
-        if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
-            raise UserError(f"{p.name}: expected a JSON list of records from `python -m scdviz bench ...`")
-        df = pd.DataFrame(records)
-    if {"payload_bytes_per_token", "kl"} <= set(df.columns):
-        return df, "scd"
-    if {"keep", "kl", "method"} <= set(df.columns):
-        return df, "evict"
-    raise UserError(f"{p.name} has neither SCD (payload_bytes_per_token, kl) nor eviction (keep, kl, method) columns")
+            record = records.read(p)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        return pd.DataFrame(record.rows), record.kind
+    try:
+        df = pd.read_csv(p)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{p.name} is not a readable CSV file: {str(err).splitlines()[0][:200]}") from None
+    kinds = set(df["bench_kind"].dropna()) if "bench_kind" in df.columns else set()
+    if len(kinds) != 1 or not kinds <= set(records.KINDS):
+        raise UserError(f"{p.name}: a CSV needs one bench_kind ({' or '.join(records.KINDS)}) in a bench_kind column, "
+                        "as the Results tab's export writes it")
+    return df.drop(columns="bench_kind"), kinds.pop()

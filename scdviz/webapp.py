@@ -161,7 +161,7 @@ def load_results(path, sess, upload_roots=(), page=None):
     sess = _session(sess, page)
     df, kind = service.load_results(path, upload_roots)
     csv = sess.scratch() / "results.csv"  # one file per session, removed with it
-    df.to_csv(csv, index=False)
+    df.assign(bench_kind=kind).to_csv(csv, index=False)
     return f"{len(df)} {kind} records from `{Path(path).name}`.", df, plots.results_overview(df, kind), str(csv)
 
 

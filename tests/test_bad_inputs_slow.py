@@ -146,18 +146,21 @@ ROWS = [
     ("hosted", ("/load_calibration", ("{shipped_calib}",)), "does not read local paths"),
     ("both", ("/load_calibration", ("",)), "no calibration folder given"),
     ("local", ("/load_calibration", ("/nonexistent/calib",)), "is not a folder"),
-    ("local", ("/load_calibration", ("{empty}",)), "calibration.json missing"),
-    ("local", ("/load_calibration", ("{calib_notjson}",)), "not a complete SCD calibration"),
+    ("local", ("/load_calibration", ("{empty}",)), "calibration.safetensors missing"),
+    ("local", ("/load_calibration", ("{calib_garbage}",)), "not a readable safetensors file"),
     ("local", ("/load_calibration", ("{calib_nokeys}",)), "not a complete SCD calibration"),
-    ("local", ("/load_calibration", ("{calib_notensors}",)), "missing or damaged"),
+    ("local", ("/load_calibration", ("{calib_noheader}",)), "has no scdviz header"),
+    ("local", ("/load_calibration", ("{calib_oldformat}",)), "scd calibration of format 1"),
+    ("local", ("/load_calibration", ("{policy_folder}",)), "holds a distillcache policy, not a scd calibration"),
     ("local", ("/load_calibration", ("{calib_other_pair}",)), "was made for"),
     # ---- results tab
     ("both", ("/open_shipped", ("/etc/passwd",)), "/etc/passwd"),
     ("both", ("/open_upload", ("@notjson.json",)), "is not a JSON file"),
-    ("both", ("/open_upload", ("@dict.json",)), "expected a JSON list of records"),
-    ("both", ("/open_upload", ("@empty.json",)), "expected a JSON list of records"),
-    ("both", ("/open_upload", ("@nocolumns.json",)), "neither SCD"),
-    ("both", ("/open_upload", ("@garbage.csv",)), "neither SCD"),
+    ("both", ("/open_upload", ("@dict.json",)), "is not a scdviz benchmark record"),
+    ("both", ("/open_upload", ("@empty.json",)), "is not a scdviz benchmark record"),
+    ("both", ("/open_upload", ("@norows.json",)), "the record has no rows"),
+    ("both", ("/open_upload", ("@otherkind.json",)), "unknown bench kind 'speed'"),
+    ("both", ("/open_upload", ("@garbage.csv",)), "needs one bench_kind"),
     ("both", ("/open_upload", ("@binary.csv",)), "not a readable CSV"),
 ]
 
@@ -168,7 +171,7 @@ def files(tmp_path_factory):
     from conftest import tiny_model
     from peft import LoraConfig, get_peft_model
 
-    from scdviz import data
+    from scdviz import data, settings
     from scdviz.models import builtin
     from scdviz.scd.calibrate import shipped_folder
 
@@ -188,17 +191,32 @@ def files(tmp_path_factory):
     (root / "broken_model" / "config.json").write_text("{not json")
     out["broken_model"] = root / "broken_model"
     jargon, bible = shipped_folder(J), shipped_folder(B)
-    for name in ("calib_notjson", "calib_nokeys", "calib_notensors"):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from scdviz import artefact
+    from scdviz.scd.calibrate import FILE
+
+    shipped = artefact.load(jargon / FILE, "scd-calibration")
+    with safe_open(str(jargon / FILE), "pt") as fh:
+        header = json.loads(fh.metadata()["scdviz"])
+    for name in ("calib_garbage", "calib_nokeys", "calib_noheader", "calib_oldformat", "policy_folder"):
         (root / name).mkdir()
-    (root / "calib_notjson" / "calibration.json").write_text("{oops")
-    meta = json.loads((jargon / "calibration.json").read_text())
-    (root / "calib_nokeys" / "calibration.json").write_text(json.dumps({"identity": meta["identity"]}))
-    shutil.copy(jargon / "calibration.safetensors", root / "calib_nokeys" / "calibration.safetensors")
-    shutil.copy(jargon / "calibration.json", root / "calib_notensors" / "calibration.json")
-    out["calib_notjson"], out["calib_nokeys"] = root / "calib_notjson", root / "calib_nokeys"
-    out["calib_notensors"], out["calib_other_pair"], out["shipped_calib"] = root / "calib_notensors", bible, jargon
+        out[name] = root / name
+    (root / "calib_garbage" / FILE).write_bytes(b"\x00" * 64)
+    artefact.save(root / "calib_nokeys" / FILE, "scd-calibration", {"k.0.enc": shipped.tensors["k.0.enc"]},
+                  shipped.identity, shipped.config, {})
+    save_file({"x": shipped.tensors["k.0.enc"]}, str(root / "calib_noheader" / FILE))
+    save_file({"x": shipped.tensors["k.0.enc"]}, str(root / "calib_oldformat" / FILE),
+              metadata={"scdviz": json.dumps(header | {"version": 1})})
+    shutil.copy(settings.ASSETS_DIR / "policy" / "global" / "best.safetensors", root / "policy_folder" / FILE)
+    assert load_file(str(root / "policy_folder" / FILE))  # a real artefact, only of another kind
+    out["calib_other_pair"], out["shipped_calib"] = bible, jargon
+    record = {"format": "scdviz-bench/1", "kind": "scd", "settings": {}, "seed": 0, "rows": []}
     uploads = {"notjson.json": b"{this is not json", "dict.json": b'{"kl": 1}', "empty.json": b"[]",
-               "nocolumns.json": b'[{"a": 1}]', "garbage.csv": b"a,b\n1,2\n", "binary.csv": bytes(range(256)) * 4}
+               "norows.json": json.dumps(record).encode(),
+               "otherkind.json": json.dumps(record | {"kind": "speed", "rows": [{"kl": 1}]}).encode(),
+               "garbage.csv": b"a,b\n1,2\n", "binary.csv": bytes(range(256)) * 4}
     for name, content in uploads.items():
         (root / name).write_bytes(content)
         out["@" + name] = root / name

@@ -27,7 +27,8 @@ from scdviz.evict.press import DistillCachePress
 from scdviz.evict.trainer import Sample, TrainConfig, reinforce_step
 from scdviz.models import hf
 from scdviz.scd import calibrate as cal
-from scdviz.scd import evaluate, payload, transfer
+from scdviz.scd import measure, payload, transfer
+from scdviz.scd import plan as plans
 
 DEVICE = torch.device(os.environ.get("SCDVIZ_TEST_DEVICE", "cpu"))  # where the tiny models live
 
@@ -68,15 +69,15 @@ def texts(tmp_path_factory):
 
 def _scd_paths(pair, calib, dtype):
     """Every SCD plan of the line-up: payload, receive, teacher-forced scoring and generation."""
-    cases = evaluate.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
-    lineup = evaluate.lineup(calib, hf.n_layers(pair.producer))
-    oracle, gens = evaluate.oracle_result(pair, cases, 3)
+    cases = measure.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
+    lineup = plans.lineup(calib)
+    oracle, gens = measure.oracle_result(pair, cases, 3)
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, calib)
         assert len(blob) == payload.payload_len(payload.decode(blob).sections)
         got = transfer.receive(pair.consumer, blob, plan, calib)
         assert {k.dtype for k in hf.Trace(None, got.cache, None).keys} == {dtype}, plan.name
-    results = evaluate.run_methods(pair, calib, cases, lineup, gen_tokens=3, oracle_gen=gens, progress=False)
+    results = measure.run_methods(pair, calib, cases, lineup, gen_tokens=3, oracle_gen=gens, progress=False)
     assert all(math.isfinite(r.kl) and r.kl >= 0 for r in results)
     return results
 

@@ -182,7 +182,7 @@ def test_policy_round_trips_through_safetensors(tmp_path):
     assert loaded.config == policy.config
     feats = torch.rand(1, 6, 5)
     torch.testing.assert_close(loaded(feats), policy(feats))
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match="file missing"):
         Policy.load(tmp_path / "missing.safetensors")
 
 
@@ -316,7 +316,7 @@ def test_cli_rejects_bad_input(capsys, tmp_path):
     from scdviz.__main__ import main
 
     assert main(["bench", "evict", "--modes", "sideways"]) == 2
-    assert "unknown mode" in capsys.readouterr().err
+    assert "invalid choice: 'sideways'" in capsys.readouterr().err
     assert main(["train-policy", "--out", str(tmp_path), "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
 

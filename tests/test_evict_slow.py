@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scdviz.evict import evaluate
+from scdviz.evict import compare
 from scdviz.evict.policy import Policy
 from scdviz.evict.press import DistillCachePress
 from scdviz.models import hf
@@ -24,9 +24,9 @@ def producer():
 
 @pytest.fixture(scope="module")
 def policies():
-    missing = [p for p in evaluate.SHIPPED_POLICIES if not p.is_file()]
+    missing = [p for p in compare.SHIPPED_POLICIES if not p.is_file()]
     assert not missing, f"shipped policies missing: {missing}"
-    return evaluate.load_policies(())
+    return compare.load_policies(())
 
 
 @pytest.mark.parametrize("name", ["distillcache-head", "distillcache-global"])
@@ -43,18 +43,18 @@ def test_shipped_press_runs_in_the_kvpress_pipeline(producer, policies, name):
 
 def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, policies):
     model, tokenizer = producer
-    cfg = evaluate.EvalConfig(
+    cfg = compare.EvalConfig(
         limit=2, context_len=256, cont_len=16, keeps=(0.25,), token_budgets=(), throughput_contexts=0
     )
-    windows = evaluate.contexts(cfg, tokenizer)
+    windows = compare.contexts(cfg, tokenizer)
     per_ctx = [
-        evaluate.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, evaluate.baselines())[
+        compare.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, compare.baselines())[
             "results"
         ]
         for w in windows
     ]
-    records = evaluate.aggregate(
-        per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(evaluate.baselines())
+    records = compare.aggregate(
+        per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(compare.baselines())
     )
     kl = {r["method"]: r["kl"] for r in records}
     assert kl["distillcache-head"] < kl["Random"] and kl["distillcache-head"] < kl["Knorm"]
@@ -62,6 +62,6 @@ def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, poli
 
 
 def test_shipped_policies_load_with_their_scope():
-    head, glob, head64 = (Policy.load(p) for p in evaluate.SHIPPED_POLICIES)
+    head, glob, head64 = (Policy.load(p) for p in compare.SHIPPED_POLICIES)
     assert head.config.per_head and not glob.config.per_head and head64.config.per_head
-    assert set(evaluate.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64"}
+    assert set(compare.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64"}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from scdviz import service
+from scdviz.scd import bench
 from scdviz.scd import calibrate as cal
-from scdviz.scd import explore
+from scdviz.scd import plan as plans
 
 pytestmark = pytest.mark.slow
 
@@ -17,27 +18,27 @@ def calib(builtin_pair):
 
 
 def test_default_controls_are_the_shipped_operating_point(calib):
-    plan, op = explore.user_plan(calib), cal.operating_plan(calib)
+    plan, op = plans.user_plan(calib), plans.operating_plan(calib)
     assert (plan.modes, plan.rank_k, plan.rank_v, plan.code_bits, plan.code_group) == (
         op.modes, op.rank_k, op.rank_v, op.code_bits, op.code_group)
 
 
 def test_controls_change_the_plan(calib):
-    plan = explore.user_plan(calib, patch_k=0, bits=8, rank_k=32, rank_v=64)
+    plan = plans.user_plan(calib, patch_k=0, bits=8, rank_k=32, rank_v=64)
     assert plan.layers_in("patch") == [] and plan.code_bits == 8
     assert set(plan.rank_k) == {32} and set(plan.rank_v) == {64}
     layer = sorted(calib.patches)[0]
-    assert explore.user_plan(calib, placement="manual", layers=[layer]).layers_in("patch") == [layer]
+    assert plans.user_plan(calib, placement="manual", layers=[layer]).layers_in("patch") == [layer]
 
 
 def test_bad_controls_get_specific_messages(builtin_pair, calib):
     with pytest.raises(ValueError, match="key rank 999 is out of range"):
-        explore.user_plan(calib, rank_k=999)
+        plans.user_plan(calib, rank_k=999)
     missing = next(i for i in range(calib.n_layers) if i not in calib.patches)
     with pytest.raises(ValueError, match=f"no aligner for layer {missing}"):
-        explore.user_plan(calib, placement="manual", layers=[missing])
+        plans.user_plan(calib, placement="manual", layers=[missing])
     with pytest.raises(ValueError, match="SCD needs at least"):
-        explore.window_of(builtin_pair, "too short", 32, 1024)
+        bench.window_of(builtin_pair, "too short", 32, 1024)
     with pytest.raises(service.UserError, match="integers separated by commas"):
         service.scd_run(builtin_pair, "x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.0005)
     with pytest.raises(service.UserError, match="between 0 and 100"):

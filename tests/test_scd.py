@@ -10,7 +10,7 @@ from scdviz import metrics
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, facts_of
 from scdviz.scd import calibrate as cal
-from scdviz.scd import evaluate, payload, quant, transfer
+from scdviz.scd import measure, payload, quant, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.patch import Aligner, Patch
 from scdviz.scd.rrr import allocate_ranks, fit_rrr
@@ -140,7 +140,7 @@ def test_same_model_full_rank_reproduces_the_oracle_logits(texts, sink):
     pair = make_pair(model, model)
     calib = cal.calibrate(pair, small_cfg(texts, ridge=0.0, selection="given", given=[1]), progress=False)
     case = transfer.prepare_case(model, model, _window(), 8)
-    rk, rv = cal.full_ranks(calib)
+    rk, rv = plans.full_ranks(calib)
     for plan in (plans.scd_plan(rk, rv, code_bits=16, sink=sink), plans.raw_plan(3, sink=sink), plans.droidspeak_plan(3, [1, 2], sink)):
         run = transfer.run_plan(model, case, plan, calib)
         torch.testing.assert_close(run.logits, case.oracle_logits, atol=2e-3, rtol=1e-3)
@@ -154,7 +154,7 @@ def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, t
     calib = cal.Calibration(**{**tiny_calib.__dict__, "patches": {layer: identity}})
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     case.state = transfer.producer_state(tiny_pair.consumer, case.state.ids)  # the true consumer H_in
-    rk, rv = cal.full_ranks(calib)
+    rk, rv = plans.full_ranks(calib)
     plan = plans.scd_plan(rk, rv, [layer], code_bits=16)
     got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, calib), plan, calib).cache
     own = case.oracle_cache.layers[layer]
@@ -175,8 +175,8 @@ def test_sink_recompute_gives_the_consumer_its_own_token0(tiny_pair):
 
 
 def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
-    cases = evaluate.prepare_cases(tiny_pair, [_window(48, s) for s in range(2)], 8, progress=False)
-    lineup = evaluate.lineup(tiny_calib, 3)
+    cases = measure.prepare_cases(tiny_pair, [_window(48, s) for s in range(2)], 8, progress=False)
+    lineup = plans.lineup(tiny_calib)
     assert [p.name for p in lineup] == ["raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only", "SCD full"]
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, tiny_calib)
@@ -184,9 +184,9 @@ def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
         assert len(blob) == payload.payload_len(msg.sections)
         got = transfer.receive(tiny_pair.consumer, blob, plan, tiny_calib)
         assert hf.cache_len(got.cache) == [cases[0].state.ids.shape[1]] * 3
-    oracle, gens = evaluate.oracle_result(tiny_pair, cases, 4)
-    results = evaluate.run_methods(tiny_pair, tiny_calib, cases, lineup, gen_tokens=4, oracle_gen=gens, progress=False)
-    df = evaluate.table([oracle, *results])
+    oracle, gens = measure.oracle_result(tiny_pair, cases, 4)
+    results = measure.run_methods(tiny_pair, tiny_calib, cases, lineup, gen_tokens=4, oracle_gen=gens, progress=False)
+    df = measure.table([oracle, *results])
     assert list(df["method"]) == ["oracle"] + [p.name for p in lineup]
     raw, four = results[0], results[1]
     assert raw.payload_bytes_per_token > four.payload_bytes_per_token > 0
@@ -201,7 +201,7 @@ def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_
     cal.save(tiny_calib, tmp_path / "c")
     back = cal.load(tmp_path / "c", tiny_pair)
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
-    plan = cal.operating_plan(back)
+    plan = plans.operating_plan(back)
     a = transfer.run_plan(tiny_pair.consumer, case, plan, tiny_calib)
     b = transfer.run_plan(tiny_pair.consumer, case, plan, back)
     assert a.payload_bytes == b.payload_bytes
@@ -216,7 +216,7 @@ def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_
 def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(138), 8)  # 128 code rows: whole groups
     for budget in (20.0, 40.0):
-        plan = cal.operating_plan(tiny_calib, budget_bytes=budget)
+        plan = plans.operating_plan(tiny_calib, budget_bytes=budget)
         per_token = len(transfer.build_payload(case.state, plan, tiny_calib)) / case.state.ids.shape[1]
         assert budget - 1.0 <= per_token <= budget + 1.0  # section headers only
 
@@ -225,13 +225,13 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     from scdviz.scd import bench
 
     report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,), progress=False)
-    recs = bench.records(report)
-    measured = [r for r in recs if r.get("kind") == "measured"]
+    recs = bench.rows(report)
+    measured = [r for r in recs if r.get("row") == "measured"]
     need = {"specialist", "method", "payload_bytes_per_token", "compression_vs_fp16", "kl", "top1", "ppl", "ppl_oracle",
             "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
     assert all(need <= set(r) for r in measured)
     assert {r["group"] for r in measured} == {"method", "patch sweep", "rank sweep"}
-    proj = [r for r in recs if r.get("kind") == "projection"]
+    proj = [r for r in recs if r.get("row") == "projection"]
     assert {r["model"] for r in proj} == {"Mistral-7B", "Llama-3-8B", "Qwen-32B"}
     assert all(r["label"].startswith("analytic projection") for r in proj)
     assert len(report.table()) == len(measured)
@@ -249,7 +249,7 @@ def test_link_time_and_projection_follow_bytes():
 
 
 def test_rank_spectra_table_starts_at_full_error_and_never_rises(tiny_calib):
-    df = evaluate.spectra(tiny_calib)
+    df = measure.spectra(tiny_calib)
     d_kv = 2 * 8
     assert len(df) == 2 * 3 * (d_kv + 1)
     assert (df[df["rank"] == 0]["fit_err"] == 1.0).all()

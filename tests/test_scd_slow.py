@@ -7,7 +7,7 @@ import pytest
 from scdviz import data
 from scdviz.models.pair import PairError
 from scdviz.scd import calibrate as cal
-from scdviz.scd import evaluate
+from scdviz.scd import measure
 from scdviz.scd import plan as plans
 
 pytestmark = pytest.mark.slow
@@ -21,10 +21,10 @@ def quick_calib(builtin_pair):
 
 def test_full_rank_codes_with_own_sink_beat_raw_reuse_on_held_out_text(builtin_pair, quick_calib):
     windows = data.token_windows(builtin_pair.tokenizer, data.load_split("jargon", "eval"), 256 + 16, 3)
-    cases = evaluate.prepare_cases(builtin_pair, windows, 16, progress=False)
-    rank_k, rank_v = cal.full_ranks(quick_calib)
+    cases = measure.prepare_cases(builtin_pair, windows, 16, progress=False)
+    rank_k, rank_v = plans.full_ranks(quick_calib)
     lineup = [plans.raw_plan(30), plans.raw_plan(30, bits=4), plans.scd_plan(rank_k, rank_v, code_bits=8)]
-    raw, four, scd = evaluate.run_methods(builtin_pair, quick_calib, cases, lineup, progress=False)
+    raw, four, scd = measure.run_methods(builtin_pair, quick_calib, cases, lineup, progress=False)
     assert four.payload_bytes_per_token < raw.payload_bytes_per_token / 3
     assert scd.payload_bytes_per_token < raw.payload_bytes_per_token / 1.8
     assert scd.kl < 0.8 * raw.kl  # DESIGN §7: the map + own token 0 roughly halves raw reuse's KL
@@ -34,7 +34,7 @@ def test_full_rank_codes_with_own_sink_beat_raw_reuse_on_held_out_text(builtin_p
 def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
     jargon = cal.load(cal.SHIPPED_DIR / "jargon", builtin_pair)
     assert len(jargon.key_codes) == 30 and jargon.patch_order
-    if not (cal.SHIPPED_DIR / "bible" / "calibration.json").is_file():
+    if not (cal.SHIPPED_DIR / "bible" / cal.FILE).is_file():
         pytest.skip("no shipped bible calibration")
     with pytest.raises(PairError, match="builtin:bible"):
         cal.load(cal.SHIPPED_DIR / "bible", builtin_pair)

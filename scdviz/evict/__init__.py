@@ -1,1 +1,1 @@
-"""DistillCache: a learned KV-cache eviction policy (features, policy, trainer, press, evaluation)."""
+"""DistillCache: a learned KV-cache eviction policy (features, policy, trainer, press, decode, compare, view)."""

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from scdviz import metrics, settings
+from scdviz.config import opt
 from scdviz.evict import qa
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.decode import DecodeEvictor
@@ -45,24 +46,24 @@ SHIPPED_POLICIES = (
 class EvalConfig:
     """One benchmark run."""
 
-    models: tuple[str, ...] = ("builtin:smollm2-135m",)  # model sources; the first is the policies' own
-    policies: tuple[str, ...] = ()  # policy files; empty: the shipped ones
-    texts: str | None = None  # .txt / .jsonl passages; None: shipped eval splits of ``corpora``
-    corpora: tuple[str, ...] = ("jargon", "bible")  # shipped corpora used when texts is None
-    limit: int = 16  # contexts
-    context_len: int = 512  # T, context tokens
-    cont_len: int = 32  # continuation tokens scored
-    keeps: tuple[float, ...] = (0.5, 0.25, 0.125)  # kept fractions
-    token_budgets: tuple[int, ...] = (64,)  # fixed token budgets
-    question_len: int = 16  # tokens between context and continuation (the "question")
-    modes: tuple[str, ...] = ("agnostic",)  # agnostic and/or aware
-    throughput_contexts: int = 2  # contexts on which decode speed is timed
-    decode_steps: int = 32  # greedy steps per throughput timing
-    decode_interval: int = 8  # decode-time eviction every this many new tokens
-    qa: bool = False  # also the context-QA task (scdviz.evict.qa), question-agnostic mode
+    policies: tuple[str, ...] = opt((), 'policy files; empty: the shipped ones')
+    texts: str | None = opt(None, '.txt / .jsonl passages; None: shipped eval splits of ``corpora``')
+    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora used when texts is None')
+    limit: int = opt(16, 'contexts')
+    context_len: int = opt(512, 'T, context tokens')
+    cont_len: int = opt(32, 'continuation tokens scored')
+    keeps: tuple[float, ...] = opt((0.5, 0.25, 0.125), 'kept fractions')
+    token_budgets: tuple[int, ...] = opt((64,), 'fixed token budgets')
+    question_len: int = opt(16, 'tokens between context and continuation (the "question")')
+    modes: tuple[str, ...] = opt(("agnostic",), "agnostic (compress before the question) and/or aware", choices=("agnostic", "aware"))
+    throughput_contexts: int = opt(2, 'contexts on which decode speed is timed')
+    decode_steps: int = opt(32, 'greedy steps per throughput timing')
+    decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
+    qa: bool = opt(False, 'also the context-QA task (scdviz.evict.qa), question-agnostic mode')
+    seed: int = opt(0, "seed of the Random baseline")
 
 
-def baselines() -> dict:
+def baselines(seed: int = 0) -> dict:
     """kvpress presses compared against, by display name."""
     from kvpress import (
         ExpectedAttentionPress,
@@ -81,7 +82,7 @@ def baselines() -> dict:
         "TOVA": TOVAPress(),
         "ExpectedAttention": ExpectedAttentionPress(),
         "Knorm": KnormPress(),
-        "Random": RandomPress(seed=0),
+        "Random": RandomPress(seed=seed),
     }
 
 
@@ -212,30 +213,31 @@ def decode_timing(model, obs: Observed, first: torch.Tensor, start: int, n_keep:
     return {"speedup": t_full / t_pruned, "decode_overhead_frac": evictor.score_seconds / t_evict}
 
 
-def run(cfg: EvalConfig) -> list[dict]:
-    """Evaluate every model x mode; returns JSON-able records (one per model/mode/method/budget)."""
-    from scdviz.models.pair import load_model
+def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
+    """Evaluate every loaded model x mode; returns rows (one per model/mode/method/budget).
 
+    models: source -> (model, tokenizer), loaded by the caller; the first is the policies' own,
+    the others test zero-shot transfer. Models are only read (eager attention inside a block).
+    """
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
     policies = load_policies(cfg.policies)
     if not policies:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
     records = []
-    for source in cfg.models:
-        model, tokenizer = load_model(source)
-        hf.set_eager(model)
+    for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
         items = [qa.make_item(tokenizer, w[: cfg.context_len], i) for i, w in enumerate(windows)] if cfg.qa else None
         for mode in cfg.modes:
-            records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None)
+            with hf.eager(model):
+                records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None)
     return records
 
 
 def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None) -> list[dict]:
     """Every context of one model and mode, aggregated into records."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
-    presses = baselines()
+    presses = baselines(cfg.seed)
     per_ctx, overhead, timing = [], {}, {}
     head = next((p for p in policies.values() if p.config.per_head), None)
     for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):

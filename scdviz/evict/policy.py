@@ -4,7 +4,7 @@ Features are transformed (log of the positive ones) and standardised across the 
 of each row (one row = one layer / KV head, or the single global row), so the policy
 sees relative importance and transfers across contexts and models. Inference keeps the
 top-B scores (deterministic); sampling for training lives in scdviz.evict.trainer.
-Weights are stored as safetensors with the config in the metadata.
+Weights, config and the trained-on model's identity are one scdviz artefact (safetensors).
 
 Shapes: features (..., T, 5) -> scores (..., T). This module does not compute features
 or touch a model.
@@ -12,15 +12,16 @@ or touch a model.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from scdviz import artefact, config
+from scdviz.config import opt
 from scdviz.evict.features import N_FEATURES
 
+KIND = "distillcache-policy"
 _LOG_FEATURES = (0, 1, 2)  # alpha, vnorm, sigma are positive and heavy-tailed
 
 
@@ -28,9 +29,9 @@ _LOG_FEATURES = (0, 1, 2)  # alpha, vnorm, sigma are positive and heavy-tailed
 class PolicyConfig:
     """Shape and scope of a policy."""
 
-    hidden: int = 32  # width of the two hidden layers
-    per_head: bool = True  # True: one token set per layer and KV head; False: one set for all layers
-    window: int = 512  # W, recent queries the features are computed from
+    hidden: int = opt(32, 'width of the two hidden layers')
+    per_head: bool = opt(True, 'True: one token set per layer and KV head; False: one set for all layers')
+    window: int = opt(512, 'W, recent queries the features are computed from')
 
 
 class Policy(nn.Module):
@@ -39,6 +40,8 @@ class Policy(nn.Module):
     def __init__(self, config: PolicyConfig | None = None):
         super().__init__()
         self.config = config or PolicyConfig()
+        self.identity: dict = {}  # the model it was trained on (source, weight fingerprint)
+        self.meta: dict = {}  # what its training recorded (steps, validation KL)
         h = self.config.hidden
         self.mlp = nn.Sequential(nn.Linear(N_FEATURES, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, 1))
 
@@ -46,23 +49,26 @@ class Policy(nn.Module):
         """Scores (..., T) for features (..., T, 5); higher means keep."""
         return self.mlp(standardise(features)).squeeze(-1)
 
-    def save(self, path: str | Path, extra: dict | None = None) -> None:
-        """Write weights + config (and optional JSON-able ``extra``) as safetensors."""
-        meta = {"config": json.dumps(asdict(self.config)), "extra": json.dumps(extra or {})}
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path), metadata=meta)
+    def save(self, path: str | Path, identity: dict | None = None, meta: dict | None = None) -> Path:
+        """Write weights, config, the trained-on model's ``identity`` and ``meta`` (scdviz.artefact)."""
+        return artefact.save(path, KIND, self.state_dict(), identity or self.identity, config.to_dict(self.config),
+                             meta)
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
-        """Read a policy written by ``save``; ValueError if the file is missing."""
-        from safetensors import safe_open
+        """Read a policy written by ``save`` (on the host; presses move it to their model).
 
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"policy file not found: {path}")
-        with safe_open(str(path), "pt") as fh:
-            config = PolicyConfig(**json.loads(fh.metadata()["config"]))
-        policy = cls(config)
-        policy.load_state_dict(load_file(str(path)))
+        ``identity`` tells which model it was trained on; applying it to another model is
+        the zero-shot transfer the benchmarks measure, so no model is refused here.
+        """
+        art = artefact.load(path, KIND)
+        cfg, _ = config.from_dict(PolicyConfig, art.config, str(path))
+        policy = cls(cfg)
+        try:
+            policy.load_state_dict(art.tensors)
+        except RuntimeError as err:
+            raise ValueError(f"{path}: weights do not fit its config ({str(err).splitlines()[0][:200]})") from None
+        policy.identity, policy.meta = art.identity, art.meta
         return policy.eval()
 
 

@@ -14,7 +14,7 @@ Optional warm start: maximise the Plackett-Luce likelihood of a heuristic's top-
 ranking (observed attention, the alpha feature). Prefills are cached once per context
 (features, full keys/values, reference logits), so an epoch costs only the continuations.
 
-Not here: feature maths (features.py), the press (press.py), evaluation (evaluate.py).
+Not here: feature maths (features.py), the press (press.py), evaluation (compare.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from scdviz import metrics
+from scdviz import artefact, metrics
+from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.policy import Policy, PolicyConfig, keep_count
 from scdviz.models import hf
@@ -84,24 +85,21 @@ def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_co
 class TrainConfig:
     """A training run; the run folder holds checkpoints and the log."""
 
-    out: str  # folder for policy.safetensors, optimizer.pt, log.json
-    model: str = "builtin:smollm2-135m"  # model whose caches are pruned
-    corpora: tuple[str, ...] = ("jargon", "bible")  # shipped corpora (train split) to draw contexts from
-    contexts: int = 32  # training contexts (prefilled once each)
-    context_len: int = 512  # T, tokens per context
-    cont_len: int = 24  # teacher-forced continuation tokens for the reward
-    keeps: tuple[float, ...] = (0.25, 0.125)  # kept fractions, one drawn per step
-    samples: int = 4  # M, Gumbel samples per context and step
-    steps: int = 300  # REINFORCE steps (one context each)
-    warm_steps: int = 100  # imitation steps on the heuristic ranking before REINFORCE (0: none)
-    lr: float = 3e-3  # Adam learning rate
-    entropy_coef: float = 1e-3  # beta, weight of the entropy bonus
-    checkpoint_every: int = 25  # steps between checkpoints (each also scores the validation contexts)
-    val_contexts: int = (
-        8  # held-out contexts (calib split) for the deterministic-policy KL; best.safetensors keeps the best
-    )
-    seed: int = 0  # sampling and data order
-    policy: PolicyConfig = field(default_factory=PolicyConfig)  # policy shape and scope
+    out: str = opt(help='folder for policy.safetensors, optimizer.pt, log.json')
+    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora (train split) to draw contexts from')
+    contexts: int = opt(32, 'training contexts (prefilled once each)')
+    context_len: int = opt(512, 'T, tokens per context')
+    cont_len: int = opt(24, 'teacher-forced continuation tokens for the reward')
+    keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
+    samples: int = opt(4, 'M, Gumbel samples per context and step')
+    steps: int = opt(300, 'REINFORCE steps (one context each)')
+    warm_steps: int = opt(100, 'imitation steps on the heuristic ranking before REINFORCE (0: none)')
+    lr: float = opt(3e-4, "Adam learning rate (3e-3 degraded the warm start on validation: assets/policy/README.md)")
+    entropy_coef: float = opt(1e-4, "beta, weight of the entropy bonus")
+    checkpoint_every: int = opt(25, 'steps between checkpoints (each also scores the validation contexts)')
+    val_contexts: int = opt(8, "held-out contexts (calib split) for the deterministic-policy KL; best.safetensors keeps the best")
+    seed: int = opt(0, 'sampling and data order')
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # policy shape and scope (flags flattened)
 
 
 @dataclass
@@ -148,7 +146,8 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     out = []
     for w in tqdm(windows[:count], desc=f"prefill {split} contexts", disable=not progress):
         ids = hf.ids_tensor(w)
-        obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window)
+        with hf.eager(model):  # features need attention probabilities; restored for other users
+            obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window)
         cont = ids[:, cfg.context_len :]
         ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), cont, cfg.context_len)[0]
         out.append(Sample(obs, cont, ref))
@@ -187,25 +186,23 @@ def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig,
     return {"loss": loss, "kl": sum(kls) / len(kls), "entropy": float(entropy)}
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, on_step=None) -> dict:
-    """Run (or resume) a training run; returns the log (also written to out/log.json).
+def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False, progress: bool = True,
+          on_step=None) -> dict:
+    """Train (or resume) a policy on a loaded ``model`` (named ``source`` in the saved identity);
+    returns the log (also written to out/log.json). The model is only read: it may be shared.
 
     on_step(log): optional callback after every REINFORCE step (the app's live plot).
     """
-    from scdviz.models.pair import load_model
-
-    out = Path(cfg.out)
-    if resume and not (out / "policy.safetensors").is_file():
-        raise ValueError(f"nothing to resume in {out} (no policy.safetensors)")
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(cfg.model)
-    hf.set_eager(model)
+    out = run_folder(cfg, resume)
     torch.manual_seed(cfg.seed)
     policy = Policy(cfg.policy).to(hf.device_of(model))
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    log = {"config": asdict(cfg), "warm": [], "steps": [], "val": [], "seconds": 0.0}
+    log = {"config": asdict(cfg), "model": source, "warm": [], "steps": [], "val": [], "seconds": 0.0}
+    policy.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
     if resume:
         policy, opt, log = _load_checkpoint(out, cfg, hf.device_of(model))
+        if policy.identity.get("model_fingerprint") != artefact.fingerprint(model):
+            raise ValueError(f"the run in {out} trained on {policy.identity.get('model_source')!r}, not on {source!r}")
     log["started"] = time.time() - log["seconds"]
     samples = prepare(model, tokenizer, cfg, "train", cfg.contexts, progress)
     held_out = prepare(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
@@ -250,6 +247,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, on_step
     return log
 
 
+def run_folder(cfg: TrainConfig, resume: bool) -> Path:
+    """The run folder, made; ValueError when there is nothing to resume in it."""
+    out = Path(cfg.out)
+    if resume and not (out / "policy.safetensors").is_file():
+        raise ValueError(f"nothing to resume in {out} (no policy.safetensors)")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...]) -> float:
     """Mean KL of deterministic top-B of ``scorer(obs) -> rows`` over samples and kept fractions."""
     kls = []
@@ -267,13 +273,13 @@ def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample]
     val = validate(model, lambda obs: rows(policy, obs), policy.config.per_head, held_out, keeps)
     log["val"].append({"step": len(log["steps"]), "kl": round(val, 5)})
     if val <= min(v["kl"] for v in log["val"]):
-        policy.save(out / "best.safetensors", extra={"steps": len(log["steps"]), "val_kl": val})
+        policy.save(out / "best.safetensors", meta={"steps": len(log["steps"]), "val_kl": val})
     log["seconds"] = round(time.time() - log["started"], 1)
     _save_checkpoint(out, policy, opt, log)
 
 
 def _save_checkpoint(out: Path, policy: Policy, opt, log: dict) -> None:
-    policy.save(out / "policy.safetensors", extra={"steps": len(log["steps"]), "model": log["config"]["model"]})
+    policy.save(out / "policy.safetensors", meta={"steps": len(log["steps"])})
     torch.save(opt.state_dict(), out / "optimizer.pt")
     (out / "log.json").write_text(json.dumps(log, indent=1))
 

@@ -1,6 +1,6 @@
 """One context, every eviction method: what each keeps and what it costs (the app's view).
 
-``explore`` runs the benchmark's own ``score_context`` on a single user context (so the
+``eviction_view`` runs the benchmark's own ``score_context`` on a single user context (so the
 numbers equal ``bench evict`` on the same window and settings) and adds what a person
 wants to look at: which tokens each method keeps (fraction of layer × KV-head slots
 keeping each token), KL per decode step, the budget sweep, the tokens' features, and
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scdviz.evict import evaluate
+from scdviz.evict import compare
 from scdviz.evict.context import prune
 from scdviz.evict.features import NAMES
 from scdviz.evict.policy import keep_count
@@ -53,7 +53,7 @@ def _kept_masks(idx, n_tokens: int, n_layers: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def explore(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
+def eviction_view(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
             cont_len: int = 24, gen_tokens: int = 24, policies: dict | None = None) -> EvictionView:
     """Compress ``context`` (plus ``question`` when aware) with every method at ``keep`` and compare.
 
@@ -61,7 +61,7 @@ def explore(model, tokenizer, context: str, question: str = "", keep: float | in
     """
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
-    presses = evaluate.baselines()
+    presses = compare.baselines()
     # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
     need = max([16, *(int(getattr(p, "window_size", 0)) + 1 for p in presses.values())])
     prompt = ctx + q
@@ -78,9 +78,9 @@ def explore(model, tokenizer, context: str, question: str = "", keep: float | in
         window = hf.ids_tensor(prompt + cont)
         label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
         keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
-        cfg = evaluate.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
-        policies = evaluate.load_policies(()) | dict(policies or {})
-        out = evaluate.score_context(model, window, prefix, cfg, policies, presses)
+        cfg = compare.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
+        policies = compare.load_policies(()) | dict(policies or {})
+        out = compare.score_context(model, window, prefix, cfg, policies, presses)
         n_layers = hf.n_layers(model)
         masks = {m: _kept_masks(i, prefix, n_layers) for (m, lab), i in out["kept"].items() if lab == label}
         res = out["results"]

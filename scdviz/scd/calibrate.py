@@ -6,30 +6,29 @@ attention sink, left out of every fit: the consumer recomputes it), measures raw
 drift, ranks layers by the KL gain of an *ideal* patch (the consumer's own K, V at that
 layer), trains aligners for the candidates and orders patch layers greedily on
 continuation KL (or by drift, or as given). ``save`` / ``load`` write and read the
-artefact (safetensors + JSON); ``load`` refuses an artefact made for another pair.
+artefact (one safetensors file, scdviz.artefact); ``load`` refuses one made for another pair.
 
-It does not evaluate on held-out text (scdviz.scd.evaluate).
+It does not evaluate on held-out text (scdviz.scd.measure).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from scdviz import data, metrics, settings
+from scdviz import artefact, config, data, metrics, settings
+from scdviz.config import opt
 from scdviz.models import hf
-from scdviz.models.pair import Pair, PairError
+from scdviz.models.pair import Pair
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
 from scdviz.scd.patch import Aligner, Patch, fit_patch
-from scdviz.scd.rrr import LinearCode, RRRStats, allocate_ranks
+from scdviz.scd.rrr import LinearCode, RRRStats
 
 SELECTIONS = ("greedy", "drift", "given")
 SHIPPED_DIR = settings.ASSETS_DIR / "scd"  # shipped calibrations, one folder per built-in specialist
@@ -41,28 +40,28 @@ PATCH_FIELDS = ("in_mean", "in_std", "out_mean", "out_std")
 class CalibConfig:
     """Knobs of one calibration run."""
 
-    corpus: str = "jargon"  # shipped corpus whose calib split is used when texts is None
-    texts: str | None = None  # a .txt / .jsonl passage file instead of the shipped split
-    n_fit: int = 32  # windows for the fits
-    n_select: int = 6  # further windows for patch selection (continuation KL)
-    prompt_len: int = 256  # prompt tokens per window
-    cont_len: int = 32  # continuation tokens scored during selection
-    ridge: float = 1e-3  # RRR ridge, relative to the mean input eigenvalue
-    max_rank: int | None = None  # store codes up to this rank (None: full d_kv)
-    rank_h: int | None = None  # PATCH code width (None: the whole normalised H_in)
-    aligner_hidden: int = 128  # aligner MLP width
-    aligner_steps: int = 300  # Adam steps per aligner
-    aligner_loss: str = "kv"  # "kv": error of the regenerated K, V; "h": normalised H_in error
-    h_stride: int = 2  # keep every n-th token's H_in for aligner training (memory)
-    n_candidates: int = 10  # layers (by ideal-patch gain) that get an aligner
-    patch_k: int = 8  # patch layers kept in selection order (the budget sweep goes 0..patch_k)
-    selection: str = "greedy"  # one of SELECTIONS
-    given: list[int] = field(default_factory=list)  # patch layers for selection="given"
-    code_bits: int = 4  # operating point: bits of code sections
-    code_group: int = 64  # operating point: tokens per quantisation group of a code channel
-    budget_bytes: float | None = None  # operating point: payload bytes/token (None: full rank)
-    op_patch_k: int = 6  # operating point: patch layers used
-    seed: int = 0  # aligner initialisation and batches
+    corpus: str | None = opt(None, "shipped corpus whose calib split is used (default: the consumer specialist's own)")
+    texts: str | None = opt(None, 'a .txt / .jsonl passage file instead of the shipped split')
+    n_fit: int = opt(32, 'windows for the fits')
+    n_select: int = opt(6, 'further windows for patch selection (continuation KL)')
+    prompt_len: int = opt(256, 'prompt tokens per window')
+    cont_len: int = opt(32, 'continuation tokens scored during selection')
+    ridge: float = opt(1e-3, 'RRR ridge, relative to the mean input eigenvalue')
+    max_rank: int | None = opt(None, 'store codes up to this rank (None: full d_kv)')
+    rank_h: int | None = opt(None, 'PATCH code width (None: the whole normalised H_in)')
+    aligner_hidden: int = opt(128, 'aligner MLP width')
+    aligner_steps: int = opt(300, 'Adam steps per aligner')
+    aligner_loss: str = opt("kv", 'kv: error of the regenerated K, V; h: normalised H_in error', choices=("kv", "h"))
+    h_stride: int = opt(2, "keep every n-th token's H_in for aligner training (memory)")
+    n_candidates: int = opt(10, 'layers (by ideal-patch gain) that get an aligner')
+    patch_k: int = opt(8, 'patch layers kept in selection order (the budget sweep goes 0..patch_k)')
+    selection: str = opt("greedy", "patch-layer order: greedy on selection KL, by drift, or as given", choices=SELECTIONS)
+    given: list[int] = opt([], "patch layers for --selection given")
+    code_bits: int = opt(4, "operating point: bits of code sections", choices=(4, 8, 16))
+    code_group: int = opt(64, 'operating point: tokens per quantisation group of a code channel')
+    budget_bytes: float | None = opt(None, 'operating point: payload bytes/token (None: full rank)')
+    op_patch_k: int = opt(6, 'operating point: patch layers used')
+    seed: int = opt(0, 'aligner initialisation and batches')
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -105,13 +104,8 @@ class Calibration:
 # ----------------------------------------------------------------------------- identity
 
 
-def fingerprint(model) -> str:
-    """A short hash of every layer's k_proj / v_proj weight sums (tells specialists apart)."""
-    sums = []
-    for idx in range(hf.n_layers(model)):
-        wk, wv = hf.kv_weights(model, idx)
-        sums += [f"{float(wk.detach().double().sum()):.4e}", f"{float(wv.detach().double().abs().sum()):.6e}"]
-    return hashlib.sha256(",".join(sums).encode()).hexdigest()[:12]
+IDENTITY_LABELS = {"tokenizer_hash": "tokenizer", "producer_fingerprint": "producer weights",
+                   "consumer_fingerprint": "consumer weights"}
 
 
 def pair_identity(pair: Pair) -> dict:
@@ -120,27 +114,17 @@ def pair_identity(pair: Pair) -> dict:
         "producer_source": pair.producer_source,
         "consumer_source": pair.consumer_source,
         "tokenizer_hash": pair.producer_facts.tokenizer_hash,
-        "producer_fingerprint": fingerprint(pair.producer),
-        "consumer_fingerprint": fingerprint(pair.consumer),
+        "producer_fingerprint": artefact.fingerprint(pair.producer),
+        "consumer_fingerprint": artefact.fingerprint(pair.consumer),
         "facts": asdict(pair.consumer_facts),
     }
 
 
 def check_identity(saved: dict, pair: Pair, where: str) -> None:
     """PairError saying which part differs when ``saved`` is not this pair's identity."""
-    now = pair_identity(pair)
-    labels = {
-        "tokenizer_hash": "tokenizer",
-        "producer_fingerprint": "producer weights",
-        "consumer_fingerprint": "consumer weights",
-    }
-    bad = [f"{label}: calibrated {saved.get(key)!r}, loaded {now[key]!r}" for key, label in labels.items() if saved.get(key) != now[key]]
-    if bad:
-        raise PairError(
-            f"the SCD calibration in {where} was made for producer {saved.get('producer_source')!r} -> "
-            f"consumer {saved.get('consumer_source')!r}, not for the loaded pair {pair.producer_source!r} -> "
-            f"{pair.consumer_source!r}:\n- " + "\n- ".join(bad) + "\nCalibrate this pair: python -m scdviz calibrate"
-        )
+    artefact.check_identity(saved, pair_identity(pair), IDENTITY_LABELS, f"the SCD calibration in {where}",
+                            lambda i: f"producer {i.get('producer_source')!r} -> consumer {i.get('consumer_source')!r}",
+                            "Calibrate this pair: python -m scdviz calibrate")
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -183,58 +167,6 @@ def _fit_codes(pair: Pair, windows: list[list[int]], cfg: CalibConfig, progress)
     return key_codes, value_codes, drift_k, drift_v, h_rows
 
 
-def full_ranks(calib: Calibration) -> tuple[list[int], list[int]]:
-    """The largest stored rank of every layer's key and value code."""
-    return [c.max_rank for c in calib.key_codes], [c.max_rank for c in calib.value_codes]
-
-
-def code_dim_bytes(bits: int, group: int) -> float:
-    """Payload bytes per token of one code dimension (codes + its share of fp16 min/step)."""
-    return 2.0 if bits == 16 else bits / 8 + 4 / group
-
-
-def budget_ranks(calib: Calibration, budget_bytes: float, bits: int, group: int, patch_layers: list[int]) -> tuple[list[int], list[int]]:
-    """Per-layer ranks (rank_k, rank_v) whose codes fit ``budget_bytes`` per token with the patches."""
-    per_dim = code_dim_bytes(bits, group)
-    patch_dims = sum(calib.patch_for(layer).rank_h for layer in patch_layers)
-    total = int((budget_bytes - patch_dims * per_dim) / per_dim)
-    reuse = [i for i in range(calib.n_layers) if i not in set(patch_layers)]
-    codes = [calib.key_codes[i] for i in reuse] + [calib.value_codes[i] for i in reuse]
-    ranks = allocate_ranks(codes, total)
-    rank_k, rank_v = [0] * calib.n_layers, [0] * calib.n_layers
-    for j, i in enumerate(reuse):
-        rank_k[i], rank_v[i] = ranks[j], ranks[len(reuse) + j]
-    return rank_k, rank_v
-
-
-def operating_plan(
-    calib: Calibration,
-    patch_k: int | None = None,
-    placement: str = "selected",
-    budget_bytes: float | None = None,
-    bits: int | None = None,
-    name: str | None = None,
-) -> plans.Plan:
-    """The SCD plan at the calibration's operating point, with any knob overridden.
-
-    placement: "selected" (patch_order, the configured selection) or "drift".
-    """
-    cfg = calib.config
-    order = calib.patch_order if placement == "selected" else calib.drift_order
-    k = min(cfg.op_patch_k, len(order)) if patch_k is None else patch_k
-    if k > len(order):
-        raise ValueError(f"this calibration orders {len(order)} patch layers; asked for {k}")
-    layers_ = order[:k]
-    bits = cfg.code_bits if bits is None else bits
-    budget = cfg.budget_bytes if budget_bytes is None else budget_bytes
-    group = cfg.code_group
-    if budget is None:
-        rank_k, rank_v = full_ranks(calib)
-    else:
-        rank_k, rank_v = budget_ranks(calib, budget, bits, group, layers_)
-    return plans.scd_plan(rank_k, rank_v, layers_, code_bits=bits, code_group=group, name=name)
-
-
 def _kl(pair: Pair, cases: list[transfer.Case], plan: plans.Plan, calib: Calibration) -> float:
     runs = [transfer.run_plan(pair.consumer, case, plan, calib) for case in cases]
     return sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean()) for c, r in zip(cases, runs)) / len(cases)
@@ -261,12 +193,11 @@ def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, bas
 
 def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int) -> tuple[list[int], list[float]]:
     """Patch layers added one at a time, each the candidate that lowers selection KL most."""
-    ranks = full_ranks(calib)
     chosen: list[int] = []
-    kls = [_kl(pair, cases, plans.scd_plan(*ranks, code_bits=calib.config.code_bits, code_group=calib.config.code_group), calib)]
+    kls = [_kl(pair, cases, plans.full_rank_plan(calib), calib)]
     for _ in tqdm(range(min(k, len(candidates))), desc="calibrate: greedy patch placement"):
         scores = {
-            c: _kl(pair, cases, plans.scd_plan(*ranks, chosen + [c], code_bits=calib.config.code_bits, code_group=calib.config.code_group), calib)
+            c: _kl(pair, cases, plans.full_rank_plan(calib, chosen + [c]), calib)
             for c in candidates
             if c not in chosen
         }
@@ -278,6 +209,11 @@ def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int
 
 def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     """Fit codes and aligners, select patch layers; see the module docstring."""
+    if cfg.corpus is None and cfg.texts is None:
+        own = specialist_name(pair.consumer_source)
+        if own not in data.corpora():
+            raise ValueError(f"no shipped corpus named {own!r}; give a corpus ({', '.join(data.corpora())}) or a text file")
+        cfg = dataclasses.replace(cfg, corpus=own)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     windows = _windows(pair, cfg)
@@ -286,7 +222,7 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     n = len(key_codes)
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in windows[cfg.n_fit :]]
     calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], drift_k, drift_v, [], [], {})
-    gains = _ideal_gains(pair, cases, calib, plans.scd_plan(*full_ranks(calib), code_bits=cfg.code_bits, code_group=cfg.code_group))
+    gains = _ideal_gains(pair, cases, calib, plans.full_rank_plan(calib))
     drift = [drift_k[i] + drift_v[i] for i in range(n)]
     by_drift = sorted(range(n), key=lambda i: -drift[i])
     by_gain = sorted(range(n), key=lambda i: -gains[i])
@@ -320,14 +256,15 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
 
 # ----------------------------------------------------------------------------- artefact
 
+FILE = "calibration.safetensors"  # the artefact inside a calibration folder
+KIND = "scd-calibration"
+
 
 def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) -> Path:
-    """Write calibration.safetensors + calibration.json to ``folder`` (fp16 matrices).
+    """Write ``folder/calibration.safetensors`` (fp16 matrices; header: identity, config, fits).
 
     store_rank: keep codes only up to this rank (smaller files); default all.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for kind, codes in (("k", calib.key_codes), ("v", calib.value_codes)):
         for layer, code in enumerate(codes):
@@ -342,11 +279,7 @@ def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) 
             tensors[f"p.{layer}.basis"] = p.basis.half()
         for name, t in p.aligner.state_dict().items():
             tensors[f"p.{layer}.aligner.{name}"] = t.half()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "calibration.safetensors"))
     meta = {
-        "format": "scdviz-scd-calibration/1",
-        "identity": calib.identity,
-        "config": asdict(calib.config),
         "patch_layers": sorted(calib.patches),
         "patch_fit_err": {str(k): p.fit_err for k, p in calib.patches.items()},
         "patch_order": calib.patch_order,
@@ -357,45 +290,37 @@ def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) 
         "selection_kl": calib.selection_kl,
         "stats": calib.stats,
     }
-    (folder / "calibration.json").write_text(json.dumps(meta, indent=1))
-    return folder
+    artefact.save(Path(folder) / FILE, KIND, tensors, calib.identity, config.to_dict(calib.config), meta)
+    return Path(folder)
 
 
 def load(folder: str | Path, pair: Pair | None = None) -> Calibration:
-    """Read an artefact; with ``pair``, PairError unless it was made for that pair.
+    """Read a calibration folder; with ``pair``, PairError unless it was made for that pair.
 
-    A folder that is not a complete calibration (missing or damaged file, missing field or
-    tensor) raises ValueError saying which part is wrong.
+    A folder that is not a complete calibration (missing or damaged file, other format
+    version, missing field or tensor) raises ValueError saying which part is wrong.
     """
     folder = Path(folder)
-    meta_path = folder / "calibration.json"
-    if not meta_path.is_file():
-        raise ValueError(f"no SCD calibration in {folder} (calibration.json missing); run python -m scdviz calibrate")
+    if not (folder / FILE).is_file():
+        raise ValueError(f"no SCD calibration in {folder} ({FILE} missing); run python -m scdviz calibrate")
+    art = artefact.load(folder / FILE, KIND)
+    if pair is not None:
+        check_identity(art.identity, pair, str(folder))
     try:
-        meta = json.loads(meta_path.read_text())
-        if not isinstance(meta, dict) or not isinstance(meta.get("identity"), dict):
-            raise KeyError("identity")
-        if pair is not None:
-            check_identity(meta["identity"], pair, str(folder))
-        return _from_files(folder, meta)
-    except PairError:
-        raise
-    except (KeyError, IndexError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{folder} is not a complete SCD calibration ({type(err).__name__}: {err}); "
-                         "make it again with python -m scdviz calibrate") from None
-    except Exception as err:  # noqa: BLE001 - safetensors / shape errors: the files are damaged
-        raise ValueError(f"{folder}: calibration.safetensors is missing or damaged ({type(err).__name__}: "
+        return _from_artefact(art)
+    except (KeyError, IndexError, TypeError, RuntimeError) as err:
+        raise ValueError(f"{folder} is not a complete SCD calibration ({type(err).__name__}: "
                          f"{str(err).splitlines()[0][:200] if str(err) else ''}); make it again") from None
 
 
-def _from_files(folder: Path, meta: dict) -> Calibration:
-    t = load_file(str(folder / "calibration.safetensors"))
+def _from_artefact(art: artefact.Artefact) -> Calibration:
+    t, meta = art.tensors, art.meta
     n = len(meta["drift_k"])
 
     def code(kind: str, layer: int) -> LinearCode:
         return LinearCode(*(t[f"{kind}.{layer}.{name}"].float() for name in CODE_FIELDS))
 
-    cfg = CalibConfig(**meta["config"])
+    cfg, _ = config.from_dict(CalibConfig, art.config, str(art.path))
     patches = {}
     for layer in meta["patch_layers"]:
         aligner = Aligner(t[f"p.{layer}.in_mean"].numel(), cfg.aligner_hidden)
@@ -407,7 +332,7 @@ def _from_files(folder: Path, meta: dict) -> Calibration:
             basis.float() if basis is not None else None, aligner.eval(), meta["patch_fit_err"][str(layer)],
         )
     return Calibration(
-        meta["identity"], cfg, [code("k", i) for i in range(n)], [code("v", i) for i in range(n)], patches,
+        art.identity, cfg, [code("k", i) for i in range(n)], [code("v", i) for i in range(n)], patches,
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"],
     )

@@ -1,6 +1,7 @@
-"""SCD evaluation: every method on the same prompts, the analyses, one tidy table.
+"""SCD measurement: every plan on the same prompts, the analyses, one tidy table.
 
 ``prepare_cases`` prefills held-out windows once; ``run_methods`` runs a list of plans
+(made in scdviz.scd.plan)
 through the one transfer machinery and aggregates per method: payload bytes (from the
 real payloads), modelled TTFT (scdviz.link) against the oracle's measured prefill,
 continuation perplexity, mean KL(oracle‖method) per token, top-1 agreement, token-F1 of
@@ -22,7 +23,6 @@ from scdviz import metrics
 from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.scd import calibrate as cal
-from scdviz.scd import plan as plans
 from scdviz.scd import transfer
 
 
@@ -70,18 +70,6 @@ def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress:
         transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
         for w in tqdm(windows, desc="prefill producer + oracle", disable=not progress)
     ]
-
-
-def lineup(calib: cal.Calibration, n_layers: int, scd_full: plans.Plan | None = None) -> list[plans.Plan]:
-    """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.
-
-    scd_full: the SCD plan to compare (default: the calibration's operating point).
-    """
-    k = calib.config.op_patch_k
-    scd_full = scd_full or cal.operating_plan(calib)
-    reuse = cal.operating_plan(calib, patch_k=0, name="SCD reuse-only")
-    block = plans.contiguous_block(calib.ideal_gain, k)
-    return [plans.raw_plan(n_layers), plans.raw_plan(n_layers, bits=4), plans.droidspeak_plan(n_layers, block), reuse, scd_full]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -175,21 +163,6 @@ def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, ora
         run_plan_on_cases(pair, cases, p, calib, group, gen_tokens, oracle_gen)
         for p in tqdm(plan_list, desc=f"methods ({group})", disable=not progress)
     ]
-
-
-def patch_sweep(calib: cal.Calibration, k_max: int | None = None) -> list[plans.Plan]:
-    """SCD plans with k = 0..k_max patch layers, for the selected and the drift placement."""
-    k_max = min(k_max if k_max is not None else calib.config.patch_k, len(calib.patch_order), len(calib.drift_order))
-    out = []
-    for placement in ("selected", "drift"):
-        label = calib.config.selection if placement == "selected" else "drift"
-        out += [cal.operating_plan(calib, k, placement, name=f"SCD k={k} ({label})") for k in range(k_max + 1)]
-    return out
-
-
-def rank_sweep(calib: cal.Calibration, budgets: list[float]) -> list[plans.Plan]:
-    """SCD full at several byte budgets per token (per-layer ranks allocated to each)."""
-    return [cal.operating_plan(calib, budget_bytes=b, name=f"SCD full @{b:g} B/token") for b in budgets]
 
 
 def table(results: list[MethodResult]) -> pd.DataFrame:

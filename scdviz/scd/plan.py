@@ -13,12 +13,20 @@ Token 0 (the attention sink): ``sink="send"`` transfers it like any token;
 recomputes its own K, V for it with a 1-token forward.
 
 Every method (raw reuse, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full) is a Plan run
-by the one machinery in scdviz.scd.transfer. This module holds no tensors.
+by the one machinery in scdviz.scd.transfer. Every plan decision lives here: the method
+lineup, the calibration's operating point, rank allocation under a byte budget, the
+sweeps and the app's controls. This module runs no model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scdviz.scd.rrr import allocate_ranks
+
+if TYPE_CHECKING:
+    from scdviz.scd.calibrate import Calibration
 
 MODES = ("raw", "code", "patch", "recompute")
 SINKS = ("send", "recompute")
@@ -98,3 +106,123 @@ def contiguous_block(scores: list[float], k: int) -> list[int]:
     sums = [sum(scores[i : i + k]) for i in range(len(scores) - k + 1)]
     start = max(range(len(sums)), key=sums.__getitem__)
     return list(range(start, start + k))
+
+
+# ----------------------------------------------------------------------------- plans of a calibration
+
+
+def full_ranks(calib: Calibration) -> tuple[list[int], list[int]]:
+    """The largest stored rank of every layer's key and value code."""
+    return [c.max_rank for c in calib.key_codes], [c.max_rank for c in calib.value_codes]
+
+
+def full_rank_plan(calib: Calibration, patch_layers: list[int] = ()) -> Plan:
+    """SCD at full stored rank with the calibration's code precision (used while calibrating)."""
+    cfg = calib.config
+    return scd_plan(*full_ranks(calib), list(patch_layers), code_bits=cfg.code_bits, code_group=cfg.code_group)
+
+
+def code_dim_bytes(bits: int, group: int) -> float:
+    """Payload bytes per token of one code dimension (codes + its share of fp16 min/step)."""
+    return 2.0 if bits == 16 else bits / 8 + 4 / group
+
+
+def budget_ranks(calib: Calibration, budget_bytes: float, bits: int, group: int, patch_layers: list[int]) -> tuple[list[int], list[int]]:
+    """Per-layer ranks (rank_k, rank_v) whose codes fit ``budget_bytes`` per token with the patches."""
+    per_dim = code_dim_bytes(bits, group)
+    patch_dims = sum(calib.patch_for(layer).rank_h for layer in patch_layers)
+    total = int((budget_bytes - patch_dims * per_dim) / per_dim)
+    reuse = [i for i in range(calib.n_layers) if i not in set(patch_layers)]
+    codes = [calib.key_codes[i] for i in reuse] + [calib.value_codes[i] for i in reuse]
+    ranks = allocate_ranks(codes, total)
+    rank_k, rank_v = [0] * calib.n_layers, [0] * calib.n_layers
+    for j, i in enumerate(reuse):
+        rank_k[i], rank_v[i] = ranks[j], ranks[len(reuse) + j]
+    return rank_k, rank_v
+
+
+def operating_plan(
+    calib: Calibration,
+    patch_k: int | None = None,
+    placement: str = "selected",
+    budget_bytes: float | None = None,
+    bits: int | None = None,
+    name: str | None = None,
+) -> Plan:
+    """The SCD plan at the calibration's operating point, with any knob overridden.
+
+    placement: "selected" (patch_order, the configured selection) or "drift".
+    """
+    cfg = calib.config
+    order = calib.patch_order if placement == "selected" else calib.drift_order
+    k = min(cfg.op_patch_k, len(order)) if patch_k is None else patch_k
+    if k > len(order):
+        raise ValueError(f"this calibration orders {len(order)} patch layers; asked for {k}")
+    chosen = order[:k]
+    bits = cfg.code_bits if bits is None else bits
+    budget = cfg.budget_bytes if budget_bytes is None else budget_bytes
+    if budget is None:
+        rank_k, rank_v = full_ranks(calib)
+    else:
+        rank_k, rank_v = budget_ranks(calib, budget, bits, cfg.code_group, chosen)
+    return scd_plan(rank_k, rank_v, chosen, code_bits=bits, code_group=cfg.code_group, name=name)
+
+
+def lineup(calib: Calibration, scd_full: Plan | None = None) -> list[Plan]:
+    """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.
+
+    DroidSpeak recomputes the contiguous block of ``op_patch_k`` layers with the largest
+    ideal-patch gain, as many layers as SCD patches. scd_full: the SCD plan to compare
+    (default: the calibration's operating point).
+    """
+    n = calib.n_layers
+    scd_full = scd_full or operating_plan(calib)
+    reuse = operating_plan(calib, patch_k=0, name="SCD reuse-only")
+    block = contiguous_block(calib.ideal_gain, calib.config.op_patch_k)
+    return [raw_plan(n), raw_plan(n, bits=4), droidspeak_plan(n, block), reuse, scd_full]
+
+
+def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:
+    """SCD plans with k = 0..k_max patch layers, for the selected and the drift placement."""
+    k_max = min(k_max if k_max is not None else calib.config.patch_k, len(calib.patch_order), len(calib.drift_order))
+    out = []
+    for placement in ("selected", "drift"):
+        label = calib.config.selection if placement == "selected" else "drift"
+        out += [operating_plan(calib, k, placement, name=f"SCD k={k} ({label})") for k in range(k_max + 1)]
+    return out
+
+
+def rank_sweep(calib: Calibration, budgets: list[float]) -> list[Plan]:
+    """SCD full at several byte budgets per token (per-layer ranks allocated to each)."""
+    return [operating_plan(calib, budget_bytes=b, name=f"SCD full @{b:g} B/token") for b in budgets]
+
+
+def user_plan(
+    calib: Calibration,
+    patch_k: int | None = None,
+    placement: str = "selected",
+    bits: int | None = None,
+    rank_k: int | None = None,
+    rank_v: int | None = None,
+    layers: list[int] | None = None,
+) -> Plan:
+    """The SCD full plan from the app's controls.
+
+    placement: "selected" (the calibration's order), "drift", or "manual" (``layers``).
+    rank_k / rank_v: one rank for every layer (default: the operating point's ranks).
+    """
+    d_k, d_v = full_ranks(calib)
+    for what, r, full in (("key", rank_k, max(d_k)), ("value", rank_v, max(d_v))):
+        if r is not None and not 1 <= r <= full:
+            raise ValueError(f"{what} rank {r} is out of range: this calibration stores ranks 1..{full}")
+    if placement == "manual":
+        patch_layers = sorted(set(layers or []))
+        for layer in patch_layers:
+            calib.patch_for(layer)  # ValueError naming the layers that have aligners
+        base = operating_plan(calib, patch_k=0, bits=bits)
+    else:
+        base = operating_plan(calib, patch_k=patch_k, placement=placement, bits=bits)
+        patch_layers = base.layers_in("patch")
+    rk = [min(rank_k, d) for d in d_k] if rank_k else base.rank_k
+    rv = [min(rank_v, d) for d in d_v] if rank_v else base.rank_v
+    return scd_plan(rk, rv, patch_layers, code_bits=base.code_bits, code_group=base.code_group, name="SCD full")

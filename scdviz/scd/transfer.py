@@ -5,7 +5,7 @@ Every method is a Plan (scdviz.scd.plan) run by ``build_payload`` (producer side
 (scdviz.data.split_prompt): a transferred cache covers prompt[:-1] (T tokens); the consumer feeds the
 last prompt token, then the continuation. Timings are wall-clock seconds on this
 machine. Does not fit codes (scdviz.scd.calibrate) nor aggregate results
-(scdviz.scd.evaluate).
+(scdviz.scd.measure).
 
 Shapes: rows of a layer are tokens, columns are heads flattened: keys / values (T, Hkv*D),
 h_in / resid (T, d).

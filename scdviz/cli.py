@@ -1,0 +1,251 @@
+"""Command line: ``python -m scdviz <command> ...``; every flag comes from a config dataclass.
+
+Each command is a dataclass of its settings (model sources, output, and the method's own
+config, nested) plus a function that runs it. ``scdviz.config.add_arguments`` makes the
+flags, so defaults and help live in one place and ``--help`` shows both; lists are
+space-separated (``--budgets 2500 3800 5000``). Errors a user can fix are printed as one
+line (no traceback) with exit status 2. Bench commands write a scdviz.records.BenchRecord.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scdviz import config, records
+from scdviz.config import opt
+from scdviz.evict.compare import EvalConfig
+from scdviz.evict.trainer import TrainConfig
+from scdviz.finetune import FinetuneConfig
+from scdviz.scd.bench import ScdBenchConfig
+from scdviz.scd.calibrate import CalibConfig
+
+PRODUCER = "builtin:smollm2-135m"  # the built-in producer
+SOURCE_HELP = "model source: builtin:NAME, a local folder, or a hub id"
+
+
+@dataclass
+class PairInfo:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    eval: bool = opt(False, "also held-out perplexity and raw-reuse drift")
+    limit: int = opt(16, "held-out prompts per corpus")
+    prompt_len: int = opt(256, "prompt tokens")
+    cont_len: int = opt(32, "teacher-forced continuation tokens")
+    out: str | None = opt(None, "write the report as JSON")
+
+
+@dataclass
+class ModelCard:
+    name: str = opt(help="specialist folder under assets/adapters/", required=True)
+    limit: int = opt(16, "held-out prompts per corpus")
+
+
+@dataclass
+class Calibrate:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    out: str | None = opt(None, "output folder (default: assets/scd/<specialist> for built-ins)")
+    store_rank: int | None = opt(None, "store codes up to this rank only (smaller file)")
+    calib: CalibConfig = field(default_factory=CalibConfig)
+
+
+@dataclass
+class BenchScd:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumers: list[str] = opt([], "consumer sources (default: every built-in specialist)")
+    calibs: list[str] = opt([], "calibration folders, one per consumer (default: the shipped ones)")
+    out: str | None = opt(None, "write the benchmark record (JSON) here")
+    bench: ScdBenchConfig = field(default_factory=ScdBenchConfig)
+
+
+@dataclass
+class TrainPolicy:
+    model: str = opt(PRODUCER, f"{SOURCE_HELP}: the model whose caches are pruned")
+    resume: bool = opt(False, "continue the run in --out")
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(out=""))
+
+
+@dataclass
+class BenchEvict:
+    models: list[str] = opt([PRODUCER], "model sources; the first is the policies' own, the others test zero-shot transfer")
+    out: str | None = opt(None, "write the benchmark record (JSON) here")
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _app(_) -> None:
+    from scdviz.webapp import main
+
+    main()
+
+
+def _download(_) -> None:
+    from scdviz.models import builtin
+
+    print(builtin.producer_dir())
+
+
+def _prepare_text(_) -> None:
+    from scdviz import prepare_text
+
+    prepare_text.main()
+
+
+def _finetune(cfg: FinetuneConfig) -> None:
+    from scdviz.finetune import finetune
+    from scdviz.models.pair import choose_threads
+
+    print(f"torch threads: {choose_threads()}")
+    log = finetune(cfg)
+    print(f"done in {log['seconds']} s; loss {log['loss'][0]} -> {sum(log['loss'][-5:]) / 5:.3f} (mean of last 5)")
+
+
+def _pair_info(cmd: PairInfo) -> None:
+    import json
+
+    from scdviz import drift
+    from scdviz.models.pair import load_pair
+
+    pair = load_pair(cmd.producer, cmd.consumer)
+    print(drift.facts_table(pair))
+    print(f"loaded in {pair.load_seconds:.1f} s on {pair.device} ({pair.dtype})")
+    if cmd.eval:
+        report = drift.evaluate_pair(pair, n_prompts=cmd.limit, prompt_len=cmd.prompt_len, cont_len=cmd.cont_len)
+        print(drift.report_table(report))
+        if cmd.out:
+            Path(cmd.out).write_text(json.dumps(records.finite(report), indent=1))
+
+
+def _model_card(cmd: ModelCard) -> None:
+    from scdviz.modelcard import write_card
+
+    print(write_card(cmd.name, n_prompts=cmd.limit))
+
+
+def _calibrate(cmd: Calibrate) -> None:
+    from scdviz.models.pair import load_pair
+    from scdviz.scd import calibrate as cal
+
+    pair = load_pair(cmd.producer, cmd.consumer)
+    calib = cal.calibrate(pair, cmd.calib)
+    out = Path(cmd.out) if cmd.out else cal.shipped_folder(cmd.consumer)
+    cal.save(calib, out, cmd.store_rank)
+    print(f"patch order ({calib.config.selection}): {calib.patch_order}; drift order: {calib.drift_order}")
+    if calib.selection_kl:
+        print("selection KL after each added patch: " + ", ".join(f"{x:.4f}" for x in calib.selection_kl))
+    print(f"saved to {out} in {calib.stats['seconds_total']} s")
+
+
+def _bench_scd(cmd: BenchScd) -> None:
+    from scdviz.models import builtin
+    from scdviz.models.pair import load_pair
+    from scdviz.scd import bench
+    from scdviz.scd import calibrate as cal
+
+    consumers = cmd.consumers or [f"builtin:{s}" for s in builtin.specialists()]
+    if not consumers:
+        raise ValueError("no consumer given and no built-in specialist installed")
+    folders = cmd.calibs or [str(cal.shipped_folder(c)) for c in consumers]
+    if len(folders) != len(consumers):
+        raise ValueError("give one --calibs folder per --consumers source")
+    rows, device = [], ""
+    for consumer, folder in zip(consumers, folders):
+        pair = load_pair(cmd.producer, consumer)
+        device = str(pair.device)
+        report = bench.run(cmd.bench, pair, cal.load(folder, pair))
+        n = report.methods[0].n_prompts
+        print(f"\n== {report.specialist} ({n} prompts of {cmd.bench.prompt_len} tokens + {cmd.bench.cont_len}) ==")
+        print(report.table().to_string(index=False))
+        proj = [p for p in report.projection if p["model"] == "Mistral-7B" and p["gpu"] == bench.PROJECTION_GPU.name and p["link_gbps"] == 10]
+        print(f"analytic projection (not measured): {bench.PROJECTION_GPU.name}, {bench.PROJECTION_TOKENS} tokens, 10 Gbit/s, Mistral-7B: "
+              + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
+        rows += bench.rows(report)
+    _write(cmd, "scd", cmd.bench.seed, rows, device)
+
+
+def _train_policy(cmd: TrainPolicy) -> None:
+    from scdviz.evict.trainer import run_folder, train
+    from scdviz.models.pair import choose_threads, load_model
+
+    run_folder(cmd.train, cmd.resume)  # refuse a bad --out before loading a model
+    print(f"torch threads: {choose_threads()}")
+    model, tokenizer = load_model(cmd.model)
+    log = train(cmd.train, model, tokenizer, cmd.model, resume=cmd.resume)
+    best = min(log["val"], key=lambda v: v["kl"]) if log["val"] else None
+    print(f"done in {log['seconds']} s; heuristic val KL {log['val_heuristic']}; best val KL {best}")
+
+
+def _bench_evict(cmd: BenchEvict) -> None:
+    from scdviz.evict import compare
+    from scdviz.models import hf
+    from scdviz.models.pair import choose_threads, load_model
+
+    if not cmd.models:
+        raise ValueError("give at least one model source (--models)")
+    print(f"torch threads: {choose_threads()}")
+    models = {source: load_model(source) for source in dict.fromkeys(cmd.models)}
+    rows = compare.run(cmd.eval, models)
+    print(compare.table(rows))
+    _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])))
+
+
+def _write(cmd, kind: str, seed: int, rows: list[dict], device: str) -> None:
+    if cmd.out:
+        path = records.write(records.make(kind, config.to_dict(cmd), seed, rows, device), cmd.out)
+        print(f"wrote {len(rows)} rows to {path}")
+
+
+# name, help, settings dataclass (None: no flags), function
+COMMANDS = [
+    ("app", "start the web app (settings from SCDVIZ_* / GRADIO_SERVER_* variables)", None, _app),
+    ("download", "fetch and convert the built-in producer (first use)", None, _download),
+    ("pair-info", "print a pair's facts; --eval adds perplexity and drift", PairInfo, _pair_info),
+    ("finetune", "train a LoRA specialist on a shipped corpus", FinetuneConfig, _finetune),
+    ("model-card", "measure a built-in specialist and write its model card", ModelCard, _model_card),
+    ("prepare-text", "rebuild assets/text from Debian's text packages", None, _prepare_text),
+    ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
+    ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
+    ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
+    ("bench evict", "learned eviction vs kvpress baselines (KL, top-1, PPL, wins)", BenchEvict, _bench_evict),
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argparse tree of COMMANDS (``bench scd`` is the ``scd`` subcommand of ``bench``)."""
+    top = argparse.ArgumentParser(prog="python -m scdviz", description=__doc__.splitlines()[0])
+    sub = top.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for name, help_text, settings, fn in COMMANDS:
+        where = sub
+        if " " in name:
+            group, name = name.split(" ", 1)
+            if group not in groups:
+                groups[group] = sub.add_parser(group, help="benchmarks that print tables and write records").add_subparsers(
+                    dest=group, required=True)
+            where = groups[group]
+        p = where.add_parser(name, help=help_text, description=help_text)
+        if settings is not None:
+            config.add_arguments(p, settings)
+        p.set_defaults(fn=fn, settings=settings)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as done:  # --help, or a flag argparse refused (it printed why)
+        return int(done.code or 0)
+    from scdviz.models.pair import PairError
+
+    try:
+        cmd = config.from_args(args.settings, args) if args.settings is not None else None
+        args.fn(cmd)
+    except (PairError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,100 @@
+"""Benchmark records: one type for both benches, written as strict JSON.
+
+A ``BenchRecord`` is what ``python -m scdviz bench scd|evict --out FILE`` writes and what
+the Results tab opens: ``kind`` ("scd" or "evict") says which bench made it (nobody
+guesses from column names), ``settings`` are the full settings of the run (sources and
+config, as the CLI parsed them), ``seed`` the seed, ``versions`` the packages and device
+it ran on, ``rows`` the bench's rows. NaN and infinities become JSON null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+KINDS = ("scd", "evict")
+FORMAT = "scdviz-bench/1"
+_PACKAGES = ("torch", "transformers", "kvpress", "peft", "safetensors", "gradio")
+
+
+@dataclass
+class BenchRecord:
+    """One benchmark run."""
+
+    kind: str  # one of KINDS
+    settings: dict  # sources and config of the run
+    seed: int  # the seed the run set
+    rows: list[dict]  # the bench's rows
+    versions: dict = field(default_factory=dict)  # python, packages, scdviz, device
+    created: str = ""  # UTC time written
+    format: str = FORMAT  # layout of this file
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown bench kind {self.kind!r}; use one of {KINDS}")
+
+
+def versions(device: str = "") -> dict:
+    """Python, scdviz and package versions (None for a package not installed), and the device."""
+    from scdviz import __version__
+
+    out: dict = {"python": platform.python_version(), "scdviz": __version__, "device": device}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def finite(obj):
+    """NaN / inf -> None, tuples -> lists, recursively, so the JSON is strict."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (list, tuple)):
+        return [finite(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    return obj
+
+
+def make(kind: str, settings: dict, seed: int, rows: list[dict], device: str = "") -> BenchRecord:
+    """A record of a run just made (versions and time filled in)."""
+    return BenchRecord(kind, settings, seed, rows, versions(device), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def write(record: BenchRecord, path: str | Path) -> Path:
+    """Write strict JSON (no NaN)."""
+    path = Path(path)
+    path.write_text(json.dumps(finite(asdict(record)), indent=1, allow_nan=False))
+    return path
+
+
+def from_json(obj, name: str = "the file") -> BenchRecord:
+    """A record from parsed JSON; ValueError saying what is missing."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"{name} is not a scdviz benchmark record (expected a JSON object with format {FORMAT!r}, "
+                         "from `python -m scdviz bench ... --out FILE`)")
+    missing = [k for k in ("kind", "settings", "seed", "rows") if k not in obj]
+    if missing:
+        raise ValueError(f"{name}: benchmark record without {', '.join(missing)}")
+    rows = obj["rows"]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{name}: the record has no rows")
+    return BenchRecord(obj["kind"], obj["settings"], obj["seed"], rows, obj.get("versions") or {},
+                       obj.get("created", ""), obj["format"])
+
+
+def read(path: str | Path) -> BenchRecord:
+    """Read a record file; ValueError for a file that is not one."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path.name} is not a JSON file: {err}") from None
+    return from_json(obj, path.name)

@@ -1,0 +1,178 @@
+"""One house for both methods: configs make the CLI, one artefact format, one bench record type."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+
+import pytest
+import torch
+
+from scdviz import artefact, cli, config, records
+from scdviz.evict.compare import EvalConfig
+from scdviz.evict.policy import Policy, PolicyConfig
+from scdviz.evict.trainer import TrainConfig
+from scdviz.models.pair import PairError
+
+REQUIRED = {"finetune": ["--corpus", "jargon", "--out", "x"], "model-card": ["--name", "jargon"],
+            "train-policy": ["--out", "x"]}
+
+
+def _argv(name: str) -> list[str]:
+    return name.split() + REQUIRED.get(name, [])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in cli.COMMANDS if c[2] is not None])
+def test_cli_defaults_are_the_config_defaults(name):
+    """Parsing only the required flags gives exactly the dataclass defaults (one place for defaults)."""
+    settings = next(c[2] for c in cli.COMMANDS if c[0] == name)
+    args = cli.parser().parse_args(_argv(name))
+    got = config.from_args(settings, args)
+    required = {a.lstrip("-").replace("-", "_"): v for a, v in zip(REQUIRED.get(name, [])[::2], REQUIRED.get(name, [])[1::2])}
+    if name == "train-policy":
+        want = settings(train=TrainConfig(out="x"))
+    else:
+        want = settings(**required)
+    assert got == want
+
+
+def test_every_flag_has_help_with_its_default():
+    for name, _, settings, _ in cli.COMMANDS:
+        if settings is None:
+            continue
+        sub = cli.parser()._subparsers._group_actions[0].choices[name.split()[0]]
+        if " " in name:
+            sub = sub._subparsers._group_actions[0].choices[name.split()[1]]
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"{name} {action.option_strings} has no help"
+            if action.default not in (None, [], False) and not action.required:
+                assert "(default:" in action.help, f"{name} {action.option_strings} hides its default"
+
+
+def test_lists_are_space_separated_and_become_the_field_type():
+    args = cli.parser().parse_args(["bench", "evict", "--keeps", "0.5", "0.125", "--token-budgets", "96", "--modes",
+                                    "agnostic", "aware", "--no-qa"])
+    cmd = config.from_args(cli.BenchEvict, args)
+    assert cmd.eval.keeps == (0.5, 0.125) and cmd.eval.token_budgets == (96,)
+    assert cmd.eval.modes == ("agnostic", "aware") and cmd.eval.qa is False
+    args = cli.parser().parse_args(["train-policy", "--out", "r", "--no-per-head", "--window", "64"])
+    assert config.from_args(cli.TrainPolicy, args).train.policy == PolicyConfig(per_head=False, window=64)
+
+
+def test_config_without_help_is_refused():
+    import argparse
+    from dataclasses import dataclass
+
+    @dataclass
+    class Bare:
+        x: int = 1
+
+    with pytest.raises(TypeError, match="Bare.x has no help"):
+        config.add_arguments(argparse.ArgumentParser(), Bare)
+
+
+def test_saved_config_is_read_tolerantly():
+    saved = config.to_dict(EvalConfig(limit=3, keeps=(0.5,)))
+    saved.pop("cont_len")
+    saved["renamed_knob"] = 7
+    cfg, unknown = config.from_dict(EvalConfig, saved)
+    assert cfg == EvalConfig(limit=3, keeps=(0.5,)) and unknown == ["renamed_knob"]
+    nested, unknown = config.from_dict(TrainConfig, {"out": "o", "policy": {"window": 9, "gone": 1}})
+    assert nested.policy.window == 9 and unknown == ["policy.gone"]
+    with pytest.raises(ValueError, match="expected a mapping"):
+        config.from_dict(EvalConfig, [1, 2])
+
+
+# ----------------------------------------------------------------------------- artefacts
+
+
+def test_artefact_round_trip_and_refusals(tmp_path):
+    policy = Policy(PolicyConfig(hidden=4, window=7))
+    policy.identity = {"model_source": "tiny", "model_fingerprint": "abc"}
+    path = policy.save(tmp_path / "p.safetensors", meta={"steps": 3})
+    back = Policy.load(path)
+    assert back.config == policy.config and back.identity == policy.identity and back.meta == {"steps": 3}
+    for a, b in zip(back.state_dict().values(), policy.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="holds a distillcache policy, not a scd calibration"):
+        artefact.load(path, "scd-calibration")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="has no scdviz header"):
+        Policy.load(tmp_path / "plain.safetensors")
+    header = {"kind": "distillcache-policy", "version": 1, "identity": {}, "config": {}, "meta": {}}
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "old.safetensors"), metadata={"scdviz": json.dumps(header)})
+    with pytest.raises(ValueError, match="of format 1; this scdviz reads format 2"):
+        Policy.load(tmp_path / "old.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x01" * 40)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        Policy.load(tmp_path / "junk.safetensors")
+    wrong = Policy(PolicyConfig(hidden=5, window=7))
+    artefact.save(tmp_path / "w.safetensors", "distillcache-policy", wrong.state_dict(), {}, config.to_dict(policy.config))
+    with pytest.raises(ValueError, match="weights do not fit its config"):
+        Policy.load(tmp_path / "w.safetensors")
+
+
+def test_identity_check_names_what_differs():
+    saved = {"a_source": "p", "fp": "1", "tok": "t"}
+    artefact.check_identity(saved, dict(saved), {"fp": "weights"}, "x", str, "fix")
+    with pytest.raises(PairError, match="(?s)x was made for .*weights: saved '1', loaded '2'.*fix"):
+        artefact.check_identity(saved, saved | {"fp": "2"}, {"fp": "weights", "tok": "tokenizer"}, "x", str, "fix")
+
+
+# ----------------------------------------------------------------------------- bench records
+
+
+def _strict(text: str):
+    def bad(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=bad)
+
+
+def test_record_is_strict_json_with_settings_versions_and_seed(tmp_path):
+    cmd = cli.BenchEvict(eval=EvalConfig(limit=4, keeps=(0.25,)), out=str(tmp_path / "r.json"))
+    rows = [{"method": "m", "kl": float("nan"), "se": math.inf, "steps": (1.0, float("-inf"))}]
+    rec = records.make("evict", config.to_dict(cmd), 5, rows, "cpu")
+    path = records.write(rec, tmp_path / "r.json")
+    obj = _strict(path.read_text())
+    assert obj["rows"][0] == {"method": "m", "kl": None, "se": None, "steps": [1.0, None]}
+    assert obj["kind"] == "evict" and obj["seed"] == 5 and obj["versions"]["device"] == "cpu"
+    assert obj["versions"]["torch"] == torch.__version__ and obj["created"]
+    back = records.read(path)
+    again, unknown = config.from_dict(cli.BenchEvict, back.settings)
+    assert again == cmd and unknown == []  # the record says how to run it again
+    with pytest.raises(ValueError, match="unknown bench kind"):
+        records.BenchRecord("speed", {}, 0, rows)
+
+
+def test_shipped_records_and_artefacts_are_current():
+    """Every shipped bench file is a record of its kind; every shipped artefact loads in this format."""
+    from scdviz import settings
+    from scdviz.scd import calibrate as cal
+
+    for path in [*settings.ASSETS_DIR.glob("scd/*/bench.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
+        rec = records.read(path)
+        assert rec.kind == ("scd" if "scd" in path.parts else "evict"), path
+        settings_cls = cli.BenchScd if rec.kind == "scd" else cli.BenchEvict
+        assert config.from_dict(settings_cls, rec.settings)[1] == [], path
+    for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
+        assert Policy.load(path).identity["model_source"] == "builtin:smollm2-135m"
+    for folder in settings.ASSETS_DIR.glob("scd/*/"):
+        art = artefact.load(folder / cal.FILE, cal.KIND)
+        assert art.identity["consumer_source"] == f"builtin:{folder.name}"
+        assert config.from_dict(cal.CalibConfig, art.config)[1] == []
+
+
+def test_configs_have_help_on_every_field():
+    from scdviz.finetune import FinetuneConfig
+    from scdviz.scd.bench import ScdBenchConfig
+    from scdviz.scd.calibrate import CalibConfig
+
+    for cls in (EvalConfig, TrainConfig, PolicyConfig, FinetuneConfig, ScdBenchConfig, CalibConfig):
+        for f in fields(cls):
+            assert f.metadata.get("help") or f.name == "policy", f"{cls.__name__}.{f.name}"
