@@ -9,18 +9,126 @@ import torch
 
 from scdviz import data, service
 
+SHIPPED = {"jargon", "bible", "gcide", "austen", "handbook", "manpages"}
+MIN_CHARS = {"train": 300_000, "calib": 100_000, "eval": 100_000}
+# Independent checks use software-licence texts and Python documentation, so no shipped split may
+# contain either; these phrases occur in licence texts / Python docs, not in ordinary prose about them.
+FORBIDDEN = (
+    "GNU General Public License",
+    "GNU Free Documentation License",
+    "Permission is hereby granted",
+    "Permission is granted to copy",
+    "THE SOFTWARE IS PROVIDED",
+    "Redistribution and use in source and binary forms",
+    "WITHOUT ANY WARRANTY",
+    "MERCHANTABILITY",
+    "This program is free software",
+    "SPDX-License-Identifier",
+    ">>> import",
+    "Python Software Foundation",
+    "docs.python.org",
+)
 
-def test_shipped_splits_exist_never_overlap_and_fit_the_budget():
-    assert set(data.corpora()) >= {"jargon", "bible"}
-    total = 0
-    for corpus in data.corpora():
-        splits = {s: set(data.load_split(corpus, s)) for s in data.SPLITS}
-        assert all(len(p) > 10 for p in splits.values())
-        assert not splits["train"] & splits["calib"]
-        assert not splits["train"] & splits["eval"]
-        assert not splits["calib"] & splits["eval"]
-        total += sum(data.split_path(corpus, s).stat().st_size for s in data.SPLITS)
-    assert total <= 3 * 1024 * 1024
+
+def split_problems(folder) -> list[str]:
+    """What is wrong with the train/calib/eval files in ``folder`` (empty when nothing is)."""
+    problems, passages = [], {}
+    for split in data.SPLITS:
+        path = folder / f"{split}.txt"
+        text = path.read_text(encoding="utf-8")
+        if len(text) < MIN_CHARS[split]:
+            problems.append(f"{split}: {len(text)} characters < {MIN_CHARS[split]}")
+        passages[split] = data.read_passages(path)
+        if len(set(passages[split])) != len(passages[split]):
+            problems.append(f"{split}: a passage occurs twice")
+        folded = text.casefold()
+        problems += [f"{split}: contains {m!r}" for m in FORBIDDEN if m.casefold() in folded]
+    for a, b in (("train", "calib"), ("train", "eval"), ("calib", "eval")):
+        if set(passages[a]) & set(passages[b]):
+            problems.append(f"{a} and {b} share a passage")
+    return problems
+
+
+def test_shipped_corpora_exist_and_fit_the_budget():
+    assert set(data.corpora()) >= SHIPPED
+    total = sum(data.split_path(c, s).stat().st_size for c in data.corpora() for s in data.SPLITS)
+    assert total <= 6 * 1024 * 1024
+
+
+@pytest.mark.parametrize("corpus", sorted(SHIPPED))
+def test_shipped_splits_are_disjoint_big_enough_and_clean(corpus):
+    assert split_problems(data.TEXT_DIR / corpus) == []
+    lengths = sorted(len(p) for s in data.SPLITS for p in data.load_split(corpus, s))
+    assert 500 <= lengths[len(lengths) // 2] <= 5000  # passages of a useful size, not lines or books
+
+
+def test_split_checks_catch_overlap_size_duplicates_and_licence_text(tmp_path):
+    shared = "A passage that is in two splits."
+    (tmp_path / "train.txt").write_text(shared + "\n\n" + "x" * 300_000 + "\n")
+    (tmp_path / "calib.txt").write_text(shared + "\n\n" + "y" * 100_000 + "\n")
+    (tmp_path / "eval.txt").write_text("z" * 100_000 + '\n\nTHE SOFTWARE IS PROVIDED "AS IS"\n\n>>> import os\n')
+    assert split_problems(tmp_path) == [
+        "eval: contains 'THE SOFTWARE IS PROVIDED'",
+        "eval: contains '>>> import'",
+        "train and calib share a passage",
+    ]
+    (tmp_path / "calib.txt").write_text("y" * 60_000 + "\n\n" + "y" * 60_000 + "\n")
+    (tmp_path / "eval.txt").write_text("z" * 50_000 + "\n")
+    assert split_problems(tmp_path) == ["calib: a passage occurs twice", "eval: 50001 characters < 100000"]
+    (tmp_path / "eval.txt").write_text("Python Software Foundation\n")
+    assert "eval: contains 'Python Software Foundation'" in split_problems(tmp_path)
+
+
+def test_prepare_text_cleaning_helpers():
+    from scdviz import prepare_text as pt
+
+    entry = "Coak \\Coak\\ (k[=o]k), n. [F. caf['e].]\n   See {Coke}, n. [Obs.]\n   [1913 Webster] Coal\n"
+    assert pt._gcide_clean(entry) == "Coak, n. [F. café.] See Coke, n. [Obs.]"
+    long = " ".join(f'"Sentence {i}," said she.' for i in range(300))
+    pieces = pt._split_long(long)
+    assert " ".join(pieces) == long and all(len(p) <= 1500 for p in pieces)
+    kept = pt._drop_boilerplate(["Prose.", "This program is distributed WITHOUT ANY WARRANTY.", ">>> import os"])
+    assert kept == ["Prose."]
+    assert pt._join_rows(["  are Linux-", "  specific and", "  x -", "  y"]) == "are Linux-specific and x - y"
+    page = "\n".join(
+        [
+            "read(2)   System Calls Manual   read(2)",
+            "NAME",
+            "       read - read from a file descriptor",
+            "",
+            "LIBRARY",
+            "       Standard C library",
+            "",
+            "SYNOPSIS",
+            "       #include <unistd.h>",
+            "",
+            "       ssize_t read(int fd, void *buf, size_t count);",
+            "",
+            "ERRORS",
+            "       EBADF  fd is not a valid",
+            "              file descriptor.",
+            "",
+            "SEE ALSO",
+            "       write(2)",
+            "",
+            "Linux man-pages 6.03  read(2)",
+        ]
+    )
+    seen: set[str] = set()
+    assert pt._manpage_paragraphs(page, seen) == [
+        "NAME",
+        "read - read from a file descriptor",
+        "SYNOPSIS",
+        "#include <unistd.h>",
+        "ssize_t read(int fd, void *buf, size_t count);",
+        "ERRORS",
+        "EBADF fd is not a valid file descriptor.",
+    ]
+    assert pt._manpage_paragraphs(page, seen) == [
+        "SYNOPSIS",
+        "#include <unistd.h>",
+        "ssize_t read(int fd, void *buf, size_t count);",
+    ]
 
 
 def test_read_passages_txt_and_jsonl(tmp_path):
