@@ -153,18 +153,27 @@ def _bench_scd(cmd: BenchScd) -> None:
     folders = cmd.calibs or [str(cal.shipped_folder(c)) for c in consumers]
     if len(folders) != len(consumers):
         raise ValueError("give one --calibs folder per --consumers source")
-    rows, device = [], ""
+    rows, device, reports = [], "", []
     for consumer, folder in zip(consumers, folders):
         pair = load_pair(cmd.producer, consumer)
         device = str(pair.device)
-        report = bench.run(cmd.bench, pair, cal.load(folder, pair))
-        n = report.methods[0].n_prompts
-        print(f"\n== {report.specialist} ({n} prompts of {cmd.bench.prompt_len} tokens + {cmd.bench.cont_len}) ==")
-        print(report.table().to_string(index=False))
-        proj = [p for p in report.projection if p["model"] == "Mistral-7B" and p["gpu"] == bench.PROJECTION_GPU.name and p["link_gbps"] == 10]
-        print(f"analytic projection (not measured): {bench.PROJECTION_GPU.name}, {bench.PROJECTION_TOKENS} tokens, 10 Gbit/s, Mistral-7B: "
-              + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
-        rows += bench.rows(report)
+        for report in bench.run(cmd.bench, pair, cal.load(folder, pair)):
+            n = report.methods[0].n_prompts
+            seen = "held out of" if report.domain not in report.calibrated_on else "in"
+            print(f"\n== {report.specialist} on {report.domain} ({seen} the calibration's domains; {n} prompts of "
+                  f"{cmd.bench.prompt_len} tokens + {cmd.bench.cont_len}) ==")
+            print(report.table().to_string(index=False))
+            proj = [p for p in report.projection if p["model"] == "Mistral-7B" and p["gpu"] == bench.PROJECTION_GPU.name and p["link_gbps"] == 10]
+            print(f"analytic projection (not measured): {bench.PROJECTION_GPU.name}, {bench.PROJECTION_TOKENS} tokens, 10 Gbit/s, "
+                  "Mistral-7B: " + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
+            rows += bench.rows(report)
+            reports.append(report)
+    print("\n== per domain: raw reuse vs SCD full, same token-0 handling (ratio_ci: paired bootstrap over prompts) ==")
+    print(bench.domain_table(reports).to_string(index=False))
+    qa_rows = bench.qa_table(reports)
+    if len(qa_rows):
+        print(f"\n== context-QA token-F1, {qa_rows['items'].iloc[0]} items pooled over the reports (95% bootstrap) ==")
+        print(qa_rows.to_string(index=False))
     _write(cmd, "scd", cmd.bench.seed, rows, device)
 
 

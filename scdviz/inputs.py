@@ -47,6 +47,14 @@ def choice(value, field: str, options) -> str:
     return str(value)
 
 
+def choices(values, field: str, options, at_least: int = 1) -> list[str]:
+    """Several of ``options`` (a list, or one string), at least ``at_least``, without repeats."""
+    values = [values] if isinstance(values, str) else list(values or [])
+    if len(values) < at_least:
+        raise UserError(f"{field}: choose at least {at_least}")
+    return list(dict.fromkeys(choice(v, field, options) for v in values))
+
+
 def flag(value, field: str) -> bool:
     """A checkbox value: True/False (also 0/1 and 'true'/'false' from API clients)."""
     if isinstance(value, bool):

@@ -54,3 +54,33 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     if t.numel() < 2:
         return float(t.mean()) if t.numel() else float("nan"), float("nan")
     return float(t.mean()), float(t.std(unbiased=True) / math.sqrt(t.numel()))
+
+
+def paired_bootstrap(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """Mean of b − a over paired items with a percentile bootstrap interval (items resampled together).
+
+    Also the ratio of means mean(b) / mean(a) with its interval from the same resamples.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired bootstrap needs two equally long non-empty lists, got {len(a)} and {len(b)}")
+    x = torch.tensor(a, dtype=torch.float64)
+    y = torch.tensor(b, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(a), (n_boot, len(a)), generator=gen)
+    diff = (y[idx] - x[idx]).mean(1)
+    ratio = y[idx].mean(1) / x[idx].mean(1).clamp_min(1e-30)
+    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
+    q = torch.tensor([lo, hi], dtype=torch.float64)
+    return {"diff": float((y - x).mean()), "diff_ci": [float(v) for v in diff.quantile(q)],
+            "ratio": float(y.mean() / x.mean().clamp_min(1e-30)), "ratio_ci": [float(v) for v in ratio.quantile(q)],
+            "n": len(a)}
+
+
+def bootstrap_mean(values: list[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """Mean with a percentile bootstrap interval over the items."""
+    if not values:
+        raise ValueError("bootstrap of an empty list")
+    x = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(0, len(values), (n_boot, len(values)), generator=torch.Generator().manual_seed(seed))
+    q = torch.tensor([(1 - level) / 2, 1 - (1 - level) / 2], dtype=torch.float64)
+    return {"mean": float(x.mean()), "ci": [float(v) for v in x[idx].mean(1).quantile(q)], "n": len(values)}

@@ -139,6 +139,19 @@ CODE_BITS = (4, 8, 16)  # code precisions the SCD controls offer (calibration an
 PLACEMENTS = ("selected", "drift", "manual")
 
 
+def calibration_summary(calib) -> str:
+    """One line on what a calibration saw and chose: domains, shrinkage, identity codes, patches."""
+    st = calib.stats
+    domains = st.get("domains") or ["one text"]
+    parts = [f"Calibrated on {len(domains)} domain{'s' if len(domains) > 1 else ''}: {', '.join(domains)}."]
+    if "shrink" in st:
+        parts.append(f"REUSE maps shrunk toward identity by {st['shrink']:g} (chosen on held-out domains); identity "
+                     f"code on {len(st.get('identity_k', []))} K and {len(st.get('identity_v', []))} V layers.")
+    gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]]
+    parts.append(f"Patch order {calib.patch_order}" + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))
+    return " ".join(parts)
+
+
 def get_calibration(pair: Pair, session: Session | None = None):
     """The pair's SCD calibration: the one this session made or loaded, else the shipped one."""
     from scdviz.scd import calibrate as cal
@@ -218,7 +231,7 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
     info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. SCD full patches layers "
             f"{plan.layers_in('patch') or 'none'} with {bits}-bit codes. Consumer {pair.consumer_source}; "
-            f"{'your calibration' if mine else 'the shipped calibration'}.")
+            f"{'your calibration' if mine else 'the shipped calibration'}. {calibration_summary(calib)}")
     return {"info": info, "table": table, "texts": texts, "figures": figures}
 
 
@@ -276,18 +289,18 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
 # ----------------------------------------------------------------------------- calibrate / train tab
 
 
-def calibrate_for(pair: Pair, session: Session, corpus: str, n_fit: int, op_k: int, bits: int,
+def calibrate_for(pair: Pair, session: Session, domains, n_fit: int, op_k: int, bits: int,
                   name: str) -> tuple[object, Path]:
-    """Calibrate SCD for a loaded pair on a shipped corpus, save it in a new run folder, and
-    make it this session's calibration for the pair (no one else's changes)."""
+    """Calibrate SCD for a loaded pair on a mixture of shipped corpora, save it in a new run
+    folder, and make it this session's calibration for the pair (no one else's changes)."""
     from scdviz.scd import calibrate as cal
 
-    corpus = inputs.choice(corpus, "Calibration corpus", data.corpora())
+    domains = inputs.choices(domains, "Calibration domains", data.corpora())
     n_fit = inputs.integer(n_fit, "Windows for the fits", 4, 64)
     op_k = inputs.integer(op_k, "Patch layers at the operating point", 0, 6)
     bits = _code_bits(bits, "Code bits")
     folder = session.new_run(name)
-    cfg = cal.CalibConfig(corpus=corpus, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
+    cfg = cal.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
                           patch_k=max(op_k, 2))
     calib = cal.calibrate(pair, cfg)
     cal.save(calib, folder)

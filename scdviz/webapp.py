@@ -114,13 +114,13 @@ def evict_run(key, sess, context, question, aware, unit, budget, which, method):
 
 
 @gpu("calibrate")
-def calibrate(key, sess, corpus, n_fit, op_k, bits, name, page=None):
+def calibrate(key, sess, domains, n_fit, op_k, bits, name, page=None):
     from scdviz import plots
 
     sess = _session(sess, page)
-    calib, folder = service.calibrate_for(_pair(key), sess, corpus, n_fit, op_k, bits, name)
+    calib, folder = service.calibrate_for(_pair(key), sess, domains, n_fit, op_k, bits, name)
     md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(folder)}`; the SCD tab "
-          f"now uses it for you (other visitors keep theirs). Patch order: {calib.patch_order}.")
+          f"now uses it for you (other visitors keep theirs). {service.calibration_summary(calib)}")
     return md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
 
 

@@ -27,7 +27,7 @@ CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches fro
 SCD = dict(text=None, cont=32, gen=8, bits=4, rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
            gbps=10, latency=0.5, fan=False)
 EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer", method="distillcache-head")
-CAL = dict(corpus="jargon", n_fit=16, op_k=2, bits=4, name="bad-input-run")
+CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits=4, name="bad-input-run")
 TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
 
 
@@ -125,7 +125,8 @@ ROWS = [
     ("both", ev(aware="maybe"), "Question-aware must be true or false"),
     # ---- calibrate / train tab
     ("nopair", cal(), "load a pair first"),
-    ("both", cal(corpus="nope"), "nope"),
+    ("both", cal(domains=["nope"]), "nope"),
+    ("both", cal(domains=[]), "choose at least 1"),
     ("both", cal(n_fit=1), "is less than minimum value"),
     ("both", cal(n_fit="abc"), "Expected a `float`"),
     ("both", cal(op_k=9), "is greater than maximum value"),

@@ -337,7 +337,7 @@ def test_decode_eviction_interval_bounds_the_cache(eager_tiny):
 
 
 def test_qa_item_quotes_the_context_and_answers_with_its_next_tokens():
-    from scdviz.evict import qa
+    from scdviz import qa
 
     class Tok:
         def __call__(self, text, add_special_tokens=False):
@@ -354,7 +354,7 @@ def test_qa_item_quotes_the_context_and_answers_with_its_next_tokens():
 
 def test_qa_answer_from_full_cache_of_a_repeating_model(tiny):
     """A cache that reproduces the model's own continuation answers its own question correctly."""
-    from scdviz.evict import qa
+    from scdviz import qa
     from scdviz.models import hf
 
     ctx = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))

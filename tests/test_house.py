@@ -157,7 +157,7 @@ def test_shipped_records_and_artefacts_are_current():
 
     for path in [*settings.ASSETS_DIR.glob("scd/*/bench.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
         rec = records.read(path)
-        assert rec.kind == ("scd" if "scd" in path.parts else "evict"), path
+        assert rec.kind == ("scd" if path.relative_to(settings.ASSETS_DIR).parts[0] == "scd" else "evict"), path
         settings_cls = cli.BenchScd if rec.kind == "scd" else cli.BenchEvict
         assert config.from_dict(settings_cls, rec.settings)[1] == [], path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):

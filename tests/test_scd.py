@@ -10,7 +10,7 @@ from scdviz import metrics
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, facts_of
 from scdviz.scd import calibrate as cal
-from scdviz.scd import measure, payload, quant, transfer
+from scdviz.scd import measure, payload, quant, rrr, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.patch import Aligner, Patch
 from scdviz.scd.rrr import allocate_ranks, fit_rrr
@@ -224,13 +224,20 @@ def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
 def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pair, tiny_calib):
     from scdviz.scd import bench
 
-    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,), progress=False)
+    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,),
+                         progress=False, sent_rows=True)
     recs = bench.rows(report)
     measured = [r for r in recs if r.get("row") == "measured"]
     need = {"specialist", "method", "payload_bytes_per_token", "compression_vs_fp16", "kl", "top1", "ppl", "ppl_oracle",
             "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
     assert all(need <= set(r) for r in measured)
-    assert {r["group"] for r in measured} == {"method", "patch sweep", "rank sweep"}
+    assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "rank sweep"}
+    assert all(p.sink == "recompute" for p in report.plans.values())  # every method treats token 0 alike
+    sent = [r for r in measured if r["group"] == "token 0"]
+    assert len(sent) == len(report.plans) and all(r["method"].endswith(plans.SENT) for r in sent)
+    for r in measured:
+        if r["group"] == "DroidSpeak sweep":
+            assert r["modes"].count("recompute") == int(r["method"].split("k=")[1])
     proj = [r for r in recs if r.get("row") == "projection"]
     assert {r["model"] for r in proj} == {"Mistral-7B", "Llama-3-8B", "Qwen-32B"}
     assert all(r["label"].startswith("analytic projection") for r in proj)
@@ -248,11 +255,128 @@ def test_link_time_and_projection_follow_bytes():
     assert b["speedup"] > a["speedup"] and a["oracle_ttft_s"] == b["oracle_ttft_s"]
 
 
-def test_rank_spectra_table_starts_at_full_error_and_never_rises(tiny_calib):
+def test_rank_spectra_start_at_full_error_and_each_rank_helps_less(tiny_calib):
+    """Directions are ordered by their gain, so the drops of the fit error never grow with rank."""
     df = measure.spectra(tiny_calib)
     d_kv = 2 * 8
     assert len(df) == 2 * 3 * (d_kv + 1)
     assert (df[df["rank"] == 0]["fit_err"] == 1.0).all()
     for _, g in df.groupby(["layer", "kind"]):
         errs = g.sort_values("rank")["fit_err"].tolist()
-        assert all(b <= a + 1e-6 for a, b in zip(errs, errs[1:]))
+        drops = [a - b for a, b in zip(errs, errs[1:])]
+        assert all(d2 <= d1 + 1e-6 for d1, d2 in zip(drops, drops[1:]))
+
+
+def _shifted_domains(seed: int = 0, n: int = 400, d: int = 12):
+    """Producer rows of two domains (different input statistics) and a consumer that is the
+    producer plus a small linear change plus noise: a map fitted on one domain overfits it."""
+    gen = torch.Generator().manual_seed(seed)
+    change = torch.eye(d) + 0.05 * torch.randn(d, d, generator=gen)
+    out = []
+    for scale in (torch.linspace(0.2, 3, d), torch.linspace(3, 0.2, d)):
+        x = torch.randn(n, d, generator=gen) * scale
+        out.append((x, x @ change + 0.5 * torch.randn(n, d, generator=gen)))
+    return out
+
+
+def test_heldout_error_is_the_direct_error_and_shrinkage_reaches_identity():
+    (xa, ya), (xb, yb) = _shifted_domains()
+    a, b = rrr.RRRStats(12, 12), rrr.RRRStats(12, 12)
+    a.add(xa, ya)
+    b.add(xb, yb)
+    for shrink in (0.0, 0.3, float("inf")):
+        mu_x, mu_y, m = a.full_map(1e-3, shrink)
+        direct = (((xb.double() - mu_x) @ m + mu_y - yb.double()) ** 2).sum() / ((yb.double() - yb.double().mean(0)) ** 2).sum()
+        assert b.heldout_error(mu_x, mu_y, m) == pytest.approx(float(direct), rel=1e-9)
+    assert torch.equal(a.full_map(1e-3, float("inf"))[2], torch.eye(12, dtype=torch.float64))
+    assert torch.allclose(a.full_map(1e-3, 1e9)[2], torch.eye(12, dtype=torch.float64), atol=1e-6)
+    both = a + b
+    ref = rrr.RRRStats(12, 12)
+    ref.add(torch.cat([xa, xb]), torch.cat([ya, yb]))
+    assert torch.allclose(both.sxx, ref.sxx) and torch.allclose(both.sxy, ref.sxy) and both.n == ref.n
+
+
+def test_shrinkage_toward_identity_lowers_error_on_the_other_domain():
+    """Fitted on few rows of one domain, the plain map overfits; some shrinkage does better on the other."""
+    (xa, ya), (xb, yb) = _shifted_domains(n=30)
+    a, b = rrr.RRRStats(12, 12), rrr.RRRStats(12, 12)
+    a.add(xa, ya)
+    b.add(xb, yb)
+    errs = {s: b.heldout_error(*a.full_map(1e-3, s)) for s in (0.0, 0.1, 1.0)}
+    assert min(errs[0.1], errs[1.0]) < errs[0.0]
+
+
+def test_calibration_chooses_shrinkage_by_held_out_folds(tiny_calib):
+    stats = tiny_calib.stats
+    table = {float(k): v for k, v in stats["shrink_lodo_error"].items()}
+    assert stats["shrink"] == min(table, key=table.get)
+    assert set(table) == set(tiny_calib.config.shrink_grid) and stats["domains"] == ["texts"]
+    for layer in stats["identity_k"]:  # an identity code at full rank is the producer's key plus a mean shift
+        code = tiny_calib.key_codes[layer]
+        torch.testing.assert_close(code.enc @ code.dec, torch.eye(code.enc.shape[0]), atol=1e-4, rtol=0)
+
+
+def test_paired_bootstrap_intervals_are_exact_on_exact_relations():
+    from scdviz import metrics
+
+    a = [0.1, 0.4, 0.2, 0.9, 0.3]
+    same = metrics.paired_bootstrap(a, a)
+    assert same["diff"] == 0 and same["diff_ci"] == [0.0, 0.0] and same["ratio_ci"] == pytest.approx([1.0, 1.0])
+    double = metrics.paired_bootstrap(a, [2 * x for x in a])
+    assert double["ratio"] == pytest.approx(2.0) and double["ratio_ci"] == pytest.approx([2.0, 2.0])
+    noisy = metrics.paired_bootstrap(a, [x + d for x, d in zip(a, (0.5, -0.4, 0.3, -0.2, 0.1))])
+    assert noisy["diff_ci"][0] < noisy["diff"] < noisy["diff_ci"][1]
+    with pytest.raises(ValueError, match="equally long"):
+        metrics.paired_bootstrap(a, a[:2])
+
+
+def test_kivi_window_sends_the_recent_tokens_exactly(tiny_pair):
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, 3), 8)
+    plain, kivi = plans.raw_plan(3, bits=4), plans.raw_plan(3, bits=4, window=8)
+    n = case.state.ids.shape[1] - 1  # token 0 recomputed
+    d = case.state.keys[0].shape[1]
+    grown = len(transfer.build_payload(case.state, kivi)) - len(transfer.build_payload(case.state, plain))
+    saved = sum(payload.section_len(n, d, 4, 32, ax) - payload.section_len(n - 8, d, 4, 32, ax) for ax in ("channel", "token"))
+    assert grown == 3 * (2 * (payload.SECTION.size + 8 * d * 2) - saved)  # per layer: two fp16 sections, shorter int4 ones
+    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, kivi), kivi)
+    keys, values = hf.cache_kv(got.cache)
+    for layer in range(3):
+        sent = case.state.keys[layer][-8:].half().float()
+        torch.testing.assert_close(keys[layer][0].transpose(0, 1).flatten(1)[-8:].float(), sent)
+
+
+def test_context_qa_items_quote_the_prompt_and_raw_reuse_of_the_same_model_answers_like_the_oracle():
+    from scdviz import qa
+
+    same = make_pair(tiny_model("llama"), tiny_model("llama"))
+    windows = [_window(48, s) for s in range(3)]
+    cases = measure.prepare_cases(same, windows, 8, progress=False, qa_answer_len=4)
+    for w, case in zip(windows, cases):
+        prompt, item = w[:-8], case.qa_item
+        cue = item.question[-qa.CUE:]
+        starts = [i for i in range(len(prompt)) if prompt[i : i + qa.CUE] == cue]
+        assert item.question[0] == prompt[-1] and item.answer == prompt[starts[0] + qa.CUE : starts[0] + qa.CUE + 4]
+    oracle, _ = measure.oracle_result(same, cases, 0)
+    raw = measure.run_plan_on_cases(same, cases, plans.raw_plan(3), None)
+    assert len(raw.qa_f1) == 3 and raw.qa_f1 == oracle.qa_f1
+    assert "qa_f1" in measure.table([oracle, raw]).columns
+
+
+def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that_never_saw_it(tiny_pair):
+    from scdviz.scd import bench
+
+    cfg = small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2)
+    calib = cal.calibrate(tiny_pair, cfg, progress=False)
+    assert calib.stats["domains"] == ["jargon", "bible"]
+    run = bench.ScdBenchConfig(lodo=True, limit=2, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=3)
+    reports = bench.run(run, tiny_pair, calib, progress=False)
+    assert [r.domain for r in reports] == ["jargon", "bible"]
+    assert [r.calibrated_on for r in reports] == [["bible"], ["jargon"]]
+    table = bench.domain_table(reports)
+    assert table["held_out"].all() and list(table["domain"]) == ["jargon", "bible"]
+    assert (table["n"] == 2).all() and table["ratio_ci"].str.startswith("[").all()
+    qa_rows = bench.qa_table(reports)
+    assert set(qa_rows["items"]) == {4} and "SCD full" in set(qa_rows["method"])
+    with pytest.raises(ValueError, match="needs a calibration of 2\\+ domains"):
+        bench.run(run, tiny_pair, cal.calibrate(tiny_pair, small_cfg(None, domains=["bible"], n_fit=4, n_select=2),
+                                                progress=False), progress=False)

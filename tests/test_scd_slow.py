@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def quick_calib(builtin_pair):
-    cfg = cal.CalibConfig(corpus="jargon", n_fit=8, n_select=2, aligner_steps=30, n_candidates=2, patch_k=1, op_patch_k=1)
+    cfg = cal.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2, patch_k=1, op_patch_k=1)
     return cal.calibrate(builtin_pair, cfg, progress=False)
 
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from scdviz import metrics, settings
+from scdviz import metrics, qa, settings
 from scdviz.config import opt
-from scdviz.evict import qa
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
@@ -59,7 +58,7 @@ class EvalConfig:
     throughput_contexts: int = opt(2, 'contexts on which decode speed is timed')
     decode_steps: int = opt(32, 'greedy steps per throughput timing')
     decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
-    qa: bool = opt(False, 'also the context-QA task (scdviz.evict.qa), question-agnostic mode')
+    qa: bool = opt(False, 'also the context-QA task (scdviz.qa), question-agnostic mode')
     seed: int = opt(0, "seed of the Random baseline")
 
 
@@ -156,7 +155,7 @@ def _policy_seconds(feats: dict[int, Observed], policies: dict[str, Policy]) -> 
 def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None) -> dict:
     """All methods x budgets on one context; returns {(method, label): metrics} and timings.
 
-    qa_item: optional scdviz.evict.qa.QAItem about the context, answered from every pruned cache.
+    qa_item: optional scdviz.qa.QAItem about the context, answered from every pruned cache.
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
     fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}

@@ -10,32 +10,39 @@ rows of ``python -m scdviz bench scd`` (written as a scdviz.records.BenchRecord)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 
-from scdviz import data
+from scdviz import data, metrics
 from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models.pair import Pair
 from scdviz.scd import calibrate as cal
 from scdviz.scd import measure
 from scdviz.scd import plan as plans
-from scdviz.scd.plan import Plan
+from scdviz.scd.plan import SINKS, Plan
 
 
 @dataclass
 class ScdBenchConfig:
     """One SCD benchmark run on held-out text."""
 
-    texts: str | None = opt(None, ".txt or .jsonl evaluation text (default: the specialist's shipped eval split)")
-    limit: int = opt(16, "prompts")
+    texts: str | None = opt(None, ".txt or .jsonl evaluation text instead of shipped eval splits")
+    domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the specialist's own, else every calibration domain)")
+    lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain, calibrate again without it (same settings) and measure on its eval split")
+    limit: int = opt(16, "prompts per domain")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens")
     gen_tokens: int = opt(32, "greedy tokens per method for token-F1 (0: skip)")
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
     budgets: tuple[float, ...] = opt((), "rank sweep: payload bytes/token budgets")
+    sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent", choices=SINKS)
+    sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
+    qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
+    kivi_window: int = opt(0, "the 4-bit KV baseline sends its last this-many tokens in fp16 (KIVI's recent window; 0: none)")
     seed: int = opt(0, "torch seed set before the run")
 
 
@@ -52,6 +59,8 @@ class BenchReport:
     sweeps: list[measure.MethodResult] = field(default_factory=list)  # patch-budget and rank sweeps
     projection: list[dict] = field(default_factory=list)  # analytic projection rows
     plans: dict[str, Plan] = field(default_factory=dict)  # method label -> plan
+    domain: str = ""  # the text measured ("texts" for a user's file)
+    calibrated_on: list[str] = field(default_factory=list)  # domains the calibration saw
 
     def table(self) -> pd.DataFrame:
         """Methods and sweeps as one tidy table."""
@@ -107,18 +116,29 @@ def bench(
     specialist: str | None = None,
     progress: bool = True,
     scd_full: Plan | None = None,
+    sink: str = "recompute",
+    sent_rows: bool = False,
+    kivi_window: int = 0,
+    qa_answer_len: int = 0,
 ) -> BenchReport:
     """Run the lineup (and sweeps) on ``windows``; see the module docstring.
 
     scd_full: the SCD plan in the lineup (default: the calibration's operating point).
+    sink: token-0 handling of every method in the lineup; sent_rows: the lineup again with
+    the other handling, as the "token 0" group.
     """
-    cases = measure.prepare_cases(pair, windows, cont_len, progress)
+    cases = measure.prepare_cases(pair, windows, cont_len, progress, qa_answer_len)
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
-    lineup = plans.lineup(calib, scd_full)
+    lineup = plans.lineup(calib, scd_full, sink, kivi_window)
     results = measure.run_methods(pair, calib, cases, lineup, "method", gen_tokens, gens, progress)
-    report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup})
+    report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup},
+                         calibrated_on=list(calib.stats.get("domains", [])))
+    if sent_rows:
+        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", kivi_window)
+        report.sweeps += measure.run_methods(pair, calib, cases, other, "token 0", progress=progress)
     if sweeps:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep", progress=progress)
+        report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep", progress=progress)
     if budgets:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_sweep(calib, list(budgets)), "rank sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
@@ -126,15 +146,96 @@ def bench(
     return report
 
 
-def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str | None = None) -> BenchReport:
-    """``bench`` on held-out windows of ``cfg.texts`` or of the calibration corpus's eval split."""
-    torch.manual_seed(cfg.seed)
-    name = specialist or cal.specialist_name(pair.consumer_source)
-    passages = data.read_passages(cfg.texts) if cfg.texts else data.load_split(calib.config.corpus or name, "eval")
+def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: cal.Calibration) -> list[str]:
+    """The domains measured: the given ones, else the specialist's own corpus, else every calibration domain."""
+    if cfg.texts:
+        return ["texts"]
+    if cfg.domains:
+        return list(cfg.domains)
+    return [specialist] if specialist in data.corpora() else list(calib.stats.get("domains") or data.corpora())
+
+
+def _eval_windows(cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
+    passages = data.read_passages(cfg.texts) if domain == "texts" else data.load_split(domain, "eval")
     windows = data.token_windows(pair.tokenizer, passages, cfg.prompt_len + cfg.cont_len, cfg.limit)
     if not windows:
-        raise ValueError(f"the evaluation text has no window of {cfg.prompt_len + cfg.cont_len} tokens")
-    return bench(pair, calib, windows, cfg.cont_len, cfg.gen_tokens, cfg.sweeps, tuple(cfg.budgets), name)
+        raise ValueError(f"the evaluation text of {domain!r} has no window of {cfg.prompt_len + cfg.cont_len} tokens")
+    return windows
+
+
+def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str | None = None,
+        progress: bool = True) -> list[BenchReport]:
+    """``bench`` on held-out eval windows, one report per domain.
+
+    With ``cfg.lodo``, each domain of the calibration is measured with a calibration made
+    again without it (the loaded calibration's settings, that domain left out): text the
+    calibration never saw. Otherwise every domain is measured with ``calib`` itself.
+    """
+    name = specialist or cal.specialist_name(pair.consumer_source)
+    domains = list(calib.stats.get("domains") or []) if cfg.lodo else eval_domains(cfg, name, calib)
+    if cfg.lodo and len(domains) < 2:
+        raise ValueError(f"leave-one-domain-out needs a calibration of 2+ domains; this one saw {domains or 'one text'}")
+    reports = []
+    for domain in domains:
+        torch.manual_seed(cfg.seed)
+        used = calib
+        if cfg.lodo:
+            others = [d for d in domains if d != domain]
+            used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=others, texts=None), progress)
+        report = bench(pair, used, _eval_windows(cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
+                       tuple(cfg.budgets), name, progress, sink=cfg.sink, sent_rows=cfg.sent_rows,
+                       kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len)
+        report.domain = domain
+        reports.append(report)
+    return reports
+
+
+def _ratio_ci(raw: measure.MethodResult, scd: measure.MethodResult) -> dict:
+    """SCD/raw KL ratio with its 95% paired-bootstrap interval over prompts."""
+    boot = metrics.paired_bootstrap(raw.kl_per_prompt, scd.kl_per_prompt)
+    return {"ratio_ci": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"}
+
+
+def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
+    """Context-QA token-F1 per method, items pooled over every report, with 95% bootstrap intervals,
+    and the paired difference to raw reuse (same items)."""
+    by: dict[str, list[float]] = {}
+    for rep in reports:
+        for r in rep.methods + [s for s in rep.sweeps if s.group == "token 0"]:
+            by.setdefault(r.method, []).extend(r.qa_f1)
+    if not by.get("raw KV"):
+        return pd.DataFrame()
+    out = []
+    for method, items in by.items():
+        if len(items) != len(by["raw KV"]):
+            continue
+        own = metrics.bootstrap_mean(items)
+        vs = metrics.paired_bootstrap(by["raw KV"], items)
+        out.append({"method": method, "qa_f1": round(own["mean"], 3),
+                    "ci95": f"[{own['ci'][0]:.3f}, {own['ci'][1]:.3f}]",
+                    "minus_raw": round(vs["diff"], 3), "minus_raw_ci95": f"[{vs['diff_ci'][0]:.3f}, {vs['diff_ci'][1]:.3f}]",
+                    "items": len(items)})
+    return pd.DataFrame(out)
+
+
+def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
+    """Per domain: raw reuse vs SCD full (KL ± se, ratio, top-1, bytes/token) with the same token-0 handling."""
+    rows_ = []
+    for rep in reports:
+        by = {r.method: r for r in rep.methods}
+        raw = next(r for name, r in by.items() if name.startswith("raw KV"))
+        four = next(r for name, r in by.items() if name.startswith("4-bit KV"))
+        scd = rep.methods[-1]
+        rows_.append({
+            "specialist": rep.specialist, "domain": rep.domain,
+            "held_out": rep.domain not in rep.calibrated_on,
+            "raw_kl": round(raw.kl, 4), "raw_se": round(raw.kl_se, 4), "scd_kl": round(scd.kl, 4),
+            "scd_se": round(scd.kl_se, 4), "scd_over_raw": round(scd.kl / raw.kl, 3) if raw.kl else None,
+            "raw_top1": round(raw.top1, 3), "scd_top1": round(scd.top1, 3),
+            "scd_bytes": round(scd.payload_bytes_per_token), "4bit_bytes": round(four.payload_bytes_per_token),
+            "n": scd.n_prompts,
+        } | _ratio_ci(raw, scd))
+    return pd.DataFrame(rows_)
 
 
 def rows(report: BenchReport) -> list[dict]:
@@ -145,6 +246,8 @@ def rows(report: BenchReport) -> list[dict]:
             "row": "measured",
             "group": r.group,
             "specialist": report.specialist,
+            "domain": report.domain,
+            "held_out": report.domain not in report.calibrated_on,
             "method": r.method,
             "payload_bytes_per_token": r.payload_bytes_per_token,
             "compression_vs_fp16": r.compression_vs_fp16,
@@ -166,8 +269,12 @@ def rows(report: BenchReport) -> list[dict]:
             "drift_v": r.drift_v,
             "divergence": r.divergence,
             "amplification": r.amplification(),
+            "qa_f1": sum(r.qa_f1) / len(r.qa_f1) if r.qa_f1 else None,
+            "qa_f1_items": r.qa_f1,
+            "kl_per_prompt": r.kl_per_prompt,
         })
-    out += [{"specialist": report.specialist, "label": "analytic projection, not a measurement", **p} for p in report.projection]
+    out += [{"specialist": report.specialist, "domain": report.domain, "label": "analytic projection, not a measurement", **p}
+            for p in report.projection]
     return out
 
 

@@ -13,7 +13,8 @@ It does not evaluate on held-out text (scdviz.scd.measure).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import operator
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,13 +41,18 @@ PATCH_FIELDS = ("in_mean", "in_std", "out_mean", "out_std")
 class CalibConfig:
     """Knobs of one calibration run."""
 
-    corpus: str | None = opt(None, "shipped corpus whose calib split is used (default: the consumer specialist's own)")
-    texts: str | None = opt(None, 'a .txt / .jsonl passage file instead of the shipped split')
-    n_fit: int = opt(32, 'windows for the fits')
-    n_select: int = opt(6, 'further windows for patch selection (continuation KL)')
+    domains: list[str] = opt([], "shipped corpora whose calib splits are mixed, windows spread evenly (default: every shipped corpus)")
+    texts: str | None = opt(None, "a .txt / .jsonl passage file instead of the shipped splits (one domain, split in 2 folds)")
+    n_fit: int = opt(32, "windows for the fits, spread over the domains")
+    n_select: int = opt(6, "further windows for patch selection (continuation KL), spread over the domains")
     prompt_len: int = opt(256, 'prompt tokens per window')
     cont_len: int = opt(32, 'continuation tokens scored during selection')
     ridge: float = opt(1e-3, 'RRR ridge, relative to the mean input eigenvalue')
+    shrink: float | None = opt(None, "REUSE maps: ridge on the correction toward identity, relative to the mean input eigenvalue (default: chosen from shrink_grid by leave-one-domain-out error)")
+    shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the leave-one-domain-out choice")
+    identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out domains")
+    gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out domains")
+    gate_folds: int = opt(3, "the patch gate groups the domains into at most this many held-out folds (one aligner fit each)")
     max_rank: int | None = opt(None, 'store codes up to this rank (None: full d_kv)')
     rank_h: int | None = opt(None, 'PATCH code width (None: the whole normalised H_in)')
     aligner_hidden: int = opt(128, 'aligner MLP width')
@@ -130,41 +136,137 @@ def check_identity(saved: dict, pair: Pair, where: str) -> None:
 # ----------------------------------------------------------------------------- fitting
 
 
-def _windows(pair: Pair, cfg: CalibConfig) -> list[list[int]]:
-    passages = data.read_passages(cfg.texts) if cfg.texts else data.load_split(cfg.corpus, "calib")
-    need = cfg.n_fit + cfg.n_select
-    windows = data.token_windows(pair.tokenizer, passages, cfg.prompt_len + cfg.cont_len, need)
-    if len(windows) < need:
-        raise ValueError(f"calibration text gives {len(windows)} windows of {cfg.prompt_len + cfg.cont_len} tokens; need {need}")
-    return windows
+def domains_of(cfg: CalibConfig) -> list[str]:
+    """The domains a calibration mixes: the user's file, the given corpora, or every shipped corpus."""
+    if cfg.texts:
+        return ["texts"]
+    names = list(cfg.domains) or data.corpora()
+    unknown = sorted(set(names) - set(data.corpora()))
+    if unknown:
+        raise ValueError(f"no shipped corpus named {', '.join(unknown)}; shipped: {', '.join(data.corpora())}")
+    return names
 
 
-def _fit_codes(pair: Pair, windows: list[list[int]], cfg: CalibConfig, progress) -> tuple:
-    """REUSE codes, raw drift and H_in rows from the fit windows (token 0 left out)."""
+def _windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """(fit windows, their fold index, selection windows), spread evenly over the domains.
+
+    Folds are the domains; a single domain (a user's file) is split into two folds of
+    alternating windows, so the shrinkage is still chosen on windows it was not fitted on.
+    """
+    names = domains_of(cfg)
+    length = cfg.prompt_len + cfg.cont_len
+    per_fit, per_sel = -(-cfg.n_fit // len(names)), -(-cfg.n_select // len(names))
+    fit, folds, select = [], [], []
+    for i, name in enumerate(names):
+        passages = data.read_passages(cfg.texts) if cfg.texts else data.load_split(name, "calib")
+        got = data.token_windows(pair.tokenizer, passages, length, per_fit + per_sel)
+        if len(got) < per_fit + per_sel:
+            raise ValueError(f"calibration text {name!r} gives {len(got)} windows of {length} tokens; need {per_fit + per_sel}")
+        fit += got[:per_fit]
+        folds += [i] * per_fit if len(names) > 1 else [j % 2 for j in range(per_fit)]
+        select += got[per_fit:]
+    return fit, folds, select
+
+
+@dataclass
+class _Fits:
+    """What the paired prefills of the fit windows give, per fold (domain) and layer."""
+
+    k_stats: list[list[RRRStats]]  # (folds, L) pre-RoPE key statistics
+    v_stats: list[list[RRRStats]]  # (folds, L) value statistics
+    rows: list[list[tuple]]  # (L,) per window: (fold, h_p, h_c, k_p, k_c, v_p, v_c), strided, fp16
+    drift_k: list[float]  # (L,) raw reuse ‖K^P − K^C‖² / ‖K^C‖² (post-RoPE, token 0 excluded)
+    drift_v: list[float]  # (L,)
+
+
+def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: CalibConfig, progress) -> _Fits:
+    """Paired prefills: REUSE statistics per fold, raw drift, and strided rows for aligners (token 0 left out)."""
     n = hf.n_layers(pair.producer)
     d_kv = hf.attn_heads(pair.producer)[1] * hf.attn_heads(pair.producer)[2]
-    k_stats = [RRRStats(d_kv, d_kv) for _ in range(n)]
-    v_stats = [RRRStats(d_kv, d_kv) for _ in range(n)]
+    n_folds = max(folds) + 1
+    k_stats = [[RRRStats(d_kv, d_kv) for _ in range(n)] for _ in range(n_folds)]
+    v_stats = [[RRRStats(d_kv, d_kv) for _ in range(n)] for _ in range(n_folds)]
     err = torch.zeros(n, 4, dtype=torch.float64, device=hf.HOST)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
-    h_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
-    for window in tqdm(windows, desc="calibrate: paired prefills", disable=progress is None):
+    rows: list[list[tuple]] = [[] for _ in range(n)]
+    s = slice(1, None, cfg.h_stride)
+    for window, fold in tqdm(list(zip(windows, folds)), desc="calibrate: paired prefills", disable=not progress):
         prefix = hf.ids_tensor(window[: cfg.prompt_len - 1])
         p = transfer.producer_state(pair.producer, prefix)
         c = transfer.producer_state(pair.consumer, prefix)
         for layer in range(n):
-            k_stats[layer].add(p.keys_pre[layer][1:], c.keys_pre[layer][1:])
-            v_stats[layer].add(p.values[layer][1:], c.values[layer][1:])
+            k_stats[fold][layer].add(p.keys_pre[layer][1:], c.keys_pre[layer][1:])
+            v_stats[fold][layer].add(p.values[layer][1:], c.values[layer][1:])
             err[layer] += torch.stack([
                 ((p.keys[layer][1:] - c.keys[layer][1:]) ** 2).sum(), (c.keys[layer][1:] ** 2).sum(),
                 ((p.values[layer][1:] - c.values[layer][1:]) ** 2).sum(), (c.values[layer][1:] ** 2).sum(),
             ]).double()
-            h_rows[layer].append((p.h_in[layer][1 :: cfg.h_stride].half(), c.h_in[layer][1 :: cfg.h_stride].half()))
-    max_rank = cfg.max_rank
-    key_codes = [s.fit(cfg.ridge, max_rank) for s in k_stats]
-    value_codes = [s.fit(cfg.ridge, max_rank) for s in v_stats]
-    drift_k = (err[:, 0] / err[:, 1]).tolist()
-    drift_v = (err[:, 2] / err[:, 3]).tolist()
-    return key_codes, value_codes, drift_k, drift_v, h_rows
+            rows[layer].append((fold, *(t[layer][s].half() for t in (p.h_in, c.h_in, p.keys_pre, c.keys_pre, p.values, c.values))))
+    return _Fits(k_stats, v_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
+
+
+def _others(stats: list[list[RRRStats]], fold: int, layer: int) -> RRRStats:
+    """Statistics of every fold but ``fold`` at one layer."""
+    parts = [f[layer] for i, f in enumerate(stats) if i != fold]
+    return functools.reduce(operator.add, parts)
+
+
+def _lodo_error(stats: list[list[RRRStats]], layer: int, ridge: float, shrink: float) -> float:
+    """Mean over folds of the relative error of the full-rank map fitted on the other folds."""
+    errs = [stats[f][layer].heldout_error(*_others(stats, f, layer).full_map(ridge, shrink)) for f in range(len(stats))]
+    return sum(errs) / len(errs)
+
+
+def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
+    """The REUSE maps' shrinkage and per-layer identity fallback, both by leave-one-domain-out error.
+
+    Returns {"shrink", "lodo_error" (shrink -> mean error over layers, K and V), "shrink_k",
+    "shrink_v" (per layer: the shrinkage used, inf where the identity code won)}.
+    """
+    n = len(fits.k_stats[0])
+    grid = [cfg.shrink] if cfg.shrink is not None else list(cfg.shrink_grid)
+    table = {}
+    for alpha in grid:
+        errs = [_lodo_error(st, layer, cfg.ridge, alpha) for st in (fits.k_stats, fits.v_stats) for layer in range(n)]
+        table[alpha] = sum(errs) / len(errs)
+    best = min(table, key=table.get)
+    out = {"shrink": best, "lodo_error": {str(k): round(v, 5) for k, v in table.items()}}
+    for name, st in (("k", fits.k_stats), ("v", fits.v_stats)):
+        chosen = []
+        for layer in range(n):
+            use_identity = cfg.identity_fallback and (
+                _lodo_error(st, layer, cfg.ridge, float("inf")) < _lodo_error(st, layer, cfg.ridge, best))
+            chosen.append(float("inf") if use_identity else best)
+        out[f"shrink_{name}"] = chosen
+    return out
+
+
+def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
+    """Concatenated (h_p, h_c, k_p, k_c, v_p, v_c) rows of the windows whose fold passes ``keep``."""
+    picked = [r[1:] for r in fits.rows[layer] if keep(r[0])]
+    return [torch.cat(col).float() for col in zip(*picked)]
+
+
+def _gate(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConfig) -> dict:
+    """Held-out-domain K/V error of the patch vs the REUSE code, both fitted without the held-out domains.
+
+    Domains are grouped round-robin into ``cfg.gate_folds`` folds (one aligner fit each).
+    """
+    n_folds = min(cfg.gate_folds, len(fits.k_stats))
+    patch_err = code_err = 0.0
+    for f in range(n_folds):
+        hp, hc, _, _, _, _ = _rows_of(fits, layer, lambda g, f=f: g % n_folds != f)
+        _, _, kp, kc, vp, vc = held = _rows_of(fits, layer, lambda g, f=f: g % n_folds == f)
+        patch = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
+                          cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
+        est = patch.decode(patch.encode(held[0])) @ weight.float().T
+        ref = torch.cat([kc, vc], 1)
+        patch_err += float(((est - ref) ** 2).sum())
+        for (xp, xc), st, alpha in (((kp, kc), fits.k_stats, shrinks["shrink_k"][layer]),
+                                    ((vp, vc), fits.v_stats, shrinks["shrink_v"][layer])):
+            kept = [fold[layer] for i, fold in enumerate(st) if i % n_folds != f]
+            mu_x, mu_y, b = functools.reduce(operator.add, kept).full_map(cfg.ridge, alpha)
+            code_err += float((((xp.double() - mu_x) @ b + mu_y - xc.double()) ** 2).sum())
+    return {"patch_sse": round(patch_err, 2), "code_sse": round(code_err, 2), "kept": patch_err < code_err}
 
 
 def _kl(pair: Pair, cases: list[transfer.Case], plan: plans.Plan, calib: Calibration) -> float:
@@ -208,45 +310,55 @@ def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int
 
 
 def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
-    """Fit codes and aligners, select patch layers; see the module docstring."""
-    if cfg.corpus is None and cfg.texts is None:
-        own = specialist_name(pair.consumer_source)
-        if own not in data.corpora():
-            raise ValueError(f"no shipped corpus named {own!r}; give a corpus ({', '.join(data.corpora())}) or a text file")
-        cfg = dataclasses.replace(cfg, corpus=own)
+    """Fit codes and aligners on a mixture of domains, select patch layers; see the module docstring."""
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    windows = _windows(pair, cfg)
-    key_codes, value_codes, drift_k, drift_v, h_rows = _fit_codes(pair, windows[: cfg.n_fit], cfg, progress)
+    windows, folds, select = _windows(pair, cfg)
+    fits = _prefills(pair, windows, folds, cfg, progress)
+    shrinks = choose_shrink(fits, cfg)
+    total_k = [_others(fits.k_stats, -1, layer) for layer in range(len(fits.drift_k))]
+    total_v = [_others(fits.v_stats, -1, layer) for layer in range(len(fits.drift_k))]
+    key_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_k, shrinks["shrink_k"])]
+    value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
     t_fit = time.perf_counter() - t0
     n = len(key_codes)
-    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in windows[cfg.n_fit :]]
-    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], drift_k, drift_v, [], [], {})
+    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in select]
+    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], fits.drift_k, fits.drift_v, [], [], {})
     gains = _ideal_gains(pair, cases, calib, plans.full_rank_plan(calib))
-    drift = [drift_k[i] + drift_v[i] for i in range(n)]
+    drift = [fits.drift_k[i] + fits.drift_v[i] for i in range(n)]
     by_drift = sorted(range(n), key=lambda i: -drift[i])
     by_gain = sorted(range(n), key=lambda i: -gains[i])
     want = cfg.given if cfg.selection == "given" else by_gain[: cfg.n_candidates]
     candidates = sorted(set(want) | set(by_drift[: cfg.patch_k]))
     t1 = time.perf_counter()
+    gates = {}
     for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
-        hp = torch.cat([a for a, _ in h_rows[layer]])
-        hc = torch.cat([b for _, b in h_rows[layer]])
-        weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().cpu() if cfg.aligner_loss == "kv" else None
-        calib.patches[layer] = fit_patch(layer, hp, hc, weight, cfg.rank_h, cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
+        weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
+        if cfg.gate_patches and layer in want and cfg.selection != "given":
+            gates[layer] = _gate(fits, layer, shrinks, weight, cfg)
+        hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
+        calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
+                                         cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
     t_align = time.perf_counter() - t1
     calib.drift_order = by_drift[: cfg.patch_k]
     calib.ideal_gain = gains
     if cfg.selection == "greedy":
-        calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, by_gain[: cfg.n_candidates], cfg.patch_k)
+        passed = [c for c in by_gain[: cfg.n_candidates] if gates.get(c, {"kept": True})["kept"]]
+        calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, passed, cfg.patch_k)
     else:
         calib.patch_order = list(cfg.given) if cfg.selection == "given" else calib.drift_order
         calib.selection_kl = []
     calib.stats = {
-        "text": cfg.texts or f"assets/text/{cfg.corpus}/calib.txt",
-        "fit_windows": cfg.n_fit,
-        "select_windows": cfg.n_select,
-        "fit_rows_per_layer": cfg.n_fit * (cfg.prompt_len - 2),
+        "domains": domains_of(cfg),
+        "text": cfg.texts or "assets/text/<domain>/calib.txt",
+        "fit_windows": len(windows),
+        "select_windows": len(select),
+        "fit_rows_per_layer": len(windows) * (cfg.prompt_len - 2),
+        "shrink": shrinks["shrink"],
+        "shrink_lodo_error": shrinks["lodo_error"],
+        "identity_k": [i for i, a in enumerate(shrinks["shrink_k"]) if a == float("inf")],
+        "identity_v": [i for i, a in enumerate(shrinks["shrink_v"]) if a == float("inf")],
+        "patch_gate": {str(k): v for k, v in gates.items()},
         "seconds_fit": round(t_fit, 1),
         "seconds_aligners": round(t_align, 1),
         "seconds_total": round(time.perf_counter() - t0, 1),

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from scdviz import link as links
-from scdviz import metrics
+from scdviz import metrics, qa
 from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.scd import calibrate as cal
@@ -52,6 +52,8 @@ class MethodResult:
     divergence: list[float] = field(default_factory=list)  # (L+1,) ‖h_l − h_l^oracle‖ / ‖h_l^oracle‖, continuation
     prompt_tokens: float = 0.0  # mean prompt tokens carried by the payload
     generations: list[list[int]] = field(default_factory=list)  # greedy token ids per prompt (when generated)
+    qa_f1: list[float] = field(default_factory=list)  # per prompt: token-F1 of the context-QA answer (when asked)
+    kl_per_prompt: list[float] = field(default_factory=list)  # mean KL of each prompt (for paired comparisons)
 
     @property
     def speedup_10gbps(self) -> float:
@@ -64,12 +66,23 @@ class MethodResult:
         return [d[i + 1] / d[i] if d[i] > 0 else float("nan") for i in range(len(d) - 1)]
 
 
-def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress: bool = True) -> list[transfer.Case]:
-    """Producer prefill and oracle continuation of every window."""
-    return [
-        transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
-        for w in tqdm(windows, desc="prefill producer + oracle", disable=not progress)
-    ]
+def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress: bool = True,
+                  qa_answer_len: int = 0) -> list[transfer.Case]:
+    """Producer prefill and oracle continuation of every window; with ``qa_answer_len`` > 0 a
+    context-QA item about each prompt (scdviz.qa), asked after the transferred cache."""
+    cases = []
+    for i, w in enumerate(tqdm(windows, desc="prefill producer + oracle", disable=not progress)):
+        case = transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
+        if qa_answer_len:
+            prompt = w[: len(w) - cont_len]
+            case.qa_item = qa.make_item(pair.tokenizer, prompt, i, qa_answer_len, pending=prompt[-1:])
+        cases.append(case)
+    return cases
+
+
+def _qa_f1(model, cache, case: transfer.Case) -> float:
+    """Token-F1 of the greedy answer to the case's QA item from ``cache``."""
+    return qa.answer(model, cache, case.qa_item, case.state.ids.shape[1])["qa_f1"]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,7 +104,7 @@ def _mean(rows: list[list[float]]) -> list[float]:
 
 def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, oracle_gen=None) -> MethodResult:
     """Run one plan on every case and aggregate (generation when gen_tokens > 0)."""
-    kl_prompt, top1, nll, nll_o, f1 = [], [], [], [], []
+    kl_prompt, top1, nll, nll_o, f1, qa_f1 = [], [], [], [], [], []
     dk, dv, div, cons, enc, orc, pay, ttfts = [], [], [], [], [], [], [], {lk.label: [] for lk in links.PRESETS}
     gens: list[list[int]] = []
     fp16 = pair.consumer_facts.kv_bytes_per_token_fp16
@@ -117,6 +130,8 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
             got = hf.generate(pair.consumer, run.cache, case.fed[:, :1], case.state.ids.shape[1], gen_tokens)
             f1.append(metrics.token_f1(got, oracle_gen[i]))
             gens.append(got)
+        if case.qa_item is not None:
+            qa_f1.append(_qa_f1(pair.consumer, run.cache, case))
     kl_mean, kl_se = metrics.mean_se(kl_prompt)
     bpt = sum(pay) / len(pay)
     return MethodResult(
@@ -126,7 +141,8 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
         consumer_seconds=sum(cons) / len(cons), encode_seconds=sum(enc) / len(enc), oracle_seconds=sum(orc) / len(orc),
         ttft={k: sum(v) / len(v) for k, v in ttfts.items()}, n_prompts=len(cases), n_tokens=len(top1),
         modes=list(plan.modes), drift_k=_mean(dk), drift_v=_mean(dv), divergence=_mean(div),
-        prompt_tokens=sum(c.state.ids.shape[1] for c in cases) / len(cases), generations=gens,
+        prompt_tokens=sum(c.state.ids.shape[1] for c in cases) / len(cases), generations=gens, kl_per_prompt=kl_prompt,
+        qa_f1=qa_f1,
     )
 
 
@@ -154,6 +170,8 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
         len(cases), len(nll), ["own"] * n, _mean([d[0] for d in drift]), _mean([d[1] for d in drift]),
         _mean(div), sum(c.state.ids.shape[1] for c in cases) / len(cases), gens,
     )
+    res.kl_per_prompt = kls
+    res.qa_f1 = [_qa_f1(pair.consumer, c.oracle_cache, c) for c in cases if c.qa_item is not None]
     return res, gens
 
 
@@ -175,7 +193,7 @@ def table(results: list[MethodResult]) -> pd.DataFrame:
             "top1": round(r.top1, 3), "ppl": round(r.ppl, 2), "ppl_oracle": round(r.ppl_oracle, 2),
             "f1": None if r.f1 is None else round(r.f1, 3), "consumer_ms": round(1000 * r.consumer_seconds, 1),
             "ttft_10gbps_ms": round(1000 * r.ttft["10gbps"], 1), "speedup_10gbps": round(r.speedup_10gbps, 2),
-        })
+        } | ({"qa_f1": round(sum(r.qa_f1) / len(r.qa_f1), 3)} if r.qa_f1 else {}))
     return pd.DataFrame(rows)
 
 

@@ -34,6 +34,8 @@ KINDS = {
     "v_code": 3,  # REUSE code of values
     "h_code": 4,  # PATCH code of the normalised H_in (cols = rank_h)
     "resid": 5,  # residual stream entering a recomputed run of layers (cols = d)
+    "k_recent": 6,  # KIVI's full-precision window: the last rows of post-RoPE keys of a quantised raw layer
+    "v_recent": 7,  # the same for values
 }
 AXIS_CODES = {"token": 0, "channel": 1}
 

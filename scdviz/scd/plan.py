@@ -20,6 +20,7 @@ sweeps and the app's controls. This module runs no model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ class Plan:
     rank_v: list[int] = field(default_factory=list)  # (L,) value code rank per layer ("code" layers)
     raw_bits: int = 16  # bits of raw K/V sections
     raw_group: int = 32  # group size of quantised raw K/V
+    raw_window: int = 0  # KIVI: the last this-many tokens of quantised raw K/V travel in fp16
     code_bits: int = 16  # bits of REUSE and PATCH code sections
     code_group: int = 64  # group size (tokens per channel group) of quantised codes
     sink: str = "send"  # token-0 handling, one of SINKS
@@ -70,16 +72,21 @@ class Plan:
         return out
 
 
-def raw_plan(n_layers: int, bits: int = 16, group: int = 32, sink: str = "send") -> Plan:
-    """Reuse the producer's KV as is (bits 16) or quantised KIVI-style (bits 4/8)."""
-    name = "raw KV" if bits == 16 else f"{bits}-bit KV"
-    return Plan(name, ["raw"] * n_layers, raw_bits=bits, raw_group=group, sink=sink)
+SENT = " (token 0 sent)"  # label suffix of a plan that sends the producer's token 0
 
 
-def droidspeak_plan(n_layers: int, recompute: list[int], sink: str = "send") -> Plan:
+def raw_plan(n_layers: int, bits: int = 16, group: int = 32, sink: str = "recompute", window: int = 0) -> Plan:
+    """Reuse the producer's KV as is (bits 16) or quantised KIVI-style (bits 4/8), optionally
+    with KIVI's full-precision window of the last ``window`` tokens."""
+    name = "raw KV" if bits == 16 else f"{bits}-bit KV" + (f" +{window} fp16" if window else "")
+    return Plan(name + (SENT if sink == "send" else ""), ["raw"] * n_layers, raw_bits=bits, raw_group=group,
+                raw_window=window if bits < 16 else 0, sink=sink)
+
+
+def droidspeak_plan(n_layers: int, recompute: list[int], sink: str = "recompute", name: str = "DroidSpeak recompute") -> Plan:
     """Raw KV everywhere except ``recompute`` layers, which the consumer recomputes."""
     modes = ["recompute" if i in set(recompute) else "raw" for i in range(n_layers)]
-    return Plan("DroidSpeak recompute", modes, sink=sink)
+    return Plan(name + (SENT if sink == "send" else ""), modes, sink=sink)
 
 
 def scd_plan(
@@ -168,18 +175,30 @@ def operating_plan(
     return scd_plan(rank_k, rank_v, chosen, code_bits=bits, code_group=cfg.code_group, name=name)
 
 
-def lineup(calib: Calibration, scd_full: Plan | None = None) -> list[Plan]:
+def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute", kivi_window: int = 0) -> list[Plan]:
     """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.
 
+    Every method treats token 0 (the attention sink) the same way, ``sink``: "recompute"
+    (the consumer computes its own, the fair default) or "send" (labels end in SENT).
     DroidSpeak recomputes the contiguous block of ``op_patch_k`` layers with the largest
     ideal-patch gain, as many layers as SCD patches. scd_full: the SCD plan to compare
-    (default: the calibration's operating point).
+    (default: the calibration's operating point). kivi_window: the 4-bit baseline's
+    full-precision window of recent tokens (KIVI keeps one; 0: none).
     """
     n = calib.n_layers
-    scd_full = scd_full or operating_plan(calib)
-    reuse = operating_plan(calib, patch_k=0, name="SCD reuse-only")
+    tag = SENT if sink == "send" else ""
+    full = scd_full or operating_plan(calib)
+    full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink)
+    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink)
     block = contiguous_block(calib.ideal_gain, calib.config.op_patch_k)
-    return [raw_plan(n), raw_plan(n, bits=4), droidspeak_plan(n, block), reuse, scd_full]
+    return [raw_plan(n, sink=sink), raw_plan(n, bits=4, sink=sink, window=kivi_window), droidspeak_plan(n, block, sink),
+            reuse, full]
+
+
+def droidspeak_sweep(calib: Calibration, ks: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[Plan]:
+    """DroidSpeak's own bytes-vs-KL curve: the best contiguous block of k recomputed layers, each k."""
+    n = calib.n_layers
+    return [droidspeak_plan(n, contiguous_block(calib.ideal_gain, k), name=f"DroidSpeak k={k}") for k in ks if k <= n]
 
 
 def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:

@@ -6,6 +6,16 @@ least squares B = (XcᵀXc + λ I)⁻¹ XcᵀYc, then project onto the top-r rig
 vectors V_r of the fitted values Ŷ = Xc B, so E = B V_r and D = V_rᵀ. Every rank up to
 the maximum shares one fit: rank r uses the first r columns of E / rows of D.
 
+Shrinkage toward identity (d_in = d_out): B = I + Δ with a ridge α on the correction Δ,
+i.e. B = (XcᵀXc + (λ+α) I)⁻¹ (XcᵀYc + α I). α = 0 is plain ridge regression; α → ∞ gives
+B = I, whose rank-r code is the PCA of the producer rows (the "identity code": raw reuse
+at full rank, plus the mean shift). ``RRRStats`` are sums, so statistics of several
+domains add up, and ``heldout_error`` scores a fitted map on another domain's statistics
+in closed form: the leave-one-domain-out choice of α costs no extra forward pass.
+Directions are ordered by how much each lowers the fit error (by singular value when
+unshrunk); a shrunk map's last directions can raise the error on the fit rows, which is
+the price of its lower error on other domains.
+
 Pure tensor maths, fp64 inside; no models, no I/O. Rank allocation to a byte budget is
 ``allocate_ranks``.
 """
@@ -72,27 +82,61 @@ class RRRStats:
         self.sxy += x.T @ y
         self.syy += (y**2).sum()
 
-    def fit(self, ridge: float = 1e-3, max_rank: int | None = None) -> LinearCode:
-        """The LinearCode of these rows (see ``fit_rrr``)."""
+    def __add__(self, other: RRRStats) -> RRRStats:
+        out = RRRStats(self.sx.numel(), self.sy.numel())
+        out.n = self.n + other.n
+        for name in ("sx", "sy", "sxx", "sxy", "syy"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        return out
+
+    def centred(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(μ_x, μ_y, XcᵀXc, XcᵀYc, ‖Yc‖²) of these rows."""
         n = max(self.n, 1)
         mu_x, mu_y = self.sx / n, self.sy / n
-        gram = self.sxx - n * torch.outer(mu_x, mu_x)  # Xcᵀ Xc
-        cross = self.sxy - n * torch.outer(mu_x, mu_y)  # Xcᵀ Yc
-        total = (self.syy - n * (mu_y**2).sum()).clamp_min(1e-30)  # ‖Yc‖²
-        lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
-        b = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), cross)
+        gram = self.sxx - n * torch.outer(mu_x, mu_x)
+        cross = self.sxy - n * torch.outer(mu_x, mu_y)
+        total = (self.syy - n * (mu_y**2).sum()).clamp_min(1e-30)
+        return mu_x, mu_y, gram, cross, total
+
+    def full_map(self, ridge: float = 1e-3, shrink: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        """(μ_x, μ_y, B): the full-rank map, ridge λ and identity shrinkage α both relative to
+        the mean eigenvalue of XcᵀXc; ``shrink=inf`` gives B = I."""
+        mu_x, mu_y, gram, cross, _ = self.centred()
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        if shrink == float("inf"):
+            if cross.shape[0] != cross.shape[1]:
+                raise ValueError("shrinkage toward identity needs d_in == d_out")
+            return mu_x, mu_y, eye
+        scale = gram.diagonal().mean().clamp_min(1e-12)
+        target = cross + shrink * scale * eye if shrink else cross
+        return mu_x, mu_y, torch.linalg.solve(gram + (ridge + shrink) * scale * eye, target)
+
+    def heldout_error(self, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
+        """Σ‖y − μ_y − (x − μ_x) B‖² / Σ‖y − ȳ‖² over THESE rows, for a map fitted elsewhere."""
+        n = self.n
+        yy = self.syy - 2 * mu_y @ self.sy + n * mu_y @ mu_y
+        xx = self.sxx - torch.outer(self.sx, mu_x) - torch.outer(mu_x, self.sx) + n * torch.outer(mu_x, mu_x)
+        xy = self.sxy - torch.outer(self.sx, mu_y) - torch.outer(mu_x, self.sy) + n * torch.outer(mu_x, mu_y)
+        err = yy - 2 * (b * xy).sum() + (b * (xx @ b)).sum()
+        return float(err / self.centred()[4])
+
+    def fit(self, ridge: float = 1e-3, max_rank: int | None = None, shrink: float = 0.0) -> LinearCode:
+        """The LinearCode of these rows (see ``fit_rrr``); ``shrink``: α toward identity."""
+        _, _, gram, cross, total = self.centred()
+        mu_x, mu_y, b = self.full_map(ridge, shrink)
         evals, evecs = torch.linalg.eigh(b.T @ gram @ b)  # ŶᵀŶ = V S² Vᵀ
-        order = evals.argsort(descending=True)
+        s_all = evals.clamp_min(0).sqrt()
+        c_all = ((b @ evecs) * (cross @ evecs)).sum(0) / s_all.clamp_min(1e-30)  # u_iᵀ Yc v_i
+        gain = 2 * s_all * c_all - s_all**2  # drop of the fit error when direction i is added
+        order = gain.argsort(descending=True)  # = by singular value when unshrunk (c_i ≈ s_i)
         r = min(max_rank or order.numel(), order.numel())
-        s = evals[order[:r]].clamp_min(0).sqrt()
-        v = evecs[:, order[:r]]  # (d_out, r)
-        c = ((b @ v) * (cross @ v)).sum(0) / s.clamp_min(1e-30)  # u_iᵀ Yc v_i
-        gains = torch.cumsum(2 * s * c - s**2, 0)
+        s, v = s_all[order[:r]], evecs[:, order[:r]]  # (r,), (d_out, r)
+        gains = torch.cumsum(gain[order[:r]], 0)
         fit_err = torch.cat([torch.ones(1, dtype=s.dtype, device=s.device), 1 - gains / total])
         return LinearCode(mu_x.float(), mu_y.float(), (b @ v).float(), v.T.float(), s.float(), fit_err.float())
 
 
-def fit_rrr(x: Tensor, y: Tensor, ridge: float = 1e-3, max_rank: int | None = None) -> LinearCode:
+def fit_rrr(x: Tensor, y: Tensor, ridge: float = 1e-3, max_rank: int | None = None, shrink: float = 0.0) -> LinearCode:
     """Fit a LinearCode on rows x (N, d_in), y (N, d_out).
 
     ridge: λ relative to the mean eigenvalue of XcᵀXc (scale-free).
@@ -102,7 +146,7 @@ def fit_rrr(x: Tensor, y: Tensor, ridge: float = 1e-3, max_rank: int | None = No
     """
     stats = RRRStats(x.shape[1], y.shape[1])
     stats.add(x, y)
-    return stats.fit(ridge, max_rank)
+    return stats.fit(ridge, max_rank, shrink)
 
 
 def allocate_ranks(codes: list[LinearCode], total_rank: int, min_rank: int = 1) -> list[int]:

@@ -59,6 +59,7 @@ class Case:
     oracle_cache: object  # the consumer's own DynamicCache of the prefix (ideal patches, drift)
     prefill_seconds: float  # the consumer's measured prefill of the prefix (decoder only, no LM head)
     step_seconds: float  # the consumer's measured first decode step (feeding the last prompt token)
+    qa_item: object = None  # optional scdviz.qa.QAItem about the prompt, answered from every method's cache
 
     @property
     def oracle_seconds(self) -> float:
@@ -111,8 +112,12 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
     sections: list[Section] = []
     for layer, mode in enumerate(plan.modes):
         if mode == "raw":
-            sections.append(Section(layer, "k", state.keys[layer][rows], plan.raw_bits, plan.raw_group, "channel"))
-            sections.append(Section(layer, "v", state.values[layer][rows], plan.raw_bits, plan.raw_group, "token"))
+            k, v = state.keys[layer][rows], state.values[layer][rows]
+            w = min(plan.raw_window, k.shape[0] - 1) if plan.raw_bits < 16 else 0
+            sections.append(Section(layer, "k", k[: k.shape[0] - w], plan.raw_bits, plan.raw_group, "channel"))
+            sections.append(Section(layer, "v", v[: v.shape[0] - w], plan.raw_bits, plan.raw_group, "token"))
+            if w:
+                sections += [Section(layer, "k_recent", k[-w:]), Section(layer, "v_recent", v[-w:])]
         elif mode == "code":
             zk = calib.key_codes[layer].encode(state.keys_pre[layer][rows], plan.rank_k[layer])
             zv = calib.value_codes[layer].encode(state.values[layer][rows], plan.rank_v[layer])
@@ -144,7 +149,10 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
     values: list[Tensor | None] = [None] * len(plan.modes)
     for layer, mode in enumerate(plan.modes):
         if mode == "raw":
-            keys[layer], values[layer] = _heads(dev(by[layer, "k"]), n_kv), _heads(dev(by[layer, "v"]), n_kv)
+            k, v = by[layer, "k"], by[layer, "v"]
+            if (layer, "k_recent") in by:
+                k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
+            keys[layer], values[layer] = _heads(dev(k), n_kv), _heads(dev(v), n_kv)
         elif mode == "code":
             k_pre = dev(calib.key_codes[layer].decode(by[layer, "k_code"]))
             keys[layer] = hf.rotate(_heads(k_pre, n_kv), cos, sin)

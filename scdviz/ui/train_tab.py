@@ -18,11 +18,13 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
     """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure, session); ``train`` yields them.
 
     What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
-    gr.Markdown("### SCD calibration for the loaded pair\nFits REUSE codes, aligners and the patch order on a "
-                "shipped corpus's *calib* split; the result becomes *your* calibration for the pair in the SCD tab "
+    gr.Markdown("### SCD calibration for the loaded pair\nFits REUSE codes, aligners and the patch order on the "
+                "*calib* splits of the chosen domains (shrinkage toward identity and patch gates chosen on held-out "
+                "domains); the result becomes *your* calibration for the pair in the SCD tab "
                 "(other visitors keep theirs) and is saved as a run named NAME. (Same code as `python -m scdviz calibrate`; minutes on a CPU.)")
     with gr.Row():
-        corpus = gr.Dropdown(corpora, value=corpora[0] if corpora else None, label="Calibration corpus")
+        corpus = gr.Dropdown(corpora, value=list(corpora), multiselect=True, label="Calibration domains",
+                             elem_id="cal-domains")
         n_fit = gr.Slider(4, 64, value=16, step=4, label="Windows for the fits")
         op_k = gr.Slider(0, 6, value=2, step=1, label="Patch layers at the operating point")
         bits = gr.Radio([4, 8, 16], value=4, label="Code bits")

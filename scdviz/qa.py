@@ -3,9 +3,10 @@
 Each item asks the model to continue a quote from the context after the context:
 ``<context> \\n\\nFrom the text above: "<12 context tokens>`` and the answer is the next
 ``answer_len`` context tokens. With the full cache a model copies them (induction); after
-eviction it can only if the tokens it needs survived. Accuracy = the first greedy token
-equals the first answer token; ``answer_f1`` is token-F1 over ``answer_len`` greedy tokens.
-Positions are spread over the middle third of the context. No models are loaded here.
+eviction (DistillCache) or a cache transfer (SCD) it can only if the cache still holds what
+it needs. Accuracy = the first greedy token equals the first answer token; ``qa_f1`` is
+token-F1 over ``answer_len`` greedy tokens. Positions are spread over the middle third of
+the context. Shared by both methods' benches; no models are loaded here.
 """
 
 from __future__ import annotations
@@ -26,14 +27,18 @@ class QAItem:
     answer: list[int]  # reference continuation (context tokens)
 
 
-def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3) -> QAItem:
-    """The question for the ``index``-th context: quote CUE tokens, answer the next answer_len."""
+def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3, pending: list[int] = ()) -> QAItem:
+    """The question for the ``index``-th context: quote CUE tokens, answer the next answer_len.
+
+    pending: context tokens not yet in the cache the question is asked from (SCD's caches
+    hold the prompt but its last token); they are fed first, as part of the question.
+    """
     t = len(context)
     third = max(1, t // 3)
     p = third + (index * 37) % third
     p = max(CUE, min(p, t - answer_len))
     lead = tokenizer('\n\nFrom the text above: "', add_special_tokens=False)["input_ids"]
-    return QAItem(question=lead + context[p - CUE : p], answer=context[p : p + answer_len])
+    return QAItem(question=list(pending) + lead + context[p - CUE : p], answer=context[p : p + answer_len])
 
 
 def answer(model, cache, item: QAItem, start: int) -> dict:
