@@ -208,6 +208,8 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     rank_k = inputs.integer(rank_k, "r_K", 0, full_k)
     rank_v = inputs.integer(rank_v, "r_V", 0, full_v)
     patch_k = inputs.integer(patch_k, "Patch layers k", 0, calib.n_layers)
+    ordered = len(calib.patch_order if placement == "selected" else calib.drift_order)
+    asked, patch_k = patch_k, min(patch_k, ordered)  # "up to k": a gated calibration may order fewer
     manual = _parse_layers(layers, calib.n_layers)
     plan = plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
     report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens())
@@ -229,8 +231,10 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
         "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
     }
     mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
+    fewer = (f" (asked for {asked}; this calibration orders {ordered} patch layers for this placement)"
+             if asked > patch_k and placement != "manual" else "")
     info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. SCD full patches layers "
-            f"{plan.layers_in('patch') or 'none'} with {bits}-bit codes. Consumer {pair.consumer_source}; "
+            f"{plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes. Consumer {pair.consumer_source}; "
             f"{'your calibration' if mine else 'the shipped calibration'}. {calibration_summary(calib)}")
     return {"info": info, "table": table, "texts": texts, "figures": figures}
 
