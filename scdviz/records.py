@@ -33,6 +33,7 @@ class BenchRecord:
     versions: dict = field(default_factory=dict)  # python, packages, scdviz, device
     created: str = ""  # UTC time written
     format: str = FORMAT  # layout of this file
+    note: str = ""  # anything done to the file after the run (e.g. a label corrected), said plainly
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,7 +88,7 @@ def from_json(obj, name: str = "the file") -> BenchRecord:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{name}: the record has no rows")
     return BenchRecord(obj["kind"], obj["settings"], obj["seed"], rows, obj.get("versions") or {},
-                       obj.get("created", ""), obj["format"])
+                       obj.get("created", ""), obj["format"], obj.get("note", ""))
 
 
 def read(path: str | Path) -> BenchRecord:

@@ -380,3 +380,12 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     with pytest.raises(ValueError, match="needs a calibration of 2\\+ domains"):
         bench.run(run, tiny_pair, cal.calibrate(tiny_pair, small_cfg(None, domains=["bible"], n_fit=4, n_select=2),
                                                 progress=False), progress=False)
+
+
+def test_lineup_names_are_unique_even_when_no_patch_survives(tiny_calib):
+    import dataclasses
+
+    gated = dataclasses.replace(tiny_calib, patch_order=[])
+    for sink in ("recompute", "send"):
+        names = [p.name for p in plans.lineup(gated, sink=sink)]
+        assert len(set(names)) == 5 and names[-1].startswith("SCD full") and names[-2].startswith("SCD reuse-only")

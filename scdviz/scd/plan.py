@@ -187,7 +187,7 @@ def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recomp
     """
     n = calib.n_layers
     tag = SENT if sink == "send" else ""
-    full = scd_full or operating_plan(calib)
+    full = scd_full or operating_plan(calib, name="SCD full")  # named so even when it patches nothing
     full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink)
     reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink)
     block = contiguous_block(calib.ideal_gain, calib.config.op_patch_k)
