@@ -364,7 +364,7 @@ def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, p
 def shipped_results() -> list[Path]:
     """Benchmark records shipped in assets/ (read-only)."""
     assets = settings.ASSETS_DIR
-    return sorted([*assets.glob("scd/*/bench.json"), *assets.glob("policy/bench/*.json")])
+    return sorted([*assets.glob("scd/*/*.json"), *assets.glob("policy/bench/*.json")])
 
 
 def load_results(path, upload_roots: tuple[Path, ...] = ()):

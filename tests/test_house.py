@@ -155,7 +155,7 @@ def test_shipped_records_and_artefacts_are_current():
     from scdviz import settings
     from scdviz.scd import calibrate as cal
 
-    for path in [*settings.ASSETS_DIR.glob("scd/*/bench.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
+    for path in [*settings.ASSETS_DIR.glob("scd/*/*.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
         rec = records.read(path)
         assert rec.kind == ("scd" if path.relative_to(settings.ASSETS_DIR).parts[0] == "scd" else "evict"), path
         settings_cls = cli.BenchScd if rec.kind == "scd" else cli.BenchEvict
