@@ -194,9 +194,11 @@ def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
         rows = df[df["row"] == "measured"] if "row" in df else df
         rows = rows[rows["payload_bytes_per_token"] > 0]
         fig = go.Figure()
-        for name, part in rows.groupby("specialist" if "specialist" in rows else "method"):
+        keys = [c for c in ("specialist", "domain") if c in rows and rows[c].notna().any()] or ["method"]
+        for name, part in rows.groupby(keys):
+            label = " / ".join(str(x) for x in (name if isinstance(name, tuple) else (name,)))
             fig.add_scatter(x=part["payload_bytes_per_token"], y=part["kl"], mode="markers+text", text=part["method"],
-                            textposition="top center", name=str(name))
+                            textposition="top center", name=label)
         return _layout(fig, "Saved SCD benchmark: payload vs KL", "payload bytes per prompt token", "KL", log_y=True)
     fig = go.Figure()
     rows = df[pd.to_numeric(df["keep"], errors="coerce").notna() & df["kl"].notna()]
