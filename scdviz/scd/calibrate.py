@@ -204,15 +204,15 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
     return _Fits(k_stats, v_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
 
 
-def _others(stats: list[list[RRRStats]], fold: int, layer: int) -> RRRStats:
-    """Statistics of every fold but ``fold`` at one layer."""
-    parts = [f[layer] for i, f in enumerate(stats) if i != fold]
-    return functools.reduce(operator.add, parts)
+def _summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> RRRStats:
+    """Statistics of the folds passing ``keep`` at one layer, added up."""
+    return functools.reduce(operator.add, [f[layer] for i, f in enumerate(stats) if keep(i)])
 
 
 def _lodo_error(stats: list[list[RRRStats]], layer: int, ridge: float, shrink: float) -> float:
     """Mean over folds of the relative error of the full-rank map fitted on the other folds."""
-    errs = [stats[f][layer].heldout_error(*_others(stats, f, layer).full_map(ridge, shrink)) for f in range(len(stats))]
+    errs = [stats[f][layer].heldout_error(*_summed(stats, layer, lambda i, f=f: i != f).full_map(ridge, shrink))
+            for f in range(len(stats))]
     return sum(errs) / len(errs)
 
 
@@ -224,17 +224,17 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
     """
     n = len(fits.k_stats[0])
     grid = [cfg.shrink] if cfg.shrink is not None else list(cfg.shrink_grid)
-    table = {}
-    for alpha in grid:
-        errs = [_lodo_error(st, layer, cfg.ridge, alpha) for st in (fits.k_stats, fits.v_stats) for layer in range(n)]
-        table[alpha] = sum(errs) / len(errs)
+    kinds = {"k": fits.k_stats, "v": fits.v_stats}
+    per_layer = {alpha: {name: [_lodo_error(st, layer, cfg.ridge, alpha) for layer in range(n)] for name, st in kinds.items()}
+                 for alpha in grid}  # alpha -> K/V -> (L,) held-out error
+    table = {alpha: sum(sum(errs) for errs in e.values()) / (2 * n) for alpha, e in per_layer.items()}
     best = min(table, key=table.get)
     out = {"shrink": best, "lodo_error": {str(k): round(v, 5) for k, v in table.items()}}
-    for name, st in (("k", fits.k_stats), ("v", fits.v_stats)):
+    for name, st in kinds.items():
         chosen = []
         for layer in range(n):
             use_identity = cfg.identity_fallback and (
-                _lodo_error(st, layer, cfg.ridge, float("inf")) < _lodo_error(st, layer, cfg.ridge, best))
+                _lodo_error(st, layer, cfg.ridge, float("inf")) < per_layer[best][name][layer])
             chosen.append(float("inf") if use_identity else best)
         out[f"shrink_{name}"] = chosen
     return out
@@ -263,8 +263,7 @@ def _gate(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConfig) -> d
         patch_err += float(((est - ref) ** 2).sum())
         for (xp, xc), st, alpha in (((kp, kc), fits.k_stats, shrinks["shrink_k"][layer]),
                                     ((vp, vc), fits.v_stats, shrinks["shrink_v"][layer])):
-            kept = [fold[layer] for i, fold in enumerate(st) if i % n_folds != f]
-            mu_x, mu_y, b = functools.reduce(operator.add, kept).full_map(cfg.ridge, alpha)
+            mu_x, mu_y, b = _summed(st, layer, lambda i, f=f: i % n_folds != f).full_map(cfg.ridge, alpha)
             code_err += float((((xp.double() - mu_x) @ b + mu_y - xc.double()) ** 2).sum())
     return {"patch_sse": round(patch_err, 2), "code_sse": round(code_err, 2), "kept": patch_err < code_err}
 
@@ -316,8 +315,8 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     windows, folds, select = _windows(pair, cfg)
     fits = _prefills(pair, windows, folds, cfg, progress)
     shrinks = choose_shrink(fits, cfg)
-    total_k = [_others(fits.k_stats, -1, layer) for layer in range(len(fits.drift_k))]
-    total_v = [_others(fits.v_stats, -1, layer) for layer in range(len(fits.drift_k))]
+    total_k = [_summed(fits.k_stats, layer) for layer in range(len(fits.drift_k))]
+    total_v = [_summed(fits.v_stats, layer) for layer in range(len(fits.drift_k))]
     key_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_k, shrinks["shrink_k"])]
     value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
     t_fit = time.perf_counter() - t0
