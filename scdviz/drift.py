@@ -44,11 +44,14 @@ def reuse_drift(pair: Pair, window: list[int], cont_len: int) -> dict:
     oracle_cache = hf.forward(pair.consumer, prefix).cache
     producer_cache = hf.forward(pair.producer, prefix).cache
     oracle = hf.continue_logits(pair.consumer, oracle_cache, fed, start)[0]
+    own = hf.forward(pair.producer, hf.ids_tensor(window[:-1])).logits[0, start:]  # the producer alone, same positions
     reuse = hf.continue_logits(pair.consumer, producer_cache, fed, start)[0]
     targets = targets[0].to(oracle.device)
     return {
         "kl": metrics.kl_per_token(oracle, reuse).tolist(),
         "top1": metrics.top1_agreement(oracle, reuse).tolist(),
+        "kl_producer": metrics.kl_per_token(oracle, own).tolist(),
+        "top1_producer": metrics.top1_agreement(oracle, own).tolist(),
         "nll_oracle": metrics.nll_per_token(oracle, targets).tolist(),
         "nll_reuse": metrics.nll_per_token(reuse, targets).tolist(),
     }
@@ -74,11 +77,12 @@ def evaluate_pair(
     }
     for corpus in corpora or data.corpora():
         windows = data.token_windows(pair.tokenizer, data.load_split(corpus, "eval"), prompt_len + cont_len, n_prompts)
-        acc: dict[str, list[float]] = {k: [] for k in ("kl", "top1", "nll_oracle", "nll_reuse", "prod", "cons")}
+        acc: dict[str, list[float]] = {k: [] for k in ("kl", "top1", "nll_oracle", "nll_reuse", "prod", "cons",
+                                                  "kl_producer", "top1_producer")}
         per_prompt_kl = []
         for window in tqdm(windows, desc=f"eval {corpus}"):
             drift = reuse_drift(pair, window, cont_len)
-            for key in ("kl", "top1", "nll_oracle", "nll_reuse"):
+            for key in ("kl", "top1", "nll_oracle", "nll_reuse", "kl_producer", "top1_producer"):
                 acc[key] += drift[key]
             per_prompt_kl.append(sum(drift["kl"]) / len(drift["kl"]))
             acc["prod"] += window_nll(pair.producer, window)
@@ -92,6 +96,8 @@ def evaluate_pair(
             "kl_reuse": round(kl, 4),
             "kl_reuse_se": round(kl_se, 4),
             "top1_reuse": round(sum(acc["top1"]) / len(acc["top1"]), 4),
+            "kl_producer": round(sum(acc["kl_producer"]) / len(acc["kl_producer"]), 4),
+            "top1_producer": round(sum(acc["top1_producer"]) / len(acc["top1_producer"]), 4),
             "n_prompts": len(windows),
             "n_cont_tokens": len(acc["kl"]),
         }
@@ -100,7 +106,7 @@ def evaluate_pair(
 
 def report_table(report: dict) -> str:
     """The evaluate_pair report as a plain-text table."""
-    cols = ["ppl_producer", "ppl_consumer", "ppl_cont_oracle", "ppl_cont_reuse", "kl_reuse", "kl_reuse_se", "top1_reuse", "n_prompts"]
+    cols = ["ppl_producer", "ppl_consumer", "ppl_cont_oracle", "ppl_cont_reuse", "kl_reuse", "kl_reuse_se", "top1_reuse", "top1_producer", "n_prompts"]
     lines = [f"consumer {report['consumer']} vs producer {report['producer']} "
              f"(prompt {report['prompt_len']} + {report['cont_len']} teacher-forced tokens)"]
     lines.append("corpus".ljust(8) + "".join(c.rjust(16) for c in cols))

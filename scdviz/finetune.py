@@ -41,6 +41,8 @@ class FinetuneConfig:
     lr: float = opt(1e-3, 'peak learning rate')
     warmup: int = opt(5, 'linear warm-up steps')
     seed: int = opt(0, 'data order and LoRA init')
+    targets: list[str] = opt(list(TARGETS), "linear layers that get an adapter (adapters on k_proj/v_proj move the KV cache most)",
+                             choices=tuple(TARGETS))
 
 
 def finetune(cfg: FinetuneConfig, progress=None) -> dict:
@@ -50,7 +52,7 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=TARGETS, lora_dropout=0.0)
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=list(cfg.targets), lora_dropout=0.0)
     model = get_peft_model(model, lora)
     windows = data.token_windows(tokenizer, data.load_split(cfg.corpus, "train"), cfg.seq_len)
     random.Random(cfg.seed).shuffle(windows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from scdviz import drift
+from scdviz.finetune import TARGETS
 from scdviz.models import builtin
 from scdviz.models.pair import load_pair
 
@@ -42,6 +43,7 @@ def write_card(name: str, n_prompts: int = 16, prompt_len: int = 256, cont_len: 
 def render(name: str, log: dict, report: dict) -> str:
     """The card's markdown from a training log and an evaluate_pair report."""
     cfg = log["config"]
+    targets = list(cfg.get("targets") or TARGETS)
     loss = log["loss"]
     tail = sum(loss[-5:]) / min(5, len(loss))
     every = max(1, len(loss) // 8)
@@ -50,7 +52,7 @@ def render(name: str, log: dict, report: dict) -> str:
                 f"--prompt-len {report['prompt_len']} --cont-len {report['cont_len']}")
     train_cmd = (f"python -m scdviz finetune --corpus {cfg['corpus']} --rank {cfg['rank']} --steps {cfg['steps']} "
                  f"--batch {cfg['batch']} --seq-len {cfg['seq_len']} --lr {cfg['lr']} --seed {cfg['seed']} "
-                 f"--out assets/adapters/{name}")
+                 + (f"--targets {' '.join(targets)} " if targets != TARGETS else "") + f"--out assets/adapters/{name}")
     lines = [
         f"# `builtin:{name}` — a LoRA specialist of SmolLM2-135M-Instruct",
         "",
@@ -58,7 +60,7 @@ def render(name: str, log: dict, report: dict) -> str:
         f"(assets/text/{cfg['corpus']}/train.txt; provenance and licence in assets/text/README.md).",
         "",
         "## Training",
-        f"- LoRA rank {cfg['rank']}, alpha {cfg['alpha'] or 2 * cfg['rank']}, on q/k/v/o and gate/up/down projections; "
+        f"- LoRA rank {cfg['rank']}, alpha {cfg['alpha'] or 2 * cfg['rank']}, on {', '.join(targets)}; "
         f"adapter stored in fp16 safetensors.",
         f"- {cfg['steps']} steps × {cfg['batch']} windows × {cfg['seq_len']} tokens = {log['tokens_seen']:,} tokens "
         f"(of {log['train_windows_available']} windows available), AdamW lr {cfg['lr']} with {cfg['warmup']} warm-up "
@@ -71,16 +73,21 @@ def render(name: str, log: dict, report: dict) -> str:
         f"Eval split of each shipped corpus (never used for training or calibration): {report['prompt_len']}-token "
         f"prompts + {report['cont_len']} teacher-forced continuation tokens. *Raw reuse* = the consumer continues "
         "from the producer's KV cache of the prompt; KL is mean KL(oracle ‖ raw reuse) per continuation token "
-        "(± s.e. over prompts), top-1 is agreement with the oracle (the consumer's own prefill).",
+        "(± s.e. over prompts), top-1 is agreement with the oracle (the consumer's own prefill). *Producer alone* = "
+        "the producer's own next-token prediction at the same positions: raw reuse tends toward it as the cache, not "
+        "the weights, decides.",
         "",
-        "| corpus | PPL producer | PPL specialist | cont. PPL oracle | cont. PPL raw reuse | KL raw reuse | top-1 raw reuse | prompts |",
-        "|---|---|---|---|---|---|---|---|",
+        "| corpus | PPL producer | PPL specialist | cont. PPL oracle | cont. PPL raw reuse | KL raw reuse | top-1 raw reuse "
+        "| top-1 producer alone | prompts |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for corpus, r in report["corpora"].items():
         tag = " (in-domain)" if corpus == cfg["corpus"] else " (out-of-domain)"
         lines.append(
             f"| {corpus}{tag} | {r['ppl_producer']:.2f} | {r['ppl_consumer']:.2f} | {r['ppl_cont_oracle']:.2f} | "
-            f"{r['ppl_cont_reuse']:.2f} | {r['kl_reuse']:.3f} ± {r['kl_reuse_se']:.3f} | {r['top1_reuse']:.3f} | {r['n_prompts']} |"
+            f"{r['ppl_cont_reuse']:.2f} | {r['kl_reuse']:.3f} ± {r['kl_reuse_se']:.3f} | {r['top1_reuse']:.3f} | "
+            f"{r['top1_producer']:.3f} | {r['n_prompts']} |" if "top1_producer" in r else
+            f"— | {r['n_prompts']} |"
         )
     lines += ["", f"Reproduce every number in this table: `{eval_cmd}`", "(written by `python -m scdviz model-card --name " + name + "`)", ""]
     return "\n".join(lines)
