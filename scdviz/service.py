@@ -28,7 +28,7 @@ __all__ = ["UserError", "Session"]
 _PAIRS: OrderedDict[tuple[str, str], Pair] = OrderedDict()
 _LOCK = threading.Lock()  # guards _PAIRS and _LOADING only (never held while a model loads)
 _LOADING: dict[tuple[str, str], threading.Lock] = {}  # one lock per pair being loaded
-MAX_PAIRS = 2  # pairs kept in memory at once (each ~1 GB in fp32 for the built-in pair)
+MAX_PAIRS = 3  # pairs kept in memory at once (each ~1 GB in fp32 for the built-in pair): the producer with every built-in specialist
 
 
 def builtin_choices() -> tuple[str, list[str]]:
@@ -147,8 +147,12 @@ def calibration_summary(calib) -> str:
     if "shrink" in st:
         parts.append(f"REUSE maps shrunk toward identity by {st['shrink']:g} (chosen on held-out domains); identity "
                      f"code on {len(st.get('identity_k', []))} K and {len(st.get('identity_v', []))} V layers.")
-    gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]]
+    gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]] if calib.config.gate_patches else []
     parts.append(f"Patch order {calib.patch_order}" + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))
+    mlp = [int(k) for k, v in st.get("patch_gate", {}).items() if v.get("mlp")]
+    if st.get("patch_gate"):
+        parts.append("Aligners: identity + a linear correction shrunk toward identity (chosen on held-out domains)"
+                     + (f"; the MLP helped off-domain on layers {mlp} only." if mlp else "; the MLP helped on no layer off-domain."))
     return " ".join(parts)
 
 

@@ -389,3 +389,69 @@ def test_lineup_names_are_unique_even_when_no_patch_survives(tiny_calib):
     for sink in ("recompute", "send"):
         names = [p.name for p in plans.lineup(gated, sink=sink)]
         assert len(set(names)) == 5 and names[-1].startswith("SCD full") and names[-2].startswith("SCD reuse-only")
+
+
+def test_linear_aligner_recovers_an_exact_linear_relation_in_kv_space_and_shrinks_to_identity():
+    from scdviz.scd.patch import fit_patch, fit_patches, linear_corrections
+
+    g = torch.Generator().manual_seed(0)
+    d, d_out, n = 24, 10, 400
+    h_p = torch.randn(n, d, generator=g) * torch.linspace(0.5, 3, d) + 1.0
+    true = torch.eye(d) + 0.3 * torch.randn(d, d, generator=g)
+    h_c = h_p @ true + 0.5
+    weight = torch.randn(d_out, d, generator=g)  # consumer k/v projection
+    exact = fit_patch(0, h_p, h_c, weight, steps=0, shrink=0.0, ridge=1e-9)
+    assert exact.fit_err < 1e-8  # the K, V it regenerates equal the consumer's
+    identity = fit_patch(0, h_p, h_c, weight, steps=0, shrink=float("inf"))
+    assert torch.count_nonzero(identity.aligner.lin.weight) == 0
+    shrinks = [0.0, 0.1, 1.0, 10.0, float("inf")]
+    errs = [fit_patch(0, h_p, h_c, weight, steps=0, shrink=a).fit_err for a in shrinks]
+    assert errs == [p.fit_err for p in fit_patches(0, h_p, h_c, weight, shrinks=shrinks)]  # one shared fit, same result
+    assert errs == sorted(errs) and errs[-1] > 10 * errs[1]  # shrinking costs fit error, monotonically
+    # Directions the projection ignores get no correction: Δ maps into the row space of P Pᵀ only.
+    zp = (h_p - h_p.mean(0)) / h_p.std(0)
+    delta, _ = linear_corrections(zp, zp @ true, weight.T, [0.0])[0]
+    null = torch.linalg.svd(weight)[2][d_out:].T  # (d, d - d_out) null space of the projection
+    assert float((delta @ null).abs().max()) < 1e-4 * float(delta.abs().max())
+
+
+def test_patch_table_gives_each_k_relative_to_reuse_only_on_the_same_prompts(tiny_pair, texts):
+    from scdviz.scd import bench
+
+    calib = cal.calibrate(tiny_pair, small_cfg(texts, selection="given", given=[0, 2], patch_k=2), progress=False)
+    run = bench.ScdBenchConfig(texts=texts, limit=3, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False,
+                               qa_answer_len=0, sweeps=True)
+    reports = bench.run(run, tiny_pair, calib, progress=False)
+    table = bench.patch_table(reports)
+    given = table[table["placement"] == "given"]
+    assert list(given["k"]) == [0, 1, 2] and given["vs_k0"].iloc[0] == 1.0 and given["vs_k0_ci95"].iloc[0] == "[1.000, 1.000]"
+    sweep = {r.method: r for r in reports[0].sweeps if r.group == "patch sweep"}
+    assert given["kl"].iloc[2] == round(sweep["SCD k=2 (given)"].kl, 4)
+    assert given["vs_k0"].iloc[2] == round(sweep["SCD k=2 (given)"].kl / sweep["SCD k=0 (given)"].kl, 3)
+
+
+def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches_are_placed(tiny_calib):
+    from scdviz import service
+
+    gates = tiny_calib.stats["patch_gate"]
+    assert set(map(int, gates)) == set(tiny_calib.patches)  # every aligner went through the same held-out choice
+    for layer, g in gates.items():
+        linear = g["lodo_sse"]["identity" if g["shrink"] == "identity" else str(g["shrink"])]
+        assert linear == min(g["lodo_sse"].values())  # the shrinkage chosen is the held-out best
+        assert g["patch_sse"] == (g["mlp_sse"] if g["mlp"] else linear) and g["patch_sse"] <= linear
+        assert g["kept"] == (g["patch_sse"] < g["code_sse"])
+        assert g["mlp"] == (torch.count_nonzero(tiny_calib.patches[int(layer)].aligner.down.weight) > 0)
+    assert set(tiny_calib.patch_order) <= {int(k) for k, g in gates.items() if g["kept"]}
+    assert "Aligners: identity + a linear correction" in service.calibration_summary(tiny_calib)
+
+
+def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_pair, texts):
+    calib = cal.calibrate(tiny_pair, small_cfg(texts, gate_patches=False, n_candidates=3, patch_k=3), progress=False)
+    windows = cal._windows(tiny_pair, calib.config)[2]
+    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, calib.config.cont_len) for w in windows]
+    assert len(calib.patch_order) == 3
+    for k, want in enumerate(calib.selection_kl):
+        plan = plans.full_rank_plan(calib, calib.patch_order[:k])
+        runs = [transfer.run_plan(tiny_pair.consumer, case, plan, calib) for case in cases]
+        got = sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean()) for c, r in zip(cases, runs)) / len(cases)
+        assert abs(got - want) < 1e-5 * max(1.0, want)

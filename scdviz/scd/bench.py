@@ -218,6 +218,25 @@ def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def patch_table(reports: list[BenchReport]) -> pd.DataFrame:
+    """The patch-budget sweep per report: KL ± se and top-1 at each k, and KL relative to k = 0
+    (reuse-only, same placement) with its 95% paired-bootstrap interval over prompts."""
+    out = []
+    for rep in reports:
+        sweep = [r for r in rep.sweeps if r.group == "patch sweep"]
+        for placement in sorted({r.method.split("(")[-1].rstrip(")") for r in sweep}):
+            rows_ = [r for r in sweep if r.method.endswith(f"({placement})")]
+            base = rows_[0]
+            for r in rows_:
+                boot = metrics.paired_bootstrap(base.kl_per_prompt, r.kl_per_prompt)
+                out.append({"specialist": rep.specialist, "domain": rep.domain, "placement": placement,
+                            "k": int(r.method.split("k=")[1].split()[0]), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
+                            "top1": round(r.top1, 3), "vs_k0": round(r.kl / base.kl, 3) if base.kl else None,
+                            "vs_k0_ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]",
+                            "bytes": round(r.payload_bytes_per_token), "n": r.n_prompts})
+    return pd.DataFrame(out)
+
+
 def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
     """Per domain: raw reuse vs SCD full (KL ± se, ratio, top-1, bytes/token) with the same token-0 handling."""
     rows_ = []

@@ -28,7 +28,7 @@ from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
-from scdviz.scd.patch import Aligner, Patch, fit_patch
+from scdviz.scd.patch import Aligner, Patch, fit_patch, fit_patches
 from scdviz.scd.rrr import LinearCode, RRRStats
 
 SELECTIONS = ("greedy", "drift", "given")
@@ -44,7 +44,7 @@ class CalibConfig:
     domains: list[str] = opt([], "shipped corpora whose calib splits are mixed, windows spread evenly (default: every shipped corpus)")
     texts: str | None = opt(None, "a .txt / .jsonl passage file instead of the shipped splits (one domain, split in 2 folds)")
     n_fit: int = opt(32, "windows for the fits, spread over the domains")
-    n_select: int = opt(6, "further windows for patch selection (continuation KL), spread over the domains")
+    n_select: int = opt(16, "further windows for patch selection (continuation KL), spread over the domains")
     prompt_len: int = opt(256, 'prompt tokens per window')
     cont_len: int = opt(32, 'continuation tokens scored during selection')
     ridge: float = opt(1e-3, 'RRR ridge, relative to the mean input eigenvalue')
@@ -52,6 +52,8 @@ class CalibConfig:
     shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the leave-one-domain-out choice")
     identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out domains")
     gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out domains")
+    patch_shrink: float | None = opt(None, "aligners: ridge on the linear correction toward the identity aligner, relative (default: chosen per layer from patch_shrink_grid and the identity aligner by held-out-domain K/V error)")
+    patch_shrink_grid: tuple[float, ...] = opt((0.1, 0.3, 1.0, 3.0, 10.0, 30.0), "candidate aligner shrinkages for the held-out-domain choice")
     gate_folds: int = opt(3, "the patch gate groups the domains into at most this many held-out folds (one aligner fit each)")
     max_rank: int | None = opt(None, 'store codes up to this rank (None: full d_kv)')
     rank_h: int | None = opt(None, 'PATCH code width (None: the whole normalised H_in)')
@@ -246,31 +248,46 @@ def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
     return [torch.cat(col).float() for col in zip(*picked)]
 
 
-def _gate(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConfig) -> dict:
-    """Held-out-domain K/V error of the patch vs the REUSE code, both fitted without the held-out domains.
+def _patch_choice(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConfig) -> dict:
+    """The aligner's shrinkage, whether its MLP helps, and the gate, all by held-out-domain K/V error.
 
-    Domains are grouped round-robin into ``cfg.gate_folds`` folds (one aligner fit each).
+    Domains are grouped round-robin into ``cfg.gate_folds`` folds. Per fold, the linear
+    aligners of every shrinkage (and the identity aligner), the MLP on top of the best one,
+    and the REUSE codes are fitted without the fold and scored on it. Returns {"shrink"
+    (a number, or "identity"), "lodo_sse" (shrink -> linear aligner's held-out SSE),
+    "mlp" (the MLP lowered it), "patch_sse", "code_sse", "kept"}.
     """
     n_folds = min(cfg.gate_folds, len(fits.k_stats))
-    patch_err = code_err = 0.0
-    for f in range(n_folds):
-        hp, hc, _, _, _, _ = _rows_of(fits, layer, lambda g, f=f: g % n_folds != f)
-        _, _, kp, kc, vp, vc = held = _rows_of(fits, layer, lambda g, f=f: g % n_folds == f)
-        patch = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
-                          cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
-        est = patch.decode(patch.encode(held[0])) @ weight.float().T
-        ref = torch.cat([kc, vc], 1)
-        patch_err += float(((est - ref) ** 2).sum())
+    grid = [cfg.patch_shrink] if cfg.patch_shrink is not None else [*cfg.patch_shrink_grid, float("inf")]
+    kv_weight = weight if cfg.aligner_loss == "kv" else None
+    w = weight.float().T
+    lodo, mlp_sse, code_sse = dict.fromkeys(grid, 0.0), 0.0, 0.0
+    split = [(_rows_of(fits, layer, lambda g, f=f: g % n_folds != f), _rows_of(fits, layer, lambda g, f=f: g % n_folds == f))
+             for f in range(n_folds)]
+
+    def sse(patch: Patch, held: list[torch.Tensor]) -> float:
+        return float(((patch.decode(patch.encode(held[0])) @ w - torch.cat([held[3], held[5]], 1)) ** 2).sum())
+
+    for train, held in split:
+        for alpha, patch in zip(grid, fit_patches(layer, train[0], train[1], kv_weight, cfg.rank_h, cfg.aligner_hidden,
+                                                  grid, cfg.ridge)):
+            lodo[alpha] += sse(patch, held)
+    best = min(lodo, key=lodo.get)
+    for f, (train, held) in enumerate(split):
+        if cfg.aligner_steps:
+            mlp_sse += sse(fit_patch(layer, train[0], train[1], kv_weight, cfg.rank_h, cfg.aligner_hidden, cfg.aligner_steps,
+                                     seed=cfg.seed, shrink=best, ridge=cfg.ridge), held)
+        _, _, kp, kc, vp, vc = held
         for (xp, xc), st, alpha in (((kp, kc), fits.k_stats, shrinks["shrink_k"][layer]),
                                     ((vp, vc), fits.v_stats, shrinks["shrink_v"][layer])):
             mu_x, mu_y, b = _summed(st, layer, lambda i, f=f: i % n_folds != f).full_map(cfg.ridge, alpha)
-            code_err += float((((xp.double() - mu_x) @ b + mu_y - xc.double()) ** 2).sum())
-    return {"patch_sse": round(patch_err, 2), "code_sse": round(code_err, 2), "kept": patch_err < code_err}
-
-
-def _kl(pair: Pair, cases: list[transfer.Case], plan: plans.Plan, calib: Calibration) -> float:
-    runs = [transfer.run_plan(pair.consumer, case, plan, calib) for case in cases]
-    return sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean()) for c, r in zip(cases, runs)) / len(cases)
+            code_sse += float((((xp.double() - mu_x) @ b + mu_y - xc.double()) ** 2).sum())
+    use_mlp = bool(cfg.aligner_steps) and mlp_sse < lodo[best]
+    patch_sse = mlp_sse if use_mlp else lodo[best]
+    return {"shrink": "identity" if best == float("inf") else best,
+            "lodo_sse": {("identity" if k == float("inf") else str(k)): round(v, 2) for k, v in lodo.items()},
+            "mlp": use_mlp, "mlp_sse": round(mlp_sse, 2) if cfg.aligner_steps else None,
+            "patch_sse": round(patch_sse, 2), "code_sse": round(code_sse, 2), "kept": patch_sse < code_sse}
 
 
 def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, base: plans.Plan) -> list[float]:
@@ -293,15 +310,37 @@ def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, bas
 
 
 def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int) -> tuple[list[int], list[float]]:
-    """Patch layers added one at a time, each the candidate that lowers selection KL most."""
+    """Patch layers added one at a time, each the candidate that lowers selection KL most.
+
+    Layers of a payload are received independently, so each case's cache is received once
+    reuse-only and once per candidate patch; every trial swaps the chosen layers' K, V in.
+    """
+    start = cases[0].state.ids.shape[1]
+    base = plans.full_rank_plan(calib)
+    parts = []  # per case: (reuse-only K, V lists, {candidate: (K, V) of its patched layer})
+    for case in cases:
+        keys, values = hf.cache_kv(transfer.receive(pair.consumer, transfer.build_payload(case.state, base, calib), base, calib).cache)
+        own = {}
+        for c in candidates:
+            plan = plans.full_rank_plan(calib, [c])
+            got = hf.cache_kv(transfer.receive(pair.consumer, transfer.build_payload(case.state, plan, calib), plan, calib).cache)
+            own[c] = (got[0][c], got[1][c])
+        parts.append((keys, values, own))
+
+    def kl(layers: list[int]) -> float:
+        total = 0.0
+        for case, (keys, values, own) in zip(cases, parts):
+            k2, v2 = list(keys), list(values)
+            for layer in layers:
+                k2[layer], v2[layer] = own[layer]
+            logits, _ = transfer.continuation(pair.consumer, hf.make_cache(pair.consumer, k2, v2), case.fed, start)
+            total += float(metrics.kl_per_token(case.oracle_logits, logits).mean())
+        return total / len(cases)
+
     chosen: list[int] = []
-    kls = [_kl(pair, cases, plans.full_rank_plan(calib), calib)]
+    kls = [kl([])]
     for _ in tqdm(range(min(k, len(candidates))), desc="calibrate: greedy patch placement"):
-        scores = {
-            c: _kl(pair, cases, plans.full_rank_plan(calib, chosen + [c]), calib)
-            for c in candidates
-            if c not in chosen
-        }
+        scores = {c: kl(chosen + [c]) for c in candidates if c not in chosen}
         best = min(scores, key=scores.get)
         chosen.append(best)
         kls.append(scores[best])
@@ -333,16 +372,17 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     gates = {}
     for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
         weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
-        if cfg.gate_patches and layer in want and cfg.selection != "given":
-            gates[layer] = _gate(fits, layer, shrinks, weight, cfg)
+        choice = gates[layer] = _patch_choice(fits, layer, shrinks, weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
         calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
-                                         cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
+                                         cfg.aligner_hidden, cfg.aligner_steps if choice["mlp"] else 0, seed=cfg.seed,
+                                         shrink=float("inf") if choice["shrink"] == "identity" else choice["shrink"],
+                                         ridge=cfg.ridge)
     t_align = time.perf_counter() - t1
     calib.drift_order = by_drift[: cfg.patch_k]
     calib.ideal_gain = gains
     if cfg.selection == "greedy":
-        passed = [c for c in by_gain[: cfg.n_candidates] if gates.get(c, {"kept": True})["kept"]]
+        passed = [c for c in by_gain[: cfg.n_candidates] if gates[c]["kept"] or not cfg.gate_patches]
         calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, passed, cfg.patch_k)
     else:
         calib.patch_order = list(cfg.given) if cfg.selection == "given" else calib.drift_order

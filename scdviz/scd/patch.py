@@ -7,11 +7,14 @@ standardised (mean, std from calibration), so the few huge activation dimensions
 dominate the PCA basis or the quantisation ranges (DESIGN §7). ``rank_h = d`` sends the
 whole normalised H_in (no PCA).
 
-The aligner is an identity plus a residual MLP in normalised space,
-``ĥ_C = ĥ_P + W2 gelu(W1 ĥ_P + b1) + b2``, started at identity (W2 = 0), trained with
-Adam either on the normalised H error or on the error of the K, V the consumer's own
-projections make from it (``loss="kv"``). Pure tensors + torch.nn; the model weights
-come in as tensors (scdviz.models.hf.kv_weights).
+The aligner works in normalised space: identity + a linear correction + a residual MLP,
+``ĥ_C = ĥ_P + ĥ_P Δ + b + W2 gelu(W1 ĥ_P + b1) + b2``. The linear part is fitted in closed
+form with a ridge α on Δ (shrinkage toward the identity aligner, i.e. toward "the
+consumer regenerates K, V from the producer's own H_in"), on the error of the K, V the
+consumer's own projections make from it (``kv_weight`` given) or on the normalised H
+error; the MLP then starts at zero (W2 = 0) and is trained with Adam on the same loss
+with the linear part frozen, so it only adds what the linear map cannot express.
+Pure tensors + torch.nn; the model weights come in as tensors (scdviz.models.hf.kv_weights).
 """
 
 from __future__ import annotations
@@ -23,17 +26,48 @@ from torch import Tensor, nn
 
 
 class Aligner(nn.Module):
-    """Identity + residual MLP on normalised H_in, (N, d) -> (N, d)."""
+    """Identity + linear correction + residual MLP on normalised H_in, (N, d) -> (N, d); starts at identity."""
 
     def __init__(self, d: int, hidden: int):
         super().__init__()
+        self.lin = nn.Linear(d, d)
         self.up = nn.Linear(d, hidden)
         self.down = nn.Linear(hidden, d)
-        nn.init.zeros_(self.down.weight)
-        nn.init.zeros_(self.down.bias)
+        for t in (self.lin.weight, self.lin.bias, self.down.weight, self.down.bias):
+            nn.init.zeros_(t)
 
     def forward(self, h: Tensor) -> Tensor:
-        return h + self.down(nn.functional.gelu(self.up(h)))
+        return h + self.lin(h) + self.down(nn.functional.gelu(self.up(h)))
+
+
+def linear_corrections(zp: Tensor, zc: Tensor, proj: Tensor | None, shrinks: list[float],
+                       ridge: float = 1e-3) -> list[tuple[Tensor, Tensor]]:
+    """Per shrinkage α: (Δ (d, d), b (d,)) minimising ‖(zp + zp Δ + b − zc) P‖² + (λ+α)·s·‖Δ‖², closed form.
+
+    P = proj (d, d_out), or the identity when None. With Q = P Pᵀ = U diag(l) Uᵀ and
+    XᵀX = V diag(g) Vᵀ (X: centred zp), the normal equations XᵀX Δ Q + c Δ = XᵀR Q are
+    diagonal in those bases: Δ = V [(Vᵀ XᵀR U) l ⊘ (g lᵀ + c)] Uᵀ, R = zc − zp centred,
+    so every α shares one pair of eigendecompositions. λ (ridge) and α are relative to
+    s = mean(g) · mean(l); α = inf gives Δ = 0 (the identity aligner). Directions P
+    ignores get no correction (the minimum-norm solution).
+    """
+    mu_p, resid = zp.mean(0), zc - zp
+    mu_r = resid.mean(0)
+    x = zp - mu_p
+    g, v = torch.linalg.eigh((x.T @ x).double())
+    q = (proj @ proj.T).double() if proj is not None else torch.eye(zp.shape[1], dtype=torch.float64, device=zp.device)
+    l, u = torch.linalg.eigh(q)
+    g, l = g.clamp_min(0), l.clamp_min(0)
+    scale = g.mean().clamp_min(1e-12) * l.mean().clamp_min(1e-12)
+    rotated = (v.T @ (x.T @ (resid - mu_r)).double() @ u) * l[None, :]
+    out = []
+    for alpha in shrinks:
+        if alpha == float("inf"):
+            out.append((torch.zeros_like(q).float(), mu_r))
+            continue
+        delta = (v @ (rotated / (g[:, None] * l[None, :] + (ridge + alpha) * scale)) @ u.T).float()
+        out.append((delta, mu_r - mu_p @ delta))
+    return out
 
 
 @dataclass
@@ -66,19 +100,9 @@ class Patch:
             return self.aligner(h) * self.out_std + self.out_mean
 
 
-def fit_patch(
-    layer: int,
-    h_p: Tensor,
-    h_c: Tensor,
-    kv_weight: Tensor | None = None,
-    rank_h: int | None = None,
-    hidden: int = 128,
-    steps: int = 300,
-    batch: int = 512,
-    lr: float = 1e-3,
-    seed: int = 0,
-) -> Patch:
-    """Fit a Patch on paired rows h_p, h_c (N, d).
+def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None = None, rank_h: int | None = None,
+                hidden: int = 128, shrinks: list[float] = (0.1,), ridge: float = 1e-3) -> list[Patch]:
+    """Linear-only Patches (MLP at zero) on paired rows h_p, h_c (N, d), one per shrinkage, sharing one fit.
 
     kv_weight: (d_out, d) stacked consumer k_proj/v_proj weights; when given the loss is
     the error of the K, V regenerated from the aligned H_in (else the normalised H error).
@@ -92,9 +116,46 @@ def fit_patch(
         basis = torch.linalg.svd(zp, full_matrices=False)[2][:rank_h].T.contiguous()  # (d, rank_h)
         zp = zp @ basis @ basis.T
     proj = (out_std[:, None] * kv_weight.float().T) if kv_weight is not None else None  # (d, d_out)
+    out = []
+    for delta, bias in linear_corrections(zp, zc, proj, list(shrinks), ridge):
+        aligner = Aligner(h_p.shape[1], hidden)
+        with torch.no_grad():
+            aligner.lin.weight.copy_(delta.T)
+            aligner.lin.bias.copy_(bias)
+        patch = Patch(layer, in_mean, in_std, out_mean, out_std, basis, aligner.eval(), fit_err=0.0)
+        patch.fit_err = _kv_error(patch, h_p, h_c, kv_weight)
+        out.append(patch)
+    return out
+
+
+def fit_patch(
+    layer: int,
+    h_p: Tensor,
+    h_c: Tensor,
+    kv_weight: Tensor | None = None,
+    rank_h: int | None = None,
+    hidden: int = 128,
+    steps: int = 300,
+    batch: int = 512,
+    lr: float = 1e-3,
+    seed: int = 0,
+    shrink: float = 0.1,
+    ridge: float = 1e-3,
+) -> Patch:
+    """Fit a Patch: the closed-form linear part (``fit_patches``), then ``steps`` of Adam on the MLP
+    with the linear part frozen (same loss)."""
+    patch = fit_patches(layer, h_p, h_c, kv_weight, rank_h, hidden, [shrink], ridge)[0]
+    if not steps:
+        return patch
+    zp = patch.encode(h_p.float())
+    zp = zp if patch.basis is None else zp @ patch.basis.T
+    zc = (h_c.float() - patch.out_mean) / patch.out_std
+    proj = (patch.out_std[:, None] * kv_weight.float().T) if kv_weight is not None else None
     torch.manual_seed(seed)
-    aligner = Aligner(h_p.shape[1], hidden)
-    opt = torch.optim.Adam(aligner.parameters(), lr=lr)
+    aligner = patch.aligner.train()
+    aligner.up.reset_parameters()  # seeded initialisation
+    aligner.lin.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in aligner.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
         idx = torch.randint(0, zp.shape[0], (min(batch, zp.shape[0]),), device=zp.device)
         err = aligner(zp[idx]) - zc[idx]
@@ -102,8 +163,7 @@ def fit_patch(
         opt.zero_grad()
         loss.backward()
         opt.step()
-    aligner.eval()
-    patch = Patch(layer, in_mean, in_std, out_mean, out_std, basis, aligner, fit_err=0.0)
+    aligner.eval().requires_grad_(False)
     patch.fit_err = _kv_error(patch, h_p, h_c, kv_weight)
     return patch
 
