@@ -455,3 +455,14 @@ def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_p
         runs = [transfer.run_plan(tiny_pair.consumer, case, plan, calib) for case in cases]
         got = sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean()) for c, r in zip(cases, runs)) / len(cases)
         assert abs(got - want) < 1e-5 * max(1.0, want)
+
+
+def test_a_builtin_specialist_is_benched_on_the_corpus_it_was_trained_on(tiny_calib):
+    from scdviz.models import builtin
+    from scdviz.scd import bench
+
+    cfg = bench.ScdBenchConfig()
+    for name in builtin.specialists():
+        assert bench.eval_domains(cfg, name, tiny_calib) == [builtin.training_corpus(name)]
+    assert bench.eval_domains(cfg, "tiny:c", tiny_calib) == ["texts"]  # unknown: every calibration domain
+    assert builtin.training_corpus("bible-qkv") == "bible" and builtin.training_corpus("../bible") is None

@@ -10,6 +10,7 @@ This module only obtains files. Loading models into a pair is ``scdviz.models.pa
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,16 @@ def specialists() -> list[str]:
     if not ADAPTERS_DIR.is_dir():
         return []
     return sorted(p.name for p in ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file())
+
+
+def training_corpus(name: str) -> str | None:
+    """The shipped corpus a built-in specialist was fine-tuned on (its train_log.json), None if unknown."""
+    if name not in specialists():
+        return None
+    try:
+        return json.loads((ADAPTERS_DIR / name / "train_log.json").read_text())["config"]["corpus"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def adapter_dir(name: str) -> Path:

@@ -19,6 +19,7 @@ import torch
 from scdviz import data, metrics
 from scdviz import link as links
 from scdviz.config import opt
+from scdviz.models import builtin
 from scdviz.models.pair import Pair
 from scdviz.scd import calibrate as cal
 from scdviz.scd import measure
@@ -31,7 +32,7 @@ class ScdBenchConfig:
     """One SCD benchmark run on held-out text."""
 
     texts: str | None = opt(None, ".txt or .jsonl evaluation text instead of shipped eval splits")
-    domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the specialist's own, else every calibration domain)")
+    domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the specialist's own training corpus, else every calibration domain)")
     lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain, calibrate again without it (same settings) and measure on its eval split")
     limit: int = opt(16, "prompts per domain")
     prompt_len: int = opt(256, "prompt tokens per window")
@@ -147,12 +148,14 @@ def bench(
 
 
 def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: cal.Calibration) -> list[str]:
-    """The domains measured: the given ones, else the specialist's own corpus, else every calibration domain."""
+    """The domains measured: the given ones, else the specialist's own corpus (a built-in's training
+    corpus), else every calibration domain."""
     if cfg.texts:
         return ["texts"]
     if cfg.domains:
         return list(cfg.domains)
-    return [specialist] if specialist in data.corpora() else list(calib.stats.get("domains") or data.corpora())
+    own = specialist if specialist in data.corpora() else builtin.training_corpus(specialist)
+    return [own] if own in data.corpora() else list(calib.stats.get("domains") or data.corpora())
 
 
 def _eval_windows(cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
