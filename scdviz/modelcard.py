@@ -48,7 +48,7 @@ def render(name: str, log: dict, report: dict) -> str:
     tail = sum(loss[-5:]) / min(5, len(loss))
     every = max(1, len(loss) // 8)
     loss_rows = " · ".join(f"{i + 1}: {loss[i]:.3f}" for i in range(0, len(loss), every))
-    eval_cmd = (f"python -m scdviz pair-info --consumer builtin:{name} --eval --limit {report['corpora'][name]['n_prompts']} "
+    eval_cmd = (f"python -m scdviz pair-info --consumer builtin:{name} --eval --limit {report['corpora'][cfg['corpus']]['n_prompts']} "
                 f"--prompt-len {report['prompt_len']} --cont-len {report['cont_len']}")
     train_cmd = (f"python -m scdviz finetune --corpus {cfg['corpus']} --rank {cfg['rank']} --steps {cfg['steps']} "
                  f"--batch {cfg['batch']} --seq-len {cfg['seq_len']} --lr {cfg['lr']} --seed {cfg['seed']} "

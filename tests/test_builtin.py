@@ -23,11 +23,28 @@ def test_builtin_pair_facts(builtin_pair):
     assert builtin_pair.consumer_facts == f or builtin_pair.consumer_facts.params == f.params
 
 
-def test_at_least_two_specialists_are_shipped():
-    assert {"jargon", "bible"} <= set(builtin.specialists())
+def test_the_three_specialists_are_shipped_each_with_a_card_and_a_calibration():
+    from scdviz.scd import calibrate as cal
+
+    assert {"jargon", "bible", "bible-qkv"} <= set(builtin.specialists())
+    for name in builtin.specialists():
+        folder = builtin.adapter_dir(name)
+        assert (folder / "README.md").is_file() and (folder / "eval.json").is_file()
+        assert (cal.shipped_folder(f"builtin:{name}") / cal.FILE).is_file()
+        assert sum(f.stat().st_size for f in folder.iterdir()) < 20 * 2**20  # adapters stay small
 
 
-@pytest.mark.parametrize("name", ["jargon", "bible"])
+def test_the_qkv_specialist_drifts_where_the_others_do_not():
+    """Its card: raw reuse on its own domain is far worse than for the all-linear bible adapter,
+    and the producer alone agrees with it less often than raw reuse does (the floor)."""
+    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text())["corpora"]["bible"]
+             for n in ("bible", "bible-qkv")}
+    strong, light = cards["bible-qkv"], cards["bible"]
+    assert strong["kl_reuse"] > 2.5 * light["kl_reuse"] and strong["top1_reuse"] < light["top1_reuse"] - 0.05
+    assert strong["top1_producer"] < strong["top1_reuse"]
+
+
+@pytest.mark.parametrize("name", ["jargon", "bible", "bible-qkv"])
 def test_specialist_differs_from_producer_as_its_card_says(name):
     card = json.loads((builtin.adapter_dir(name) / "eval.json").read_text())
     pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
