@@ -115,7 +115,7 @@ def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None =
     if rank_h is not None and rank_h < h_p.shape[1]:
         basis = torch.linalg.svd(zp, full_matrices=False)[2][:rank_h].T.contiguous()  # (d, rank_h)
         zp = zp @ basis @ basis.T
-    proj = (out_std[:, None] * kv_weight.float().T) if kv_weight is not None else None  # (d, d_out)
+    proj = _projection(out_std, kv_weight)
     out = []
     for delta, bias in linear_corrections(zp, zc, proj, list(shrinks), ridge):
         aligner = Aligner(h_p.shape[1], hidden)
@@ -150,7 +150,7 @@ def fit_patch(
     zp = patch.encode(h_p.float())
     zp = zp if patch.basis is None else zp @ patch.basis.T
     zc = (h_c.float() - patch.out_mean) / patch.out_std
-    proj = (patch.out_std[:, None] * kv_weight.float().T) if kv_weight is not None else None
+    proj = _projection(patch.out_std, kv_weight)
     torch.manual_seed(seed)
     aligner = patch.aligner.train()
     aligner.up.reset_parameters()  # seeded initialisation
@@ -166,6 +166,11 @@ def fit_patch(
     aligner.eval().requires_grad_(False)
     patch.fit_err = _kv_error(patch, h_p, h_c, kv_weight)
     return patch
+
+
+def _projection(out_std: Tensor, kv_weight: Tensor | None) -> Tensor | None:
+    """(d, d_out): normalised consumer H_in -> its K, V (without the mean); None for the H loss."""
+    return (out_std[:, None] * kv_weight.float().T) if kv_weight is not None else None
 
 
 def _kv_error(patch: Patch, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None) -> float:
