@@ -213,6 +213,37 @@ def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_
         cal.load(tmp_path / "missing", tiny_pair)
 
 
+def test_aligners_keep_their_mlp_only_where_fitted_and_round_trip_exactly(tiny_calib, tmp_path):
+    import copy
+
+    from safetensors import safe_open
+
+    from scdviz.scd.patch import Aligner
+
+    calib = copy.deepcopy(tiny_calib)
+    assert len(calib.patches) >= 2
+    first = min(calib.patches)
+    for layer, p in calib.patches.items():  # the first with a (trained-looking) MLP, the others linear only
+        aligner = Aligner(p.in_mean.numel())
+        aligner.lin.load_state_dict(p.aligner.lin.state_dict())
+        if layer == first:
+            torch.manual_seed(0)
+            aligner.add_mlp(8)
+            torch.nn.init.normal_(aligner.down.weight, std=0.1)
+        p.aligner = aligner.eval()
+    cal.save(calib, tmp_path / "c")
+    with safe_open(str(tmp_path / "c" / cal.FILE), "pt") as fh:
+        mlp_keys = {k for k in fh.keys() if ".aligner.up." in k or ".aligner.down." in k}
+    assert {k.split(".")[1] for k in mlp_keys} == {str(first)}  # no zero MLPs stored
+    back = cal.load(tmp_path / "c")
+    x = torch.randn(16, calib.patches[first].in_mean.numel())
+    for layer, p in calib.patches.items():
+        assert back.patches[layer].aligner.hidden == (8 if layer == first else 0)
+        p16 = copy.deepcopy(p)  # the weights are stored in fp16
+        p16.aligner.load_state_dict({k: v.half().float() for k, v in p.aligner.state_dict().items()})
+        assert torch.equal(back.patches[layer].decode(back.patches[layer].encode(x)), p16.decode(p16.encode(x)))
+
+
 def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(138), 8)  # 128 code rows: whole groups
     for budget in (20.0, 40.0):
@@ -440,7 +471,7 @@ def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches
         assert linear == min(g["lodo_sse"].values())  # the shrinkage chosen is the held-out best
         assert g["patch_sse"] == (g["mlp_sse"] if g["mlp"] else linear) and g["patch_sse"] <= linear
         assert g["kept"] == (g["patch_sse"] < g["code_sse"])
-        assert g["mlp"] == (torch.count_nonzero(tiny_calib.patches[int(layer)].aligner.down.weight) > 0)
+        assert g["mlp"] == (tiny_calib.patches[int(layer)].aligner.hidden > 0)
     assert set(tiny_calib.patch_order) <= {int(k) for k, g in gates.items() if g["kept"]}
     assert "Aligners: identity + a linear correction" in service.calibration_summary(tiny_calib)
 

@@ -77,8 +77,9 @@ def consumer_flops_per_token(plan: Plan, calib: cal.Calibration, small_d_kv: int
             ratio = (plan.rank_k[layer] + plan.rank_v[layer]) / (2 * small_d_kv)
             per_layer.append(2 * 2 * ratio * d_kv * d_kv)  # decode K and V codes
         elif mode == "patch":
-            hidden = calib.config.aligner_hidden / hf_hidden(calib) * big.hidden
-            per_layer.append(2 * 2 * big.hidden * hidden + 2 * big.hidden * 2 * d_kv)  # aligner + k/v proj
+            hidden = calib.patch_for(layer).aligner.hidden / hf_hidden(calib) * big.hidden
+            per_layer.append(2 * big.hidden**2 + 2 * 2 * big.hidden * hidden  # aligner: linear + MLP
+                             + 2 * big.hidden * 2 * d_kv)  # k/v proj
         elif mode == "recompute":
             per_layer.append(2 * big.params / big.layers)
         else:

@@ -269,7 +269,7 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConf
         return float(((patch.decode(patch.encode(held[0])) @ w - torch.cat([held[3], held[5]], 1)) ** 2).sum())
 
     for train, held in split:
-        for alpha, patch in zip(grid, fit_patches(layer, train[0], train[1], kv_weight, cfg.rank_h, cfg.aligner_hidden,
+        for alpha, patch in zip(grid, fit_patches(layer, train[0], train[1], kv_weight, cfg.rank_h,
                                                   grid, cfg.ridge)):
             lodo[alpha] += sse(patch, held)
     best = min(lodo, key=lodo.get)
@@ -474,8 +474,9 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
     cfg, _ = config.from_dict(CalibConfig, art.config, str(art.path))
     patches = {}
     for layer in meta["patch_layers"]:
-        aligner = Aligner(t[f"p.{layer}.in_mean"].numel(), cfg.aligner_hidden)
         prefix = f"p.{layer}.aligner."
+        up = t.get(prefix + "up.weight")
+        aligner = Aligner(t[f"p.{layer}.in_mean"].numel(), 0 if up is None else up.shape[0])
         aligner.load_state_dict({k[len(prefix) :]: v.float() for k, v in t.items() if k.startswith(prefix)})
         basis = t.get(f"p.{layer}.basis")
         patches[layer] = Patch(

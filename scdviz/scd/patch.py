@@ -26,18 +26,35 @@ from torch import Tensor, nn
 
 
 class Aligner(nn.Module):
-    """Identity + linear correction + residual MLP on normalised H_in, (N, d) -> (N, d); starts at identity."""
+    """Identity + linear correction (+ residual MLP of width ``hidden``, none when 0) on normalised
+    H_in, (N, d) -> (N, d); starts at identity."""
 
-    def __init__(self, d: int, hidden: int):
+    def __init__(self, d: int, hidden: int = 0):
         super().__init__()
         self.lin = nn.Linear(d, d)
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-        for t in (self.lin.weight, self.lin.bias, self.down.weight, self.down.bias):
-            nn.init.zeros_(t)
+        nn.init.zeros_(self.lin.weight)
+        nn.init.zeros_(self.lin.bias)
+        self.up: nn.Linear | None = None
+        self.down: nn.Linear | None = None
+        if hidden:
+            self.add_mlp(hidden)
+
+    def add_mlp(self, hidden: int) -> None:
+        """A residual MLP that starts at zero (W2 = 0), initialised from the current torch seed."""
+        w = self.lin.weight
+        self.up = nn.Linear(w.shape[1], hidden, device=w.device, dtype=w.dtype)
+        self.down = nn.Linear(hidden, w.shape[0], device=w.device, dtype=w.dtype)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    @property
+    def hidden(self) -> int:
+        """Width of the MLP (0: linear only)."""
+        return 0 if self.up is None else self.up.out_features
 
     def forward(self, h: Tensor) -> Tensor:
-        return h + self.lin(h) + self.down(nn.functional.gelu(self.up(h)))
+        out = h + self.lin(h)
+        return out if self.up is None else out + self.down(nn.functional.gelu(self.up(h)))
 
 
 def linear_corrections(zp: Tensor, zc: Tensor, proj: Tensor | None, shrinks: list[float],
@@ -101,8 +118,8 @@ class Patch:
 
 
 def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None = None, rank_h: int | None = None,
-                hidden: int = 128, shrinks: list[float] = (0.1,), ridge: float = 1e-3) -> list[Patch]:
-    """Linear-only Patches (MLP at zero) on paired rows h_p, h_c (N, d), one per shrinkage, sharing one fit.
+                shrinks: list[float] = (0.1,), ridge: float = 1e-3) -> list[Patch]:
+    """Linear-only Patches (no MLP) on paired rows h_p, h_c (N, d), one per shrinkage, sharing one fit.
 
     kv_weight: (d_out, d) stacked consumer k_proj/v_proj weights; when given the loss is
     the error of the K, V regenerated from the aligned H_in (else the normalised H error).
@@ -118,7 +135,7 @@ def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None =
     proj = _projection(out_std, kv_weight)
     out = []
     for delta, bias in linear_corrections(zp, zc, proj, list(shrinks), ridge):
-        aligner = Aligner(h_p.shape[1], hidden)
+        aligner = Aligner(h_p.shape[1])
         with torch.no_grad():
             aligner.lin.weight.copy_(delta.T)
             aligner.lin.bias.copy_(bias)
@@ -142,9 +159,9 @@ def fit_patch(
     shrink: float = 0.1,
     ridge: float = 1e-3,
 ) -> Patch:
-    """Fit a Patch: the closed-form linear part (``fit_patches``), then ``steps`` of Adam on the MLP
-    with the linear part frozen (same loss)."""
-    patch = fit_patches(layer, h_p, h_c, kv_weight, rank_h, hidden, [shrink], ridge)[0]
+    """Fit a Patch: the closed-form linear part (``fit_patches``), then, when ``steps`` > 0, an MLP of
+    width ``hidden`` trained with Adam with the linear part frozen (same loss)."""
+    patch = fit_patches(layer, h_p, h_c, kv_weight, rank_h, [shrink], ridge)[0]
     if not steps:
         return patch
     zp = patch.encode(h_p.float())
@@ -152,8 +169,9 @@ def fit_patch(
     zc = (h_c.float() - patch.out_mean) / patch.out_std
     proj = _projection(patch.out_std, kv_weight)
     torch.manual_seed(seed)
-    aligner = patch.aligner.train()
-    aligner.up.reset_parameters()  # seeded initialisation
+    aligner = patch.aligner
+    aligner.add_mlp(hidden)  # seeded initialisation
+    aligner.train()
     aligner.lin.requires_grad_(False)
     opt = torch.optim.Adam([p for p in aligner.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
