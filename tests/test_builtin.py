@@ -23,10 +23,10 @@ def test_builtin_pair_facts(builtin_pair):
     assert builtin_pair.consumer_facts == f or builtin_pair.consumer_facts.params == f.params
 
 
-def test_the_three_specialists_are_shipped_each_with_a_card_and_a_calibration():
+def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
     from scdviz.scd import calibrate as cal
 
-    assert {"jargon", "bible", "bible-qkv"} <= set(builtin.specialists())
+    assert {"jargon", "bible-qkv"} <= set(builtin.specialists())
     for name in builtin.specialists():
         folder = builtin.adapter_dir(name)
         assert (folder / "README.md").is_file() and (folder / "eval.json").is_file()
@@ -35,16 +35,16 @@ def test_the_three_specialists_are_shipped_each_with_a_card_and_a_calibration():
 
 
 def test_the_qkv_specialist_drifts_where_the_others_do_not():
-    """Its card: raw reuse on its own domain is far worse than for the all-linear bible adapter,
-    and the producer alone agrees with it less often than raw reuse does (the floor)."""
+    """Its card: on the same bible prompts raw reuse is far worse than for the light all-linear
+    jargon adapter, and the producer alone agrees with it less often than raw reuse does (the floor)."""
     cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text())["corpora"]["bible"]
-             for n in ("bible", "bible-qkv")}
-    strong, light = cards["bible-qkv"], cards["bible"]
+             for n in ("jargon", "bible-qkv")}
+    strong, light = cards["bible-qkv"], cards["jargon"]
     assert strong["kl_reuse"] > 2.5 * light["kl_reuse"] and strong["top1_reuse"] < light["top1_reuse"] - 0.05
     assert strong["top1_producer"] < strong["top1_reuse"]
 
 
-@pytest.mark.parametrize("name", ["jargon", "bible", "bible-qkv"])
+@pytest.mark.parametrize("name", ["jargon", "bible-qkv"])
 def test_specialist_differs_from_producer_as_its_card_says(name):
     card = json.loads((builtin.adapter_dir(name) / "eval.json").read_text())
     pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
@@ -65,15 +65,15 @@ def test_specialist_differs_from_producer_as_its_card_says(name):
     assert got["top1_reuse"] < 1.0
 
 
-def test_bible_moves_further_from_the_producer_than_jargon():
-    """The stronger specialist (rank 32, lr 2e-3) also shifts perplexity off its own domain."""
-    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "bible")}
+def test_the_qkv_specialist_moves_further_from_the_producer_than_jargon():
+    """The stronger specialist (rank 64 on q/k/v, lr 5e-3) also shifts perplexity off its own domain."""
+    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "bible-qkv")}
 
     def off_domain_shift(name, other):
         row = cards[name]["corpora"][other]
         return abs(row["ppl_consumer"] / row["ppl_producer"] - 1)
 
-    assert off_domain_shift("bible", "jargon") > 3 * off_domain_shift("jargon", "bible")
+    assert off_domain_shift("bible-qkv", "jargon") > 3 * off_domain_shift("jargon", "bible")
 
 
 def test_generation_runs_on_both(builtin_pair):

@@ -36,7 +36,5 @@ def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
     assert len(jargon.key_codes) == 30 and len(jargon.stats["domains"]) == 6
     kept = {int(layer) for layer, gate in jargon.stats["patch_gate"].items() if gate["kept"]}
     assert jargon.stats["patch_gate"] and set(jargon.patch_order) <= kept  # only patches that passed the gate
-    if not (cal.SHIPPED_DIR / "bible" / cal.FILE).is_file():
-        pytest.skip("no shipped bible calibration")
-    with pytest.raises(PairError, match="builtin:bible"):
-        cal.load(cal.SHIPPED_DIR / "bible", builtin_pair)
+    with pytest.raises(PairError, match="builtin:bible-qkv"):
+        cal.load(cal.SHIPPED_DIR / "bible-qkv", builtin_pair)
