@@ -176,3 +176,18 @@ def test_configs_have_help_on_every_field():
     for cls in (EvalConfig, TrainConfig, PolicyConfig, FinetuneConfig, ScdBenchConfig, CalibConfig):
         for f in fields(cls):
             assert f.metadata.get("help") or f.name == "policy", f"{cls.__name__}.{f.name}"
+
+
+def test_the_tree_fits_the_device_machine():
+    """Tracked files travel to the GPU machine, 64 MiB at most with the carried wheels (about 1 MiB):
+    shipped artefacts must leave room."""
+    import subprocess
+
+    from scdviz import settings
+
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=settings.REPO_DIR, capture_output=True, check=True).stdout
+    if not names:
+        pytest.skip("not a git checkout")
+    files = [settings.REPO_DIR / n for n in names.decode().split("\0") if n]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    assert total < 60 * 2**20, f"tracked files take {total / 2**20:.1f} MiB"
