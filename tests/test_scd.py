@@ -94,7 +94,7 @@ def test_rank_allocation_meets_the_budget_and_favours_the_harder_code():
     assert sum(ranks) == 8 and ranks[1] > ranks[0]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", quant.BITS)
 @pytest.mark.parametrize("axis", quant.AXES)
 def test_quantisation_error_is_within_half_a_step(bits, axis):
     x = torch.randn(37, 19)
@@ -103,6 +103,21 @@ def test_quantisation_error_is_within_half_a_step(bits, axis):
     assert len(blob) == quant.packed_len(37 * 19, bits)
     assert lo.numel() == quant.n_groups(37, 19, 8, axis)
     assert (back - x).abs().max() <= step.float().max() * 0.5 + 2e-2
+
+
+def test_bit_packing_is_dense_little_endian_and_round_trips():
+    q = torch.tensor([1, 2, 3, 0, 15, 7], dtype=torch.uint8)
+    assert quant._pack(q, 4) == bytes([0x21, 0x03, 0x7F])  # low nibble first
+    assert quant._pack(q[:4], 2) == bytes([0b00111001])  # four 2-bit values in one byte
+    for bits in quant.BITS:
+        vals = torch.randint(0, 2**bits, (101,), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+        blob = quant._pack(vals, bits)
+        assert len(blob) == quant.packed_len(101, bits)
+        assert torch.equal(quant._unpack(blob, bits, 101), vals)
+    with pytest.raises(ValueError, match="unsupported bit width 5"):
+        quant._pack(q, 5)
+    blob, lo, step = quant.quantize(torch.zeros(9, 0), 3, 4, "channel")  # a rank-0 code section
+    assert blob == b"" and lo.numel() == 0 and quant.dequantize(blob, lo, step, (9, 0), 3, 4, "channel").shape == (9, 0)
 
 
 def test_payload_length_equals_the_format_formula():
@@ -497,3 +512,61 @@ def test_a_builtin_specialist_is_benched_on_the_corpus_it_was_trained_on(tiny_ca
         assert bench.eval_domains(cfg, name, tiny_calib) == [builtin.training_corpus(name)]
     assert bench.eval_domains(cfg, "tiny:c", tiny_calib) == ["texts"]  # unknown: every calibration domain
     assert builtin.training_corpus("bible-qkv") == "bible" and builtin.training_corpus("../bible") is None
+
+
+# ----------------------------------------------------------------------------- rate–distortion planner
+
+
+@pytest.fixture(scope="module")
+def tiny_curves(tiny_pair, tiny_calib):
+    from scdviz.scd import rate
+
+    return rate.measure(tiny_pair, tiny_calib, n_windows=2, progress=False)
+
+
+def test_error_by_rank_equals_decoding_every_rank():
+    from scdviz.scd import rate
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(30, 12, generator=g) for _ in range(2)]
+    mix = torch.randn(12, 12, generator=g)
+    ys = [x @ mix + 0.1 * torch.randn(30, 12, generator=g) for x in xs]
+    code = fit_rrr(torch.cat(xs), torch.cat(ys))
+    for bits in (3, 16):
+        curve = rate.error_by_rank(code, xs, ys, bits, 8)
+        for r in (0, 1, 5, 12):
+            direct = sum(float(((code.decode(rate._quantised(code.encode(x, r), bits, 8)) - y).double() ** 2).sum())
+                         for x, y in zip(xs, ys))
+            assert curve[r].item() == pytest.approx(direct, rel=1e-6)
+    exact = rate.error_by_rank(code, xs, ys, 16, 8)
+    assert float(exact[12]) < float(exact[6]) < float(exact[0])  # more rank, less error (fp16 codes)
+
+
+def test_rd_plan_is_a_hard_byte_limit_on_the_real_payload(tiny_pair, tiny_calib, tiny_curves):
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(60), 8)
+    n_tokens = case.state.ids.shape[1]
+    predicted = []
+    for budget in (12.0, 20.0, 35.0, 60.0, 200.0):
+        plan, info = plans.rd_plan(tiny_curves, budget, n_tokens)
+        blob = transfer.build_payload(case.state, plan, tiny_calib)
+        assert len(blob) / n_tokens <= budget  # headers and scales included
+        assert len(blob) / n_tokens == pytest.approx(info["bytes_per_token"])  # the planner counts real bytes
+        assert budget - len(blob) / n_tokens < 2.0 or budget == 200.0  # and uses what it is given
+        transfer.receive(tiny_pair.consumer, blob, plan, tiny_calib)  # and the consumer can build its cache
+        predicted.append(info["predicted_kl"])
+    assert predicted == sorted(predicted, reverse=True)  # more bytes, never a worse predicted KL
+    with pytest.raises(ValueError, match="below the smallest SCD payload"):
+        plans.rd_plan(tiny_curves, 1.0, n_tokens)
+
+
+def test_rd_plan_spends_bytes_where_the_measured_sensitivity_is(tiny_curves):
+    import dataclasses
+
+    loud = dataclasses.replace(tiny_curves, sens_k=tiny_curves.sens_k.clone(), sens_v=tiny_curves.sens_v.clone())
+    loud.sens_k[1] *= 1000  # layer 1's keys matter far more
+    quiet = dataclasses.replace(tiny_curves, sens_k=tiny_curves.sens_k.clone(), sens_v=tiny_curves.sens_v.clone())
+    quiet.sens_k[1] /= 1000
+    a, _ = plans.rd_plan(loud, 30.0, 47)
+    b, _ = plans.rd_plan(quiet, 30.0, 47)
+    key_bytes = lambda p: p.rank_k[1] * p.bits_k[1] if p.modes[1] == "code" else 1e9  # noqa: E731
+    assert key_bytes(a) > key_bytes(b)

@@ -6,8 +6,9 @@ Layout (little endian):
   section  layer u16 | kind u8 | bits u8 | axis u8 | group u16 | rows u32 | cols u16  (13 bytes)
            then the body:
              bits 16:   rows*cols fp16 values, row-major
-             bits 8, 4: ceil(rows*cols*bits/8) packed integers (scdviz.scd.quant), then
-                        n_groups fp16 minima, then n_groups fp16 steps
+             bits 8, 4, 3, 2: ceil(rows*cols*bits/8) packed integers (scdviz.scd.quant),
+                        then n_groups fp16 minima, then n_groups fp16 steps
+             an empty matrix (a rank-0 code) has no body
 
 ``payload_len`` is this formula; tests check it against real messages. Kinds say what a
 section holds (KINDS); which rows (with or without token 0) and what the receiver does
@@ -107,6 +108,8 @@ def decode(payload: bytes) -> Message:
 
 
 def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str) -> Tensor:
+    if not rows * cols:  # an empty section (a rank-0 code)
+        return torch.zeros(rows, cols)
     if bits == 16:
         return torch.frombuffer(bytearray(body), dtype=torch.float16).float().reshape(rows, cols)
     n = quant.n_groups(rows, cols, group, axis)

@@ -24,13 +24,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from scdviz.scd import payload
 from scdviz.scd.rrr import allocate_ranks
 
 if TYPE_CHECKING:
     from scdviz.scd.calibrate import Calibration
+    from scdviz.scd.rate import RateCurves
 
 MODES = ("raw", "code", "patch", "recompute")
 SINKS = ("send", "recompute")
+CODE_BITS = (2, 3, 4, 8, 16)  # code precisions: packed integers (scdviz.scd.quant.BITS) or fp16
 
 
 @dataclass
@@ -44,9 +49,12 @@ class Plan:
     raw_bits: int = 16  # bits of raw K/V sections
     raw_group: int = 32  # group size of quantised raw K/V
     raw_window: int = 0  # KIVI: the last this-many tokens of quantised raw K/V travel in fp16
-    code_bits: int = 16  # bits of REUSE and PATCH code sections
+    code_bits: int = 16  # bits of REUSE and PATCH code sections (unless bits_k / bits_v / bits_h say otherwise)
     code_group: int = 64  # group size (tokens per channel group) of quantised codes
     sink: str = "send"  # token-0 handling, one of SINKS
+    bits_k: list[int] = field(default_factory=list)  # (L,) per-layer bits of key codes; empty: code_bits
+    bits_v: list[int] = field(default_factory=list)  # (L,) per-layer bits of value codes; empty: code_bits
+    bits_h: list[int] = field(default_factory=list)  # (L,) per-layer bits of PATCH codes; empty: code_bits
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.modes) - set(MODES))
@@ -56,6 +64,17 @@ class Plan:
             raise ValueError(f"unknown sink handling {self.sink!r}; use {SINKS}")
         if "code" in self.modes and (len(self.rank_k) != len(self.modes) or len(self.rank_v) != len(self.modes)):
             raise ValueError("a plan with 'code' layers needs rank_k and rank_v for every layer")
+        for what, bits in (("bits_k", self.bits_k), ("bits_v", self.bits_v), ("bits_h", self.bits_h)):
+            if bits and len(bits) != len(self.modes):
+                raise ValueError(f"{what} needs one entry per layer ({len(self.modes)}), got {len(bits)}")
+            bad = sorted(set(bits) - set(CODE_BITS))
+            if bad:
+                raise ValueError(f"{what}: unsupported code bits {bad}; use {CODE_BITS}")
+
+    def bits_of(self, layer: int, kind: str) -> int:
+        """Bits of a code section of ``layer``: kind "k", "v" or "h"."""
+        per_layer = {"k": self.bits_k, "v": self.bits_v, "h": self.bits_h}[kind]
+        return per_layer[layer] if per_layer else self.code_bits
 
     def layers_in(self, mode: str) -> list[int]:
         """Indices of the layers in ``mode``."""
@@ -214,6 +233,114 @@ def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:
 def rank_sweep(calib: Calibration, budgets: list[float]) -> list[Plan]:
     """SCD full at several byte budgets per token (per-layer ranks allocated to each)."""
     return [operating_plan(calib, budget_bytes=b, name=f"SCD full @{b:g} B/token") for b in budgets]
+
+
+def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = "recompute",
+            name: str | None = None) -> tuple[Plan, dict]:
+    """The SCD plan for a byte budget chosen by measured rate–distortion (scdviz.scd.rate).
+
+    Per layer: REUSE codes with a rank (0..r_max) and a precision (2, 3, 4, 8 bits or fp16)
+    for keys and values separately, or a PATCH code (its precision) where the calibration
+    has a patch. Minimises the predicted KL Σ sensitivity × relative error under a hard
+    limit: the real payload of an ``n_tokens`` prompt (header, section headers and fp16
+    scales included, token 0 per ``sink``) is at most ``budget_bytes`` per token. Method: the
+    Lagrangian relaxation (each layer picks its best option for a price λ per byte, λ
+    bisected to the budget), then greedy upgrades with the best KL drop per byte that still
+    fit. Returns the plan and {predicted_kl, bytes_per_token, lambda}.
+    """
+    rows = n_tokens - 1 if sink == "recompute" else n_tokens
+    g, bits, n = curves.group, list(curves.bits), curves.n_layers
+    r_max = curves.err_k.shape[2] - 1
+    f64 = dict(dtype=torch.float64)
+    cost = torch.tensor([[payload.section_len(rows, r, b, g, "channel") for r in range(r_max + 1)] for b in bits], **f64).flatten()
+    dist = {"k": (curves.sens_k.double()[:, None, None] * curves.err_k.double()).flatten(1),  # (L, options)
+            "v": (curves.sens_v.double()[:, None, None] * curves.err_v.double()).flatten(1)}
+    p_cost = torch.tensor([[payload.section_len(rows, d, b, g, "channel") for b in bits] for d in curves.patch_dims], **f64)
+    p_dist = torch.stack([curves.sens_k.double()[curves.patch_layers], curves.sens_v.double()[curves.patch_layers]], 1)
+    p_dist = (curves.patch_err.double() * p_dist[:, None, :]).sum(2) if curves.patch_layers else p_cost * 0
+    allowed = budget_bytes * n_tokens - payload.HEADER.size
+
+    def choose(lam: float) -> dict:
+        pick = {kind: (dist[kind] + lam * cost).argmin(1) for kind in ("k", "v")}
+        code_obj = sum(dist[kind].gather(1, pick[kind][:, None])[:, 0] + lam * cost[pick[kind]] for kind in ("k", "v"))
+        patch = {}
+        if curves.patch_layers:
+            obj = p_dist + lam * p_cost
+            best, which = obj.min(1)
+            patch = {layer: int(which[i]) for i, layer in enumerate(curves.patch_layers) if best[i] < code_obj[layer]}
+        return {"k": pick["k"].tolist(), "v": pick["v"].tolist(), "patch": patch}
+
+    def spent(c: dict) -> float:
+        total = 0.0
+        for layer in range(n):
+            if layer in c["patch"]:
+                total += float(p_cost[curves.patch_layers.index(layer), c["patch"][layer]])
+            else:
+                total += float(cost[c["k"][layer]] + cost[c["v"][layer]])
+        return total
+
+    lo, hi = -30.0, 6.0  # log10 λ
+    choice = choose(10**hi)
+    if spent(choice) > allowed:
+        least = (spent(choice) + payload.HEADER.size) / n_tokens
+        raise ValueError(f"a budget of {budget_bytes:g} B/token is below the smallest SCD payload for {n_tokens} tokens "
+                         f"({least:.0f} B/token)")
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        c = choose(10**mid)
+        if spent(c) <= allowed:
+            hi, choice = mid, c
+        else:
+            lo = mid
+    _fill(choice, dist, cost, p_dist, p_cost, curves.patch_layers, allowed - spent(choice))
+    modes = ["patch" if layer in choice["patch"] else "code" for layer in range(n)]
+    r_of = lambda i: i % (r_max + 1)  # noqa: E731  (option index -> rank, bits)
+    b_of = lambda i: bits[i // (r_max + 1)]  # noqa: E731
+    code = [m == "code" for m in modes]
+    plan = Plan(
+        name or f"SCD RD @{budget_bytes:g} B/token", modes,
+        [r_of(choice["k"][i]) if code[i] else 0 for i in range(n)], [r_of(choice["v"][i]) if code[i] else 0 for i in range(n)],
+        code_bits=4, code_group=g, sink=sink,
+        bits_k=[b_of(choice["k"][i]) for i in range(n)], bits_v=[b_of(choice["v"][i]) for i in range(n)],
+        bits_h=[bits[choice["patch"][i]] if i in choice["patch"] else 4 for i in range(n)],
+    )
+    predicted = sum(float(p_dist[curves.patch_layers.index(i), choice["patch"][i]]) if i in choice["patch"]
+                    else float(dist["k"][i, choice["k"][i]] + dist["v"][i, choice["v"][i]]) for i in range(n))
+    return plan, {"predicted_kl": predicted, "bytes_per_token": (spent(choice) + payload.HEADER.size) / n_tokens,
+                  "lambda": 10**hi}
+
+
+def _fill(choice: dict, dist: dict, cost, p_dist, p_cost, patch_layers: list[int], left: float) -> None:
+    """Greedy upgrades of single sections, best KL drop per byte first, while they fit ``left`` bytes."""
+    while True:
+        best = None  # (ratio, kind, layer, option, extra bytes)
+        for kind in ("k", "v"):
+            now = torch.tensor(choice[kind])
+            extra = cost[None, :] - cost[now][:, None]
+            gain = dist[kind].gather(1, now[:, None]) - dist[kind]
+            ok = (extra <= left) & (gain > 0)
+            for layer in choice["patch"]:
+                ok[layer] = False
+            if ok.any():
+                ratio = torch.where(ok, gain / extra.clamp_min(1e-9), torch.tensor(-1.0, dtype=gain.dtype))
+                flat = int(ratio.argmax())
+                layer, option = divmod(flat, ratio.shape[1])
+                if best is None or float(ratio[layer, option]) > best[0]:
+                    best = (float(ratio[layer, option]), kind, layer, option, float(extra[layer, option]))
+        for layer, b_now in choice["patch"].items():
+            i = patch_layers.index(layer)
+            for b in range(p_cost.shape[1]):
+                extra, gain = float(p_cost[i, b] - p_cost[i, b_now]), float(p_dist[i, b_now] - p_dist[i, b])
+                if extra <= left and gain > 0 and (best is None or gain / max(extra, 1e-9) > best[0]):
+                    best = (gain / max(extra, 1e-9), "patch", layer, b, extra)
+        if best is None:
+            return
+        _, kind, layer, option, extra = best
+        if kind == "patch":
+            choice["patch"][layer] = option
+        else:
+            choice[kind][layer] = option
+        left -= extra
 
 
 def user_plan(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,6 +48,8 @@ def _grouped(x: Tensor, group: int, axis: str) -> tuple[Tensor, int]:
 def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor, Tensor]:
     """x (rows, cols) -> (packed codes, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
     rows, cols = x.shape
+    if not rows * cols:  # an empty section (a rank-0 code): no values, no groups
+        return b"", torch.zeros(0, dtype=torch.float16), torch.zeros(0, dtype=torch.float16)
     g, padded = _grouped(x.float(), group, axis)
     lo = g.min(1).values.half()
     step = ((g.max(1).values - lo.float()) / (2**bits - 1)).clamp_min(1e-8).half()
@@ -58,6 +61,8 @@ def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor
 def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bits: int, group: int, axis: str) -> Tensor:
     """Inverse of ``quantize`` up to rounding: (rows, cols) float32."""
     rows, cols = shape
+    if not rows * cols:
+        return torch.zeros(rows, cols)
     length = cols if axis == "token" else rows
     q = _unpack(blob, bits, rows * cols).reshape(-1, length).float()
     padded = math.ceil(length / group) * group
@@ -66,19 +71,23 @@ def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bi
     return m if axis == "token" else m.T.contiguous()
 
 
+BITS = (2, 3, 4, 8)  # integer widths the packer writes (16 = fp16 is the payload's business)
+
+
 def _pack(q: Tensor, bits: int) -> bytes:
-    """uint8 values < 2**bits -> bytes (bits 8: as is; bits 4: low nibble first)."""
+    """uint8 values < 2**bits -> bytes: each value's bits least significant first, values back to
+    back (bits 8: the bytes as is; bits 4: low nibble first)."""
+    if bits not in BITS:
+        raise ValueError(f"unsupported bit width {bits}; use one of {BITS} (or fp16 without quantisation)")
     if bits == 8:
         return q.numpy().tobytes()
-    if bits == 4:
-        if q.numel() % 2:
-            q = torch.cat([q, q.new_zeros(1)])
-        return (q[0::2] | (q[1::2] << 4)).numpy().tobytes()
-    raise ValueError(f"unsupported bit width {bits}; use 4 or 8 (or fp16 without quantisation)")
+    planes = np.unpackbits(q.numpy()[:, None], axis=1, count=bits, bitorder="little")  # (n, bits)
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
 
 
 def _unpack(blob: bytes, bits: int, n: int) -> Tensor:
-    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    raw = np.frombuffer(blob, dtype=np.uint8)
     if bits == 8:
-        return raw[:n]
-    return torch.stack([raw & 0xF, raw >> 4], dim=1).reshape(-1)[:n]
+        return torch.from_numpy(raw[:n].copy())
+    planes = np.unpackbits(raw, count=n * bits, bitorder="little").reshape(n, bits)
+    return torch.from_numpy(np.packbits(planes, axis=1, bitorder="little")[:, 0])

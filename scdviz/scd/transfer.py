@@ -121,11 +121,11 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
         elif mode == "code":
             zk = calib.key_codes[layer].encode(state.keys_pre[layer][rows], plan.rank_k[layer])
             zv = calib.value_codes[layer].encode(state.values[layer][rows], plan.rank_v[layer])
-            sections.append(Section(layer, "k_code", zk, plan.code_bits, plan.code_group, "channel"))
-            sections.append(Section(layer, "v_code", zv, plan.code_bits, plan.code_group, "channel"))
+            sections.append(Section(layer, "k_code", zk, plan.bits_of(layer, "k"), plan.code_group, "channel"))
+            sections.append(Section(layer, "v_code", zv, plan.bits_of(layer, "v"), plan.code_group, "channel"))
         elif mode == "patch":
             z = calib.patch_for(layer).encode(state.h_in[layer][rows])
-            sections.append(Section(layer, "h_code", z, plan.code_bits, plan.code_group, "channel"))
+            sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel"))
     for start, _ in plan.runs():
         sections.append(Section(start, "resid", state.resid[start]))
     return payload.encode(state.ids.shape[1], int(state.ids[0, 0]), sections)
