@@ -53,6 +53,14 @@ class Calibrate:
 
 
 @dataclass
+class Rate:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    calib: str | None = opt(None, "calibration folder to measure and update (default: the shipped one of a built-in)")
+    windows: int = opt(6, "calibration windows to measure on")
+
+
+@dataclass
 class BenchScd:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumers: list[str] = opt([], "consumer sources (default: every built-in specialist)")
@@ -141,6 +149,24 @@ def _calibrate(cmd: Calibrate) -> None:
     print(f"saved to {out} in {calib.stats['seconds_total']} s")
 
 
+def _rate(cmd: Rate) -> None:
+    from scdviz.models.pair import load_pair
+    from scdviz.scd import calibrate as cal
+    from scdviz.scd import rate
+
+    if cmd.windows < 1:
+        raise ValueError(f"--windows must be at least 1, got {cmd.windows}")
+    pair = load_pair(cmd.producer, cmd.consumer)
+    folder = Path(cmd.calib) if cmd.calib else cal.shipped_folder(cmd.consumer)
+    calib = cal.load(folder, pair)
+    calib.rate = rate.measure(pair, calib, cmd.windows)
+    calib.stats["seconds_rate"] = round(calib.rate.seconds, 1)
+    cal.save(calib, folder)
+    print(f"rate curves of {len(calib.rate.bits)} code precisions x ranks 0..{calib.rate.err_k.shape[2] - 1}, "
+          f"{len(calib.rate.patch_layers)} patch layers, measured on {calib.rate.n_windows} windows in "
+          f"{calib.rate.seconds:.0f} s; saved into {folder}")
+
+
 def _bench_scd(cmd: BenchScd) -> None:
     from scdviz.models import builtin
     from scdviz.models.pair import load_pair
@@ -222,6 +248,7 @@ COMMANDS = [
     ("prepare-text", "rebuild assets/text from Debian's text packages", None, _prepare_text),
     ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
+    ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),
     ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
     ("bench evict", "learned eviction vs kvpress baselines (KL, top-1, PPL, wins)", BenchEvict, _bench_evict),
 ]

@@ -221,6 +221,10 @@ def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_
     b = transfer.run_plan(tiny_pair.consumer, case, plan, back)
     assert a.payload_bytes == b.payload_bytes
     assert float(metrics.kl_per_token(a.logits, b.logits).max()) < 1e-3
+    assert tiny_calib.rate is not None and back.rate.bits == tiny_calib.rate.bits  # the planner's curves travel with it
+    for name in ("err_k", "err_v", "patch_err", "sens_k", "sens_v"):
+        assert torch.equal(getattr(back.rate, name), getattr(tiny_calib.rate, name))
+    assert plans.rd_plan(back.rate, 30.0, 47)[0] == plans.rd_plan(tiny_calib.rate, 30.0, 47)[0]
     other = make_pair(tiny_pair.producer, perturbed(2), "tiny:other")
     with pytest.raises(PairError, match="(?s)made for producer 'tiny:p' -> consumer 'tiny:c'.*consumer weights"):
         cal.load(tmp_path / "c", other)
@@ -277,7 +281,7 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     need = {"specialist", "method", "payload_bytes_per_token", "compression_vs_fp16", "kl", "top1", "ppl", "ppl_oracle",
             "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
     assert all(need <= set(r) for r in measured)
-    assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "rank sweep"}
+    assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "budget sweep"}
     assert all(p.sink == "recompute" for p in report.plans.values())  # every method treats token 0 alike
     sent = [r for r in measured if r["group"] == "token 0"]
     assert len(sent) == len(report.plans) and all(r["method"].endswith(plans.SENT) for r in sent)

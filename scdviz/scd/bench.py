@@ -22,7 +22,7 @@ from scdviz.config import opt
 from scdviz.models import builtin
 from scdviz.models.pair import Pair
 from scdviz.scd import calibrate as cal
-from scdviz.scd import measure
+from scdviz.scd import measure, rate
 from scdviz.scd import plan as plans
 from scdviz.scd.plan import SINKS, Plan
 
@@ -39,7 +39,8 @@ class ScdBenchConfig:
     cont_len: int = opt(32, "teacher-forced continuation tokens")
     gen_tokens: int = opt(32, "greedy tokens per method for token-F1 (0: skip)")
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
-    budgets: tuple[float, ...] = opt((), "rank sweep: payload bytes/token budgets")
+    budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (rate-distortion plans, and rank-only allocation beside them)")
+    budget: float | None = opt(None, "SCD full = the rate-distortion plan at this many payload bytes/token, a hard limit (default: the calibration's operating point)")
     sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent", choices=SINKS)
     sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
@@ -118,6 +119,7 @@ def bench(
     specialist: str | None = None,
     progress: bool = True,
     scd_full: Plan | None = None,
+    budget: float | None = None,
     sink: str = "recompute",
     sent_rows: bool = False,
     kivi_window: int = 0,
@@ -126,10 +128,17 @@ def bench(
     """Run the lineup (and sweeps) on ``windows``; see the module docstring.
 
     scd_full: the SCD plan in the lineup (default: the calibration's operating point).
+    budget: SCD full is instead the rate-distortion plan at this many bytes/token. budgets: the
+    rate-distortion plan and the rank-only allocation at each ("budget sweep"). Both use the
+    calibration's rate curves, measured now when it has none.
     sink: token-0 handling of every method in the lineup; sent_rows: the lineup again with
     the other handling, as the "token 0" group.
     """
     cases = measure.prepare_cases(pair, windows, cont_len, progress, qa_answer_len)
+    n_tokens = cases[0].state.ids.shape[1]
+    curves = (calib.rate or rate.measure(pair, calib, progress=progress)) if budget or budgets else None
+    if budget:
+        scd_full = plans.rd_plan(curves, budget, n_tokens, sink, name="SCD full")[0]
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
     lineup = plans.lineup(calib, scd_full, sink, kivi_window)
     results = measure.run_methods(pair, calib, cases, lineup, "method", gen_tokens, gens, progress)
@@ -142,7 +151,8 @@ def bench(
         report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep", progress=progress)
         report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep", progress=progress)
     if budgets:
-        report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_sweep(calib, list(budgets)), "rank sweep", progress=progress)
+        swept = [p for b in budgets for p in (plans.rd_plan(curves, b, n_tokens, sink)[0], *plans.rank_sweep(calib, [b]))]
+        report.sweeps += measure.run_methods(pair, calib, cases, swept, "budget sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
     report.projection = projection(report, calib, d_kv)
     return report
@@ -185,9 +195,11 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
         used = calib
         if cfg.lodo:
             others = [d for d in domains if d != domain]
-            used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=others, texts=None), progress)
+            rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
+            used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=others, texts=None, rate_windows=rate_windows),
+                                 progress)
         report = bench(pair, used, _eval_windows(cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
-                       tuple(cfg.budgets), name, progress, sink=cfg.sink, sent_rows=cfg.sent_rows,
+                       tuple(cfg.budgets), name, progress, budget=cfg.budget, sink=cfg.sink, sent_rows=cfg.sent_rows,
                        kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len)
         report.domain = domain
         reports.append(report)

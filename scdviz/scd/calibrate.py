@@ -27,8 +27,9 @@ from scdviz.config import opt
 from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.scd import plan as plans
-from scdviz.scd import transfer
+from scdviz.scd import rate, transfer
 from scdviz.scd.patch import Aligner, Patch, fit_patch, fit_patches
+from scdviz.scd.rate import RATE_META, RATE_TENSORS, RateCurves
 from scdviz.scd.rrr import LinearCode, RRRStats
 
 SELECTIONS = ("greedy", "drift", "given")
@@ -69,6 +70,7 @@ class CalibConfig:
     code_group: int = opt(64, 'operating point: tokens per quantisation group of a code channel')
     budget_bytes: float | None = opt(None, 'operating point: payload bytes/token (None: full rank)')
     op_patch_k: int = opt(6, 'operating point: patch layers used')
+    rate_windows: int = opt(6, "calibration windows for the rate-distortion curves of the budget planner (0: none)")
     seed: int = opt(0, 'aligner initialisation and batches')
 
     def __post_init__(self) -> None:
@@ -96,6 +98,7 @@ class Calibration:
     ideal_gain: list[float]  # (L,) KL drop of reuse-only when layer l gets the consumer's own K, V
     selection_kl: list[float]  # KL after adding each layer of patch_order (index 0: none)
     stats: dict  # data used, rows, seconds per stage
+    rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
 
     @property
     def n_layers(self) -> int:
@@ -402,6 +405,10 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
         "seconds_aligners": round(t_align, 1),
         "seconds_total": round(time.perf_counter() - t0, 1),
     }
+    if cfg.rate_windows:
+        calib.rate = rate.measure(pair, calib, cfg.rate_windows, progress)
+        calib.stats["seconds_rate"] = round(calib.rate.seconds, 1)
+        calib.stats["seconds_total"] = round(time.perf_counter() - t0, 1)
     return calib
 
 
@@ -430,7 +437,10 @@ def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) 
             tensors[f"p.{layer}.basis"] = p.basis.half()
         for name, t in p.aligner.state_dict().items():
             tensors[f"p.{layer}.aligner.{name}"] = t.half()
+    if calib.rate is not None:
+        tensors.update({f"rd.{name}": getattr(calib.rate, name) for name in RATE_TENSORS})
     meta = {
+        "rate": None if calib.rate is None else {name: getattr(calib.rate, name) for name in RATE_META},
         "patch_layers": sorted(calib.patches),
         "patch_fit_err": {str(k): p.fit_err for k, p in calib.patches.items()},
         "patch_order": calib.patch_order,
@@ -483,10 +493,13 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
             layer, *(t[f"p.{layer}.{name}"] for name in PATCH_FIELDS),
             basis.float() if basis is not None else None, aligner.eval(), meta["patch_fit_err"][str(layer)],
         )
+    curves = None
+    if meta.get("rate"):
+        curves = RateCurves(**{name: t[f"rd.{name}"] for name in RATE_TENSORS}, **meta["rate"])
     return Calibration(
         art.identity, cfg, [code("k", i) for i in range(n)], [code("v", i) for i in range(n)], patches,
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
-        meta["selection_kl"], meta["stats"],
+        meta["selection_kl"], meta["stats"], curves,
     )
 
 

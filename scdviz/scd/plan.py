@@ -231,8 +231,9 @@ def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:
 
 
 def rank_sweep(calib: Calibration, budgets: list[float]) -> list[Plan]:
-    """SCD full at several byte budgets per token (per-layer ranks allocated to each)."""
-    return [operating_plan(calib, budget_bytes=b, name=f"SCD full @{b:g} B/token") for b in budgets]
+    """SCD full at several byte budgets per token, ranks allocated by fit error alone at the
+    calibration's code bits (approximate: section headers not counted)."""
+    return [operating_plan(calib, budget_bytes=b, name=f"SCD rank-only @{b:g} B/token") for b in budgets]
 
 
 def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = "recompute",

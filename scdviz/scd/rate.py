@@ -30,6 +30,8 @@ from scdviz.scd import plan as plans
 from scdviz.scd import quant, transfer
 
 BITS = plans.CODE_BITS  # precisions measured (16 = fp16)
+RATE_TENSORS = ("err_k", "err_v", "patch_err", "sens_k", "sens_v")  # stored in the calibration file as rd.<name>
+RATE_META = ("bits", "patch_layers", "patch_dims", "group", "n_windows", "seconds")  # stored in its header
 
 
 @dataclass
