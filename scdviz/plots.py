@@ -92,6 +92,28 @@ def rank_spectra(spectra: pd.DataFrame, kind: str = "K", chosen: list[int] | Non
                    "energy captured")
 
 
+def plan_layers(plan) -> go.Figure:
+    """A transfer plan per layer: rank of the key and value codes (bars, bits in the hover and
+    the label) and the patch layers (orange, the bits of their H_in code)."""
+    n = len(plan.modes)
+    layers = list(range(n))
+    code = [m == "code" for m in plan.modes]
+    fig = go.Figure()
+    for kind, ranks, color in (("k", plan.rank_k or [0] * n, "#4c78a8"), ("v", plan.rank_v or [0] * n, "#72b7b2")):
+        bits = [plan.bits_of(i, kind) for i in layers]
+        fig.add_bar(x=layers, y=[r if c else 0 for r, c in zip(ranks, code)], name=f"rank {kind.upper()}",
+                    marker_color=color, text=[f"{b}b" if c else "" for b, c in zip(bits, code)], textposition="outside",
+                    customdata=bits, hovertemplate=f"layer %{{x}}<br>rank {kind.upper()} %{{y}} at %{{customdata}} bits")
+    top = max([*(plan.rank_k or [0]), *(plan.rank_v or [0]), 1])
+    patches = plan.layers_in("patch")
+    if patches:
+        fig.add_bar(x=patches, y=[top] * len(patches), name="patch (H_in code)", marker_color=PATCH_COLOR,
+                    text=[f"{plan.bits_of(i, 'h')}b" for i in patches], textposition="outside",
+                    hovertemplate="layer %{x}: patch, H_in code at %{text}")
+    fig.update_layout(barmode="group")
+    return _layout(fig, f"Plan per layer: {plan.name}", "layer", "code rank (label: bits)")
+
+
 def pareto(table: pd.DataFrame) -> go.Figure:
     """Payload bytes per token vs KL, one point per method (lower-left is better)."""
     rows = table[table["bytes_per_token"] > 0]

@@ -192,7 +192,7 @@ def _parse_layers(text, n_layers: int) -> list[int]:
 
 
 def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, rank_k: int, rank_v: int,
-            patch_k: int, placement: str, layers: str, gbps: float, latency_s: float,
+            patch_k: int, placement: str, layers: str, gbps: float, latency_s: float, budget: float = 0.0,
             session: Session | None = None) -> dict:
     """Every SCD method on one text, with tables, token texts and figures for the tab."""
     from scdviz import link, plots
@@ -215,8 +215,14 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     ordered = len(calib.patch_order if placement == "selected" else calib.drift_order)
     asked, patch_k = patch_k, min(patch_k, ordered)  # "up to k": a gated calibration may order fewer
     manual = _parse_layers(layers, calib.n_layers)
-    plan = plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
-    report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens())
+    budget = inputs.number(budget, "Byte budget (B/token)", 0, 100_000)
+    if budget and calib.rate is None:
+        raise UserError("this calibration has no rate-distortion curves for the budget planner: add them with "
+                         "python -m scdviz rate, or calibrate again; or set the byte budget to 0")
+    plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
+    report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
+                              budget=budget or None)
+    plan = report.plans["SCD full"]
     table = report.table()
     own = link.Link(gbps, latency_s)
     table["ttft_your_link_ms"] = [
@@ -233,12 +239,15 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
         "placement": plots.patch_placement(calib.ideal_gain, plan.layers_in("patch")),
         "spectra_k": plots.rank_spectra(spectra, "K", plan.rank_k), "spectra_v": plots.rank_spectra(spectra, "V", plan.rank_v),
         "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
+        "plan": plots.plan_layers(plan),
     }
     mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
     fewer = (f" (asked for {asked}; this calibration orders {ordered} patch layers for this placement)"
              if asked > patch_k and placement != "manual" else "")
-    info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. SCD full patches layers "
-            f"{plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes. Consumer {pair.consumer_source}; "
+    how = (f"SCD full is the rate-distortion plan for {budget:g} B/token (ranks and bits per layer in the plan plot; "
+           f"patch layers {plan.layers_in('patch') or 'none'})" if budget else
+           f"SCD full patches layers {plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes")
+    info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. {how}. Consumer {pair.consumer_source}; "
             f"{'your calibration' if mine else 'the shipped calibration'}. {calibration_summary(calib)}")
     return {"info": info, "table": table, "texts": texts, "figures": figures}
 

@@ -98,6 +98,12 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
     assert "oracle:" in texts and "SCD full:" in texts
     _plots_drawn(page, "scd", FIGURES)
     _shot(page, "scd", tmp_path_factory)
+    page.locator("#scd-budget input").fill("2304")  # the rate-distortion planner
+    page.locator("#scd-run").click()
+    page.locator("#scd-info").get_by_text("rate-distortion plan for 2304 B/token").wait_for(timeout=300_000)
+    _plots_drawn(page, "scd", ("plan",))
+    assert "rank K" in page.locator("#scd-plan").inner_text()
+    _shot(page, "scd-budget", tmp_path_factory)
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):

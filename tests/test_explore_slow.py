@@ -49,6 +49,27 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
         service.evict_run(builtin_pair, " ", "", False, "% kept", 25, "producer", "")
 
 
+def test_a_byte_budget_gets_the_rate_distortion_plan_within_it(builtin_pair, calib):
+    import dataclasses
+
+    from scdviz import data
+
+    text = data.load_split("jargon", "eval")[5][:1400]
+    out = service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=2304)
+    full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
+    assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
+    assert "rate-distortion plan for 2304 B/token" in out["info"]
+    bars = {trace.name for trace in out["figures"]["plan"].data}
+    assert {"rank K", "rank V"} <= bars
+    with pytest.raises(ValueError, match="below the smallest SCD payload"):
+        service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=10)
+    bare = dataclasses.replace(calib, rate=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service, "get_calibration", lambda pair, session=None: bare)
+        with pytest.raises(service.UserError, match="no rate-distortion curves"):
+            service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=3840)
+
+
 def test_scd_fan_out_covers_every_specialist(builtin_pair):
     from scdviz import data
     from scdviz import webapp as app

@@ -282,6 +282,11 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
             "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
     assert all(need <= set(r) for r in measured)
     assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "budget sweep"}
+    budget = bench.budget_table([report])
+    assert list(budget["method"]) == ["SCD RD @30 B/token", "SCD rank-only @30 B/token"]
+    assert budget["bytes"].iloc[0] <= 30.0  # the rate-distortion plan is a hard limit
+    raw = next(r for r in report.methods if r.method == "raw KV")
+    assert budget["vs_raw"].iloc[0] == round(report.sweeps[-2].kl / raw.kl, 3)
     assert all(p.sink == "recompute" for p in report.plans.values())  # every method treats token 0 alike
     sent = [r for r in measured if r["group"] == "token 0"]
     assert len(sent) == len(report.plans) and all(r["method"].endswith(plans.SENT) for r in sent)

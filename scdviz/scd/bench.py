@@ -253,6 +253,21 @@ def patch_table(reports: list[BenchReport]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def budget_table(reports: list[BenchReport]) -> pd.DataFrame:
+    """The budget sweep per report: each plan's real bytes/token, KL ± se and top-1, and its KL
+    relative to raw reuse (same prompts and token-0 handling) with a 95% paired-bootstrap interval."""
+    out = []
+    for rep in reports:
+        raw = next(r for r in rep.methods if r.method.startswith("raw KV"))
+        for r in (r for r in rep.sweeps if r.group == "budget sweep"):
+            boot = metrics.paired_bootstrap(raw.kl_per_prompt, r.kl_per_prompt)
+            out.append({"specialist": rep.specialist, "domain": rep.domain, "method": r.method,
+                        "bytes": round(r.payload_bytes_per_token, 1), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
+                        "top1": round(r.top1, 3), "vs_raw": round(r.kl / raw.kl, 3) if raw.kl else None,
+                        "vs_raw_ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]", "n": r.n_prompts})
+    return pd.DataFrame(out)
+
+
 def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
     """Per domain: raw reuse vs SCD full (KL ± se, ratio, top-1, bytes/token) with the same token-0 handling."""
     rows_ = []
@@ -326,14 +341,14 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
     return list(ids)
 
 
-def bench_text(pair: Pair, calib: cal.Calibration, text: str, plan: Plan, cont_len: int = 32,
-               gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024) -> BenchReport:
+def bench_text(pair: Pair, calib: cal.Calibration, text: str, plan: Plan | None, cont_len: int = 32,
+               gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024, budget: float | None = None) -> BenchReport:
     """The app's view: ``bench`` on the one window made from the user's text.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
-    (e.g. from ``plan.user_plan``).
+    (e.g. from ``plan.user_plan``), or with ``budget`` the rate-distortion plan for this text's length.
     """
     window = window_of(pair, text, cont_len, max_tokens)
     return bench(pair, calib, [window], cont_len, gen_tokens, sweeps, (), pair.consumer_source,
-                 progress=False, scd_full=plan)
+                 progress=False, scd_full=plan, budget=budget)

@@ -13,7 +13,7 @@ import gradio as gr
 from scdviz.ui.common import diff_tokens, guard
 
 FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
-           "ttft")
+           "ttft", "plan")
 
 
 def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384,
@@ -38,6 +38,8 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         patch_k = gr.Slider(0, 8, value=2, step=1, label="Patch layers k")
         placement = gr.Radio(["selected", "drift", "manual"], value="selected", label="Placement")
         layers = gr.Textbox(label="Manual patch layers (e.g. 14, 18)", value="")
+        budget = gr.Number(value=0, minimum=0, maximum=100_000, label="Byte budget, B/token (0 = the controls; "
+                           "else the rate-distortion planner picks ranks, bits and patches)", elem_id="scd-budget")
     with gr.Row():
         gbps = gr.Slider(0.5, 100, value=10, label="Link bandwidth (Gbit/s)")
         latency = gr.Slider(0.0, 20.0, value=0.5, step=0.5, label="Link latency (ms)")
@@ -49,16 +51,16 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                                combine_adjacent=False, show_inline_category=False, show_legend=True,
                                color_map={"differs": "orange"}, elem_id="scd-texts")
     plots = {}
-    for row in (FIGURES[0:2], FIGURES[2:4], FIGURES[4:6], FIGURES[6:8], FIGURES[8:]):
+    for row in (FIGURES[0:2], FIGURES[2:4], FIGURES[4:6], FIGURES[6:8], FIGURES[8:10]):
         with gr.Row():
             for name in row:
                 plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
 
-    def on_run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, progress=gr.Progress()):  # noqa: B008
+    def on_run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud, progress=gr.Progress()):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="transferring with every method")
-        out = run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan)
+        out = run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud)
         segments = []
         oracle = out["texts"][0][1]
         for method, tokens in out["texts"]:
@@ -67,5 +69,5 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         return [out["info"], out["table"], segments] + [out["figures"][n] for n in FIGURES]
 
     go_btn.click(guard(on_run), [pair_state, session, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers,
-                                 gbps, latency, fan_out], [info, table, texts] + [plots[n] for n in FIGURES],
+                                 gbps, latency, fan_out, budget], [info, table, texts] + [plots[n] for n in FIGURES],
                  concurrency_limit=1, api_name="scd")
