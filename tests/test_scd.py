@@ -120,6 +120,25 @@ def test_bit_packing_is_dense_little_endian_and_round_trips():
     assert blob == b"" and lo.numel() == 0 and quant.dequantize(blob, lo, step, (9, 0), 3, 4, "channel").shape == (9, 0)
 
 
+def test_entropy_coded_sections_decode_to_the_same_values_and_are_never_longer():
+    g = torch.Generator().manual_seed(4)
+    peaked = torch.randn(200, 24, generator=g) ** 3 * torch.linspace(0.1, 3, 24)  # heavy tails, channel scales differ
+    flat = torch.rand(200, 24, generator=g)
+    tiny = torch.randn(3, 2, generator=g)
+    for x, bits in ((peaked, 3), (peaked, 4), (flat, 8), (tiny, 4), (torch.zeros(50, 0), 2)):
+        plain = [payload.Section(1, "k_code", x, bits, 16, "channel")]
+        coded = [payload.Section(1, "k_code", x, bits, 16, "channel", coded=True)]
+        a, b = payload.encode(50, 7, plain), payload.encode(50, 7, coded)
+        assert len(b) <= len(a) == payload.payload_len(plain)
+        assert torch.equal(payload.decode(a).sections[0].data, payload.decode(b).sections[0].data)  # lossless
+    a = payload.encode(50, 7, [payload.Section(1, "k_code", peaked, 3, 64, "channel")])
+    b = payload.encode(50, 7, [payload.Section(1, "k_code", peaked, 3, 64, "channel", coded=True)])
+    assert len(b) < 0.95 * len(a)  # a peaked histogram codes below 3 bits per value
+    assert payload.decode(b).sections[0].coded and not payload.decode(a).sections[0].coded
+    with pytest.raises(ValueError, match="truncated"):
+        payload.decode(b[:-9])
+
+
 def test_payload_length_equals_the_format_formula():
     g = torch.Generator().manual_seed(2)
     sections = [
@@ -283,10 +302,11 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     assert all(need <= set(r) for r in measured)
     assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "budget sweep"}
     budget = bench.budget_table([report])
-    assert list(budget["method"]) == ["SCD RD @30 B/token", "SCD rank-only @30 B/token"]
-    assert budget["bytes"].iloc[0] <= 30.0  # the rate-distortion plan is a hard limit
+    assert list(budget["method"]) == ["SCD RD @30 B/token", "SCD RD+entropy @30 B/token", "SCD rank-only @30 B/token"]
+    assert budget["bytes"].iloc[1] <= budget["bytes"].iloc[0] <= 30.0  # a hard limit; coding never adds bytes
+    assert budget["kl"].iloc[1] == budget["kl"].iloc[0]  # lossless: the same plan decodes to the same cache
     raw = next(r for r in report.methods if r.method == "raw KV")
-    assert budget["vs_raw"].iloc[0] == round(report.sweeps[-2].kl / raw.kl, 3)
+    assert budget["vs_raw"].iloc[0] == round(report.sweeps[-3].kl / raw.kl, 3)
     assert all(p.sink == "recompute" for p in report.plans.values())  # every method treats token 0 alike
     sent = [r for r in measured if r["group"] == "token 0"]
     assert len(sent) == len(report.plans) and all(r["method"].endswith(plans.SENT) for r in sent)

@@ -45,6 +45,7 @@ class ScdBenchConfig:
     sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
     kivi_window: int = opt(0, "the 4-bit KV baseline sends its last this-many tokens in fp16 (KIVI's recent window; 0: none)")
+    entropy: bool = opt(False, "entropy-code the quantised sections of 4-bit KV and SCD alike (rANS with each section's histogram)")
     seed: int = opt(0, "torch seed set before the run")
 
 
@@ -124,6 +125,7 @@ def bench(
     sent_rows: bool = False,
     kivi_window: int = 0,
     qa_answer_len: int = 0,
+    entropy: bool = False,
 ) -> BenchReport:
     """Run the lineup (and sweeps) on ``windows``; see the module docstring.
 
@@ -140,18 +142,22 @@ def bench(
     if budget:
         scd_full = plans.rd_plan(curves, budget, n_tokens, sink, name="SCD full")[0]
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
-    lineup = plans.lineup(calib, scd_full, sink, kivi_window)
+    lineup = plans.lineup(calib, scd_full, sink, kivi_window, entropy)
     results = measure.run_methods(pair, calib, cases, lineup, "method", gen_tokens, gens, progress)
     report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup},
                          calibrated_on=list(calib.stats.get("domains", [])))
     if sent_rows:
-        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", kivi_window)
+        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", kivi_window, entropy)
         report.sweeps += measure.run_methods(pair, calib, cases, other, "token 0", progress=progress)
     if sweeps:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep", progress=progress)
         report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep", progress=progress)
     if budgets:
-        swept = [p for b in budgets for p in (plans.rd_plan(curves, b, n_tokens, sink)[0], *plans.rank_sweep(calib, [b]))]
+        swept = []
+        for b in budgets:
+            rd = plans.rd_plan(curves, b, n_tokens, sink)[0]
+            coded = dataclasses.replace(rd, name=f"SCD RD+entropy @{b:g} B/token", entropy=True)  # the same plan, coded
+            swept += [rd, coded, *plans.rank_sweep(calib, [b])]
         report.sweeps += measure.run_methods(pair, calib, cases, swept, "budget sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
     report.projection = projection(report, calib, d_kv)
@@ -200,7 +206,7 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
                                  progress)
         report = bench(pair, used, _eval_windows(cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
                        tuple(cfg.budgets), name, progress, budget=cfg.budget, sink=cfg.sink, sent_rows=cfg.sent_rows,
-                       kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len)
+                       kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy)
         report.domain = domain
         reports.append(report)
     return reports

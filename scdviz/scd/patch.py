@@ -73,16 +73,16 @@ def linear_corrections(zp: Tensor, zc: Tensor, proj: Tensor | None, shrinks: lis
     x = zp - mu_p
     g, v = torch.linalg.eigh((x.T @ x).double())
     q = (proj @ proj.T).double() if proj is not None else torch.eye(zp.shape[1], dtype=torch.float64, device=zp.device)
-    l, u = torch.linalg.eigh(q)
-    g, l = g.clamp_min(0), l.clamp_min(0)
-    scale = g.mean().clamp_min(1e-12) * l.mean().clamp_min(1e-12)
-    rotated = (v.T @ (x.T @ (resid - mu_r)).double() @ u) * l[None, :]
+    lq, u = torch.linalg.eigh(q)
+    g, lq = g.clamp_min(0), lq.clamp_min(0)
+    scale = g.mean().clamp_min(1e-12) * lq.mean().clamp_min(1e-12)
+    rotated = (v.T @ (x.T @ (resid - mu_r)).double() @ u) * lq[None, :]
     out = []
     for alpha in shrinks:
         if alpha == float("inf"):
             out.append((torch.zeros_like(q).float(), mu_r))
             continue
-        delta = (v @ (rotated / (g[:, None] * l[None, :] + (ridge + alpha) * scale)) @ u.T).float()
+        delta = (v @ (rotated / (g[:, None] * lq[None, :] + (ridge + alpha) * scale)) @ u.T).float()
         out.append((delta, mu_r - mu_p @ delta))
     return out
 

@@ -9,8 +9,11 @@ Layout (little endian):
              bits 8, 4, 3, 2: ceil(rows*cols*bits/8) packed integers (scdviz.scd.quant),
                         then n_groups fp16 minima, then n_groups fp16 steps
              an empty matrix (a rank-0 code) has no body
+           axis byte | 0x80: the integers are entropy coded (scdviz.scd.entropy: its body
+           replaces the packed integers; minima and steps follow as above)
 
-``payload_len`` is this formula; tests check it against real messages. Kinds say what a
+``payload_len`` is this formula for sections that are not entropy coded (a coded section is
+never longer); tests check it against real messages. Kinds say what a
 section holds (KINDS); which rows (with or without token 0) and what the receiver does
 with them is the plan's business (scdviz.scd.plan). This module only (de)serialises.
 """
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from scdviz.scd import quant
+from scdviz.scd import entropy, quant
 
 MAGIC = b"SCD1"
 HEADER = struct.Struct("<4sIIH")
@@ -39,6 +42,7 @@ KINDS = {
     "v_recent": 7,  # the same for values
 }
 AXIS_CODES = {"token": 0, "channel": 1}
+CODED = 0x80  # flag in the axis byte: entropy-coded integers
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Section:
     bits: int = 16  # 16 (fp16), 8 or 4
     group: int = 32  # quantisation group size (ignored at 16 bits)
     axis: str = "channel"  # quantisation grouping, see scdviz.scd.quant
+    coded: bool = False  # entropy-code the integers when that makes the section smaller
 
 
 @dataclass
@@ -79,12 +84,16 @@ def encode(n_tokens: int, token0: int, sections: list[Section]) -> bytes:
     parts = [HEADER.pack(MAGIC, n_tokens, token0, len(sections))]
     for s in sections:
         rows, cols = s.data.shape
-        parts.append(SECTION.pack(s.layer, KINDS[s.kind], s.bits, AXIS_CODES[s.axis], s.group, rows, cols))
         if s.bits == 16:
+            parts.append(SECTION.pack(s.layer, KINDS[s.kind], s.bits, AXIS_CODES[s.axis], s.group, rows, cols))
             parts.append(s.data.detach().to(torch.float16).cpu().contiguous().numpy().tobytes())
-        else:
-            blob, lo, step = quant.quantize(s.data.detach().cpu(), s.bits, s.group, s.axis)
-            parts += [blob, lo.numpy().tobytes(), step.numpy().tobytes()]
+            continue
+        q, lo, step = quant.quantize_ints(s.data.detach().cpu(), s.bits, s.group, s.axis)
+        blob = quant._pack(q, s.bits)
+        coded = entropy.encode(q, s.bits, len(blob)) if s.coded else None
+        axis = AXIS_CODES[s.axis] | (CODED if coded is not None else 0)
+        parts.append(SECTION.pack(s.layer, KINDS[s.kind], s.bits, axis, s.group, rows, cols))
+        parts += [blob if coded is None else coded, lo.numpy().tobytes(), step.numpy().tobytes()]
     return b"".join(parts)
 
 
@@ -98,11 +107,27 @@ def decode(payload: bytes) -> Message:
     pos, sections = HEADER.size, []
     for _ in range(n_sections):
         layer, kind, bits, axis, group, rows, cols = SECTION.unpack_from(payload, pos)
-        end = pos + section_len(rows, cols, bits, group, axes[axis])
+        coded, axis = bool(axis & CODED), axes[axis & ~CODED]
+        start = pos + SECTION.size
+        if coded:
+            if start + 4 > len(payload):
+                raise ValueError("truncated SCD payload")
+            ints = entropy.body_len(payload[start:], bits)
+            end = start + ints + 4 * quant.n_groups(rows, cols, group, axis)
+        else:
+            end = pos + section_len(rows, cols, bits, group, axis)
         if end > len(payload):
             raise ValueError("truncated SCD payload")
-        body = payload[pos + SECTION.size : end]
-        sections.append(Section(layer, kinds[kind], _body(body, rows, cols, bits, group, axes[axis]), bits, group, axes[axis]))
+        body = payload[start:end]
+        if coded:
+            n = quant.n_groups(rows, cols, group, axis)
+            lo = torch.frombuffer(bytearray(body[ints : ints + 2 * n]), dtype=torch.float16)
+            step = torch.frombuffer(bytearray(body[ints + 2 * n :]), dtype=torch.float16)
+            q = entropy.decode(body[:ints], bits, rows * cols)
+            data = quant.dequantize_ints(q, lo, step, (rows, cols), group, axis)
+        else:
+            data = _body(body, rows, cols, bits, group, axis)
+        sections.append(Section(layer, kinds[kind], data, bits, group, axis, coded))
         pos = end
     return Message(n_tokens, token0, sections)
 

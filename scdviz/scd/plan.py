@@ -55,6 +55,7 @@ class Plan:
     bits_k: list[int] = field(default_factory=list)  # (L,) per-layer bits of key codes; empty: code_bits
     bits_v: list[int] = field(default_factory=list)  # (L,) per-layer bits of value codes; empty: code_bits
     bits_h: list[int] = field(default_factory=list)  # (L,) per-layer bits of PATCH codes; empty: code_bits
+    entropy: bool = False  # entropy-code every quantised section (scdviz.scd.entropy); never more bytes
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.modes) - set(MODES))
@@ -194,7 +195,8 @@ def operating_plan(
     return scd_plan(rank_k, rank_v, chosen, code_bits=bits, code_group=cfg.code_group, name=name)
 
 
-def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute", kivi_window: int = 0) -> list[Plan]:
+def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute", kivi_window: int = 0,
+           entropy: bool = False) -> list[Plan]:
     """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.
 
     Every method treats token 0 (the attention sink) the same way, ``sink``: "recompute"
@@ -202,16 +204,17 @@ def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recomp
     DroidSpeak recomputes the contiguous block of ``op_patch_k`` layers with the largest
     ideal-patch gain, as many layers as SCD patches. scd_full: the SCD plan to compare
     (default: the calibration's operating point). kivi_window: the 4-bit baseline's
-    full-precision window of recent tokens (KIVI keeps one; 0: none).
+    full-precision window of recent tokens (KIVI keeps one; 0: none). entropy: entropy-code
+    the quantised sections of 4-bit KV and both SCD plans alike.
     """
     n = calib.n_layers
     tag = SENT if sink == "send" else ""
     full = scd_full or operating_plan(calib, name="SCD full")  # named so even when it patches nothing
-    full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink)
-    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink)
+    full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink, entropy=entropy)
+    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink, entropy=entropy)
     block = contiguous_block(calib.ideal_gain, calib.config.op_patch_k)
-    return [raw_plan(n, sink=sink), raw_plan(n, bits=4, sink=sink, window=kivi_window), droidspeak_plan(n, block, sink),
-            reuse, full]
+    four = dataclasses.replace(raw_plan(n, bits=4, sink=sink, window=kivi_window), entropy=entropy)
+    return [raw_plan(n, sink=sink), four, droidspeak_plan(n, block, sink), reuse, full]
 
 
 def droidspeak_sweep(calib: Calibration, ks: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[Plan]:

@@ -45,26 +45,38 @@ def _grouped(x: Tensor, group: int, axis: str) -> tuple[Tensor, int]:
     return m.reshape(-1, group), padded
 
 
-def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor, Tensor]:
-    """x (rows, cols) -> (packed codes, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
+def quantize_ints(x: Tensor, bits: int, group: int, axis: str) -> tuple[Tensor, Tensor, Tensor]:
+    """x (rows, cols) -> (integers (rows*cols,) uint8 in wire order, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
     rows, cols = x.shape
     if not rows * cols:  # an empty section (a rank-0 code): no values, no groups
-        return b"", torch.zeros(0, dtype=torch.float16), torch.zeros(0, dtype=torch.float16)
+        empty = torch.zeros(0, dtype=torch.float16)
+        return torch.zeros(0, dtype=torch.uint8), empty, empty
     g, padded = _grouped(x.float(), group, axis)
     lo = g.min(1).values.half()
     step = ((g.max(1).values - lo.float()) / (2**bits - 1)).clamp_min(1e-8).half()
     q = ((g - lo.float()[:, None]) / step.float()[:, None]).round().clamp(0, 2**bits - 1).to(torch.uint8)
     q = q.reshape(-1, padded)[:, : (cols if axis == "token" else rows)]  # drop padding
-    return _pack(q.reshape(-1), bits), lo, step
+    return q.reshape(-1), lo, step
+
+
+def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor, Tensor]:
+    """x (rows, cols) -> (packed codes, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
+    q, lo, step = quantize_ints(x, bits, group, axis)
+    return _pack(q, bits), lo, step
 
 
 def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bits: int, group: int, axis: str) -> Tensor:
     """Inverse of ``quantize`` up to rounding: (rows, cols) float32."""
+    return dequantize_ints(_unpack(blob, bits, shape[0] * shape[1]), lo, step, shape, group, axis)
+
+
+def dequantize_ints(q: Tensor, lo: Tensor, step: Tensor, shape: tuple[int, int], group: int, axis: str) -> Tensor:
+    """Integers in wire order (``quantize_ints``) -> (rows, cols) float32."""
     rows, cols = shape
     if not rows * cols:
         return torch.zeros(rows, cols)
     length = cols if axis == "token" else rows
-    q = _unpack(blob, bits, rows * cols).reshape(-1, length).float()
+    q = q.reshape(-1, length).float()
     padded = math.ceil(length / group) * group
     q = torch.cat([q, q.new_zeros(q.shape[0], padded - length)], dim=1).reshape(-1, group)
     m = (q * step.float()[:, None] + lo.float()[:, None]).reshape(-1, padded)[:, :length]

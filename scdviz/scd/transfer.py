@@ -114,18 +114,18 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
         if mode == "raw":
             k, v = state.keys[layer][rows], state.values[layer][rows]
             w = min(plan.raw_window, k.shape[0] - 1) if plan.raw_bits < 16 else 0
-            sections.append(Section(layer, "k", k[: k.shape[0] - w], plan.raw_bits, plan.raw_group, "channel"))
-            sections.append(Section(layer, "v", v[: v.shape[0] - w], plan.raw_bits, plan.raw_group, "token"))
+            sections.append(Section(layer, "k", k[: k.shape[0] - w], plan.raw_bits, plan.raw_group, "channel", plan.entropy))
+            sections.append(Section(layer, "v", v[: v.shape[0] - w], plan.raw_bits, plan.raw_group, "token", plan.entropy))
             if w:
                 sections += [Section(layer, "k_recent", k[-w:]), Section(layer, "v_recent", v[-w:])]
         elif mode == "code":
             zk = calib.key_codes[layer].encode(state.keys_pre[layer][rows], plan.rank_k[layer])
             zv = calib.value_codes[layer].encode(state.values[layer][rows], plan.rank_v[layer])
-            sections.append(Section(layer, "k_code", zk, plan.bits_of(layer, "k"), plan.code_group, "channel"))
-            sections.append(Section(layer, "v_code", zv, plan.bits_of(layer, "v"), plan.code_group, "channel"))
+            sections.append(Section(layer, "k_code", zk, plan.bits_of(layer, "k"), plan.code_group, "channel", plan.entropy))
+            sections.append(Section(layer, "v_code", zv, plan.bits_of(layer, "v"), plan.code_group, "channel", plan.entropy))
         elif mode == "patch":
             z = calib.patch_for(layer).encode(state.h_in[layer][rows])
-            sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel"))
+            sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel", plan.entropy))
     for start, _ in plan.runs():
         sections.append(Section(start, "resid", state.resid[start]))
     return payload.encode(state.ids.shape[1], int(state.ids[0, 0]), sections)
