@@ -199,6 +199,10 @@ def _bench_scd(cmd: BenchScd) -> None:
     if cmd.bench.sweeps:
         print("\n== patch-budget sweep: KL at k patch layers, relative to k = 0 (vs_k0_ci95: paired bootstrap over prompts) ==")
         print(bench.patch_table(reports).to_string(index=False))
+    if cmd.bench.rank_claim:
+        print("\n== rank claim: one rank for every key code (values at full rank) and vice versa, KL relative to "
+              "reuse-only at full rank (ci95: paired bootstrap over prompts) ==")
+        print(bench.rank_claim_table(reports).to_string(index=False))
     if cmd.bench.budgets:
         print("\n== budget sweep: rate-distortion plans (a hard byte limit) and rank-only allocation, KL relative to raw "
               "reuse (vs_raw_ci95: paired bootstrap over prompts) ==")

@@ -301,6 +301,11 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
             "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
     assert all(need <= set(r) for r in measured)
     assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "budget sweep"}
+    claim = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=0, rank_claim=True, progress=False)
+    table = bench.rank_claim_table([claim])
+    assert sorted(set(table["reduced"])) == ["K", "V"] and len(table) == 2 * len(plans.RANK_CLAIM)
+    for _, rows in table.groupby("reduced"):
+        assert list(rows["bytes"]) == sorted(rows["bytes"])  # more rank, more bytes; the other side at full rank
     budget = bench.budget_table([report])
     assert list(budget["method"]) == ["SCD RD @30 B/token", "SCD RD+entropy @30 B/token", "SCD rank-only @30 B/token"]
     assert budget["bytes"].iloc[1] <= budget["bytes"].iloc[0] <= 30.0  # a hard limit; coding never adds bytes

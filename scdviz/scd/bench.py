@@ -40,6 +40,7 @@ class ScdBenchConfig:
     gen_tokens: int = opt(32, "greedy tokens per method for token-F1 (0: skip)")
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
     budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (rate-distortion plans, and rank-only allocation beside them)")
+    rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the other way round (reuse-only)")
     budget: float | None = opt(None, "SCD full = the rate-distortion plan at this many payload bytes/token, a hard limit (default: the calibration's operating point)")
     sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent", choices=SINKS)
     sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
@@ -126,6 +127,7 @@ def bench(
     kivi_window: int = 0,
     qa_answer_len: int = 0,
     entropy: bool = False,
+    rank_claim: bool = False,
 ) -> BenchReport:
     """Run the lineup (and sweeps) on ``windows``; see the module docstring.
 
@@ -152,6 +154,8 @@ def bench(
     if sweeps:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep", progress=progress)
         report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep", progress=progress)
+    if rank_claim:
+        report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim", progress=progress)
     if budgets:
         swept = []
         for b in budgets:
@@ -206,7 +210,7 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
                                  progress)
         report = bench(pair, used, _eval_windows(cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
                        tuple(cfg.budgets), name, progress, budget=cfg.budget, sink=cfg.sink, sent_rows=cfg.sent_rows,
-                       kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy)
+                       kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy, rank_claim=cfg.rank_claim)
         report.domain = domain
         reports.append(report)
     return reports
@@ -272,6 +276,23 @@ def budget_table(reports: list[BenchReport]) -> pd.DataFrame:
                         "top1": round(r.top1, 3), "vs_raw": round(r.kl / raw.kl, 3) if raw.kl else None,
                         "vs_raw_ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]", "n": r.n_prompts})
     return pd.DataFrame(out)
+
+
+def rank_claim_table(reports: list[BenchReport]) -> pd.DataFrame:
+    """The rank claim per report: KL at each key rank (values at full rank) and each value rank
+    (keys at full rank), relative to reuse-only at full rank, with 95% paired-bootstrap intervals."""
+    out = []
+    for rep in reports:
+        full = next(r for r in rep.methods if r.method.startswith("SCD reuse-only"))
+        for r in (r for r in rep.sweeps if r.group == "rank claim"):
+            boot = metrics.paired_bootstrap(full.kl_per_prompt, r.kl_per_prompt)
+            side = "K" if r.method.startswith("SCD r_K") else "V"
+            out.append({"specialist": rep.specialist, "domain": rep.domain, "reduced": side,
+                        "rank": int(r.method.split("=")[1].split()[0]), "bytes": round(r.payload_bytes_per_token),
+                        "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4), "top1": round(r.top1, 3),
+                        "vs_full_rank": round(r.kl / full.kl, 3) if full.kl else None,
+                        "ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]", "n": r.n_prompts})
+    return pd.DataFrame(out).sort_values(["specialist", "domain", "reduced", "rank"]) if out else pd.DataFrame(out)
 
 
 def domain_table(reports: list[BenchReport]) -> pd.DataFrame:

@@ -233,6 +233,23 @@ def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:
     return out
 
 
+RANK_CLAIM = (8, 16, 32, 64, 96, 128)  # ranks of the seed's r_K < r_V test (the other side at full rank)
+
+
+def rank_claim(calib: Calibration, ranks: tuple[int, ...] = RANK_CLAIM) -> list[Plan]:
+    """The seed's rank claim, tested: reuse-only plans with one rank r for every layer's key code
+    and the value codes at full rank, and the other way round (same code bits)."""
+    d_k, d_v = full_ranks(calib)
+    cfg = calib.config
+    out = []
+    for r in ranks:
+        out.append(scd_plan([min(r, d) for d in d_k], d_v, code_bits=cfg.code_bits, code_group=cfg.code_group,
+                            name=f"SCD r_K={r} (r_V full)"))
+        out.append(scd_plan(d_k, [min(r, d) for d in d_v], code_bits=cfg.code_bits, code_group=cfg.code_group,
+                            name=f"SCD r_V={r} (r_K full)"))
+    return out
+
+
 def rank_sweep(calib: Calibration, budgets: list[float]) -> list[Plan]:
     """SCD full at several byte budgets per token, ranks allocated by fit error alone at the
     calibration's code bits (approximate: section headers not counted)."""
