@@ -21,6 +21,7 @@ from scdviz.evict.trainer import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
 from scdviz.scd.calibrate import CalibConfig
+from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
 SOURCE_HELP = "model source: builtin:NAME, a local folder, or a hub id"
@@ -67,6 +68,15 @@ class BenchScd:
     calibs: list[str] = opt([], "calibration folders, one per consumer (default: the shipped ones)")
     out: str | None = opt(None, "write the benchmark record (JSON) here")
     bench: ScdBenchConfig = field(default_factory=ScdBenchConfig)
+
+
+@dataclass
+class BenchTtft:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    calib: str | None = opt(None, "calibration folder (default: the shipped one of a built-in)")
+    out: str | None = opt(None, "write the benchmark record (JSON) here")
+    ttft: TtftConfig = field(default_factory=TtftConfig)
 
 
 @dataclass
@@ -240,6 +250,32 @@ def _bench_evict(cmd: BenchEvict) -> None:
     _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])))
 
 
+def _bench_ttft(cmd: BenchTtft) -> None:
+    import pandas as pd
+
+    from scdviz.models.pair import load_pair
+    from scdviz.scd import calibrate as cal
+    from scdviz.scd import ttft
+
+    pair = load_pair(cmd.producer, cmd.consumer)
+    calib = cal.load(cmd.calib or cal.shipped_folder(cmd.consumer), pair)
+    table = ttft.run(cmd.ttft, pair, calib)
+    c = cmd.ttft
+    print(f"\n== time to first token, {c.prompt_len}-token prompts, {c.limit} prompts x {c.reps} interleaved rounds after "
+          f"{c.warmup} warm-up, medians; device {pair.device}, {cal.specialist_name(cmd.consumer)} ==")
+    print(f"oracle (consumer prefill + first step): {table['oracle_ms'].iloc[0]} ms; producer prefill: "
+          f"{table['producer_prefill_ms'].iloc[0]} ms")
+    with pd.option_context("display.width", 250, "display.max_columns", 40):
+        steps = ["method", "bytes_per_token", "encode_ms", "receive_ms", "first_step_ms", "compute_iqr_ms"]
+        print(table[steps].iloc[1:].to_string(index=False))
+        for label, what in (("", "without the producer's prefill"), ("_with_prefill", "with the producer's prefill"),
+                            (f"_shared{c.fan_out}", f"with the producer's prefill shared by {c.fan_out} specialists")):
+            cols = [f"ttft{label}_{g:g}gbps_ms" for g in ttft.BANDWIDTHS] + [f"break_even{label}_gbps"]
+            print(f"\nTTFT (ms) {what}; break-even: the slowest link (Gbit/s) at which the method still beats the oracle")
+            print(table[["method", *cols]].iloc[1:].to_string(index=False))
+    _write(cmd, "ttft", c.seed, table.to_dict("records"), str(pair.device))
+
+
 def _write(cmd, kind: str, seed: int, rows: list[dict], device: str) -> None:
     if cmd.out:
         path = records.write(records.make(kind, config.to_dict(cmd), seed, rows, device), cmd.out)
@@ -258,6 +294,8 @@ COMMANDS = [
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
     ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),
     ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
+    ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill (interleaved medians)",
+     BenchTtft, _bench_ttft),
     ("bench evict", "learned eviction vs kvpress baselines (KL, top-1, PPL, wins)", BenchEvict, _bench_evict),
 ]
 

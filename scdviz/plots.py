@@ -222,6 +222,15 @@ def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
             fig.add_scatter(x=part["payload_bytes_per_token"], y=part["kl"], mode="markers+text", text=part["method"],
                             textposition="top center", name=label)
         return _layout(fig, "Saved SCD benchmark: payload vs KL", "payload bytes per prompt token", "KL", log_y=True)
+    if kind == "ttft":
+        rows = df[df["method"] != "oracle"]
+        fig = go.Figure()
+        for col, label in (("ttft_10gbps_ms", "without producer prefill"), ("ttft_with_prefill_10gbps_ms", "with it")):
+            if col in rows:
+                fig.add_bar(x=rows["method"], y=rows[col], name=label)
+        if "oracle_ms" in df:
+            fig.add_hline(y=float(df["oracle_ms"].iloc[0]), line_dash="dash", annotation_text="oracle prefill")
+        return _layout(fig, "Saved TTFT benchmark at 10 Gbit/s (medians)", "method", "TTFT (ms)")
     fig = go.Figure()
     rows = df[pd.to_numeric(df["keep"], errors="coerce").notna() & df["kl"].notna()]
     keys = [c for c in ("model", "mode", "method") if c in rows]

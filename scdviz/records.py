@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-KINDS = ("scd", "evict")
+KINDS = ("scd", "evict", "ttft")
 FORMAT = "scdviz-bench/1"
 _PACKAGES = ("torch", "transformers", "kvpress", "peft", "safetensors", "gradio")
 

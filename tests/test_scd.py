@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from conftest import tiny_model
@@ -604,3 +605,28 @@ def test_rd_plan_spends_bytes_where_the_measured_sensitivity_is(tiny_curves):
     b, _ = plans.rd_plan(quiet, 30.0, 47)
     key_bytes = lambda p: p.rank_k[1] * p.bits_k[1] if p.modes[1] == "code" else 1e9  # noqa: E731
     assert key_bytes(a) > key_bytes(b)
+
+
+def test_ttft_table_counts_every_step_and_break_even_follows_from_it(tiny_pair, tiny_calib):
+    from scdviz.scd import ttft
+
+    samples = {("producer prefill", "prefill"): [0.2, 0.4, 0.3], ("oracle", "prefill"): [0.5, 0.5, 0.5],
+               ("oracle", "first_step"): [0.1, 0.1, 0.1]}
+    for name, enc in (("fast", 0.01), ("slow", 0.7)):
+        samples |= {(name, "encode"): [enc] * 3, (name, "receive"): [0.05] * 3, (name, "first_step"): [0.04] * 3}
+    table = ttft._table(samples, {"fast": 1000.0, "slow": 10.0}, ["fast", "slow"], 4, 3, 100)
+    fast, slow = table.iloc[1], table.iloc[2]
+    assert table["oracle_ms"].iloc[0] == 600.0 and fast["producer_prefill_ms"] == 300.0
+    compute = 0.01 + 0.05 + 0.04
+    assert fast["ttft_10gbps_ms"] == round(1000 * (compute + 1000 * 100 * 8 / 10e9), 1)
+    assert fast["ttft_with_prefill_10gbps_ms"] == round(1000 * (compute + 0.3 + 1000 * 100 * 8 / 10e9), 1)
+    assert fast["ttft_shared4_10gbps_ms"] == round(1000 * (compute + 0.3 / 4 + 1000 * 100 * 8 / 10e9), 1)
+    assert fast["break_even_gbps"] == round(1000 * 100 * 8 / (0.6 - compute) / 1e9, 3)
+    assert slow["break_even_gbps"] is None or pd.isna(slow["break_even_gbps"])  # compute alone slower than the oracle
+    cfg = ttft.TtftConfig(limit=1, prompt_len=40, reps=2, budget=30.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ttft.data, "load_split", lambda domain, split: ["the quick brown fox " * 30])
+        mp.setattr(ttft.builtin, "training_corpus", lambda name: "jargon")
+        live = ttft.run(cfg, tiny_pair, tiny_calib, progress=False)
+    assert list(live["method"])[:1] == ["oracle"] and "SCD RD+entropy @30 B/token" in set(live["method"])
+    assert (live["bytes_per_token"].iloc[1:] > 0).all() and live["timings_per_step"].iloc[0] == 2

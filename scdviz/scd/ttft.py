@@ -1,0 +1,145 @@
+"""Time to first token, measured: every transfer method against the consumer's own prefill.
+
+For each prompt, after ``warmup`` rounds, ``reps`` rounds each time every step of every method
+once, in an order shuffled per round (interleaved, so machine noise hits all methods alike):
+the producer's prefill, each method's encoding (producer side), receiving (consumer side:
+parse, decode codes, align, regenerate, recompute, token 0) and first decode step, and the
+oracle's prefill + first step. Medians (and interquartile ranges) over rounds and prompts.
+
+TTFT at a bandwidth = encoding + payload bytes over the link + receiving + first step,
+counted three ways: without the producer's prefill (the producer's cache already exists),
+with it, and with it shared by ``fan_out`` specialists (one producer prefill per prefix,
+amortised). Break-even bandwidth: the slowest link at which the method still reaches its
+first token before the oracle (it wins on any faster link); none when its compute alone
+is slower than the oracle's prefill. Link latency is not counted (0 ms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from scdviz import data
+from scdviz import link as links
+from scdviz.config import opt
+from scdviz.models import builtin, hf
+from scdviz.models.pair import Pair
+from scdviz.scd import calibrate as cal
+from scdviz.scd import plan as plans
+from scdviz.scd import transfer
+
+BANDWIDTHS = (1.0, 10.0, 100.0)  # Gbit/s
+
+
+@dataclass
+class TtftConfig:
+    """One TTFT measurement run."""
+
+    domain: str | None = opt(None, "shipped corpus whose eval split gives the prompts (default: the specialist's own)")
+    limit: int = opt(3, "prompts")
+    prompt_len: int = opt(1024, "prompt tokens per window")
+    warmup: int = opt(1, "untimed rounds first")
+    reps: int = opt(5, "timed rounds (each times every method once, in a shuffled order)")
+    budget: float = opt(3840.0, "also the rate-distortion plan at this many payload bytes/token (and entropy coded)")
+    fan_out: int = opt(4, "specialists sharing one producer prefill (the shared-prefix column)")
+    seed: int = opt(0, "order of the methods in each round")
+
+
+def _timed(fn, *args) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def methods(calib: cal.Calibration, budget: float, n_tokens: int) -> list[plans.Plan]:
+    """The lineup, and the rate-distortion plan at ``budget`` packed and entropy coded."""
+    rd = plans.rd_plan(calib.rate, budget, n_tokens)[0] if calib.rate is not None else None
+    extra = [] if rd is None else [rd, dataclasses.replace(rd, name=f"SCD RD+entropy @{budget:g} B/token", entropy=True)]
+    return [*plans.lineup(calib), *extra]
+
+
+def run(cfg: TtftConfig, pair: Pair, calib: cal.Calibration, progress: bool = True) -> pd.DataFrame:
+    """One row per method (oracle first): medians of every timed step and the TTFT columns."""
+    if cfg.reps < 1 or cfg.limit < 1:
+        raise ValueError("--reps and --limit must be at least 1")
+    name = cal.specialist_name(pair.consumer_source)
+    domain = cfg.domain or builtin.training_corpus(name) or (calib.stats.get("domains") or data.corpora())[0]
+    windows = data.token_windows(pair.tokenizer, data.load_split(domain, "eval"), cfg.prompt_len + 1, cfg.limit)
+    if not windows:
+        raise ValueError(f"the eval split of {domain!r} has no window of {cfg.prompt_len + 1} tokens")
+    rng = random.Random(cfg.seed)
+    samples: dict[tuple[str, str], list[float]] = {}
+    sizes: dict[str, float] = {}
+    plan_list: list[plans.Plan] = []
+    rounds = [(w, r) for w in windows for r in range(cfg.warmup + cfg.reps)]
+    for window, rnd in tqdm(rounds, desc="ttft: interleaved rounds", disable=not progress):
+        prefix = hf.ids_tensor(window[: cfg.prompt_len], hf.device_of(pair.consumer))
+        fed = hf.ids_tensor(window[cfg.prompt_len :], hf.device_of(pair.consumer))
+        n = prefix.shape[1]
+        plan_list = plan_list or methods(calib, cfg.budget, n)
+        order = ["producer prefill", "oracle", *[p.name for p in plan_list]]
+        rng.shuffle(order)
+        state = None
+        timings: dict[tuple[str, str], float] = {}
+        for item in order:  # the producer's prefill is timed in its slot; methods reuse one state
+            if item == "producer prefill" or state is None:
+                seconds, state = _timed(transfer.producer_state, pair.producer, prefix)
+                if item == "producer prefill":
+                    timings[item, "prefill"] = seconds
+            if item == "producer prefill":
+                continue
+            if item == "oracle":
+                seconds, cache = _timed(hf.decoder_cache, pair.consumer, prefix)
+                timings[item, "prefill"] = seconds
+                timings[item, "first_step"] = transfer._first_step_seconds(pair.consumer, cache, fed, n)
+                continue
+            plan = next(p for p in plan_list if p.name == item)
+            seconds, blob = _timed(transfer.build_payload, state, plan, calib)
+            timings[item, "encode"] = seconds
+            got = transfer.receive(pair.consumer, blob, plan, calib)
+            timings[item, "receive"] = got.seconds
+            timings[item, "first_step"] = transfer._first_step_seconds(pair.consumer, got.cache, fed, n)
+            sizes[item] = len(blob) / n
+        if rnd >= cfg.warmup:
+            for key, value in timings.items():
+                samples.setdefault(key, []).append(value)
+    return _table(samples, sizes, [p.name for p in plan_list], cfg.fan_out, len(windows) * cfg.reps, cfg.prompt_len)
+
+
+def _table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -> pd.DataFrame:
+    med = {key: _quantiles(v)[1] for key, v in samples.items()}
+    producer = med["producer prefill", "prefill"]
+    oracle = med["oracle", "prefill"] + med["oracle", "first_step"]
+    rows = [{"method": "oracle", "bytes_per_token": 0.0, "oracle_ms": round(1000 * oracle, 1)}]
+    for name in names:
+        compute = med[name, "encode"] + med[name, "receive"] + med[name, "first_step"]
+        per_token = sizes[name]
+        row = {"method": name, "bytes_per_token": round(per_token, 1),
+               "encode_ms": round(1000 * med[name, "encode"], 1), "receive_ms": round(1000 * med[name, "receive"], 1),
+               "first_step_ms": round(1000 * med[name, "first_step"], 1)}
+        q1, _, q3 = _quantiles([a + b + c for a, b, c in zip(samples[name, "encode"], samples[name, "receive"],
+                                                            samples[name, "first_step"])])
+        row["compute_iqr_ms"] = f"[{1000 * q1:.0f}, {1000 * q3:.0f}]"
+        for label, extra in (("", 0.0), ("_with_prefill", producer), (f"_shared{fan_out}", producer / fan_out)):
+            for gbps in BANDWIDTHS:
+                link = links.Link(gbps, 0.0).seconds(per_token * prompt_len)
+                row[f"ttft{label}_{gbps:g}gbps_ms"] = round(1000 * (compute + extra + link), 1)
+            spare = oracle - compute - extra
+            row[f"break_even{label}_gbps"] = round(per_token * prompt_len * 8 / spare / 1e9, 3) if spare > 0 else None
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df["producer_prefill_ms"] = round(1000 * producer, 1)
+    df["oracle_ms"] = round(1000 * oracle, 1)
+    df["timings_per_step"] = n
+    return df
