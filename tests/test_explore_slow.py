@@ -62,7 +62,7 @@ def test_a_byte_budget_gets_the_rate_distortion_plan_within_it(builtin_pair, cal
     bars = {trace.name for trace in out["figures"]["plan"].data}
     assert {"rank K", "rank V"} <= bars
     with pytest.raises(ValueError, match="below the smallest SCD payload"):
-        service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=10)
+        service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=2)
     bare = dataclasses.replace(calib, rate=None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(service, "get_calibration", lambda pair, session=None: bare)
