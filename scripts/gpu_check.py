@@ -3,8 +3,11 @@
 Runs ``tests/test_device.py`` (every SCD plan and every eviction path on tiny random models:
 under a wrong-device trap and in bfloat16) with the models on the GPU
 (``SCDVIZ_TEST_DEVICE=cuda``), then the thread-isolation tests, and writes one JSON report:
-versions, the GPU, each test's outcome and seconds, and peak GPU memory. Needs no network and
-no model download; on the lent H200 machine it takes about a minute.
+versions, the GPU, each test's outcome and seconds, and peak GPU memory; then (``--timing``) SCD's
+consumer-side work against the oracle's prefill at the layer shapes of Mistral-7B and a 32B-class
+model with random bf16 weights, 1k and 4k-token prompts (scdviz.scd.scale). Needs no network and
+no model download; on the lent H200 machine the tests take about a minute (the timing part has not
+run on a GPU yet).
 
 On the device machine (it lacks kvpress and its imports; carry them, see scripts/gpu_wheels.sh):
 
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report (default: %(default)s)")
     parser.add_argument("--device", default="cuda", help="torch device for the tiny models (default: %(default)s)")
+    parser.add_argument("--timing", default="Mistral-7B,Qwen-32B",
+                        help="model shapes to time SCD's consumer side at, random bf16 weights (scdviz.scd.scale), "
+                             "comma-separated; empty: none (default: %(default)s)")
     args = parser.parse_args(argv)
     import pytest
     import torch
@@ -70,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         "failed": sum(r["outcome"] == "failed" for r in collect.rows),
         "tests": collect.rows,
     }
+    if args.timing:
+        from scdviz.scd import scale
+
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        report["timing"] = [row for shape in args.timing.split(",") if shape
+                            for row in scale.timing(shape.strip(), device=args.device, dtype=dtype)]
+        for row in report["timing"]:
+            print(f"{row['model']:10s} {row['tokens']:5d} tokens: oracle prefill {row['oracle_prefill_ms']:9.1f} ms, SCD "
+                  f"consumer {row['scd_consumer_ms']:8.1f} ms (parse on CPU {row['parse_cpu_ms']:.1f}), TTFT at 10 Gbit/s "
+                  f"{row['scd_ttft_10gbps_ms']:8.1f} ms, speed-up {row['speedup_10gbps']:.2f}x")
+        report["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1) if args.device.startswith("cuda") else None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "tests"}, indent=1))

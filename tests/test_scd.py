@@ -630,3 +630,16 @@ def test_ttft_table_counts_every_step_and_break_even_follows_from_it(tiny_pair, 
         live = ttft.run(cfg, tiny_pair, tiny_calib, progress=False)
     assert list(live["method"])[:1] == ["oracle"] and "SCD RD+entropy @30 B/token" in set(live["method"])
     assert (live["bytes_per_token"].iloc[1:] > 0).all() and live["timings_per_step"].iloc[0] == 2
+
+
+def test_scale_timing_adds_up_its_steps_and_scales_the_link_with_bytes():
+    from scdviz.scd import scale
+
+    (row,) = scale.timing("tiny", (32,), "cpu", torch.float32, reps=1, warmup=0)
+    parts = row["token0_ms"] + row["codes_ms"] + row["patches_ms"] + row["parse_cpu_ms"]
+    assert row["scd_consumer_ms"] == pytest.approx(parts, abs=0.01)
+    hidden, layers, heads, kv, hd, ffn, vocab = scale.SHAPES["tiny"]
+    assert row["payload_mb"] == pytest.approx(2 * layers * kv * hd * 2 * 32 / 6 / 1e6, abs=1e-3)
+    wire_1 = row["scd_ttft_1gbps_ms"] - row["scd_consumer_ms"]
+    wire_10 = row["scd_ttft_10gbps_ms"] - row["scd_consumer_ms"]
+    assert wire_1 == pytest.approx(10 * wire_10, rel=0.05, abs=0.002)

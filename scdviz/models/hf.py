@@ -513,3 +513,18 @@ def decoder_cache(model, ids: Tensor) -> DynamicCache:
     with torch.no_grad():
         decoder(model)(input_ids=ids.to(device), past_key_values=cache, use_cache=True)
     return cache
+
+
+def random_llama(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
+                 device="cpu", dtype=torch.bfloat16, seed: int = 0):
+    """A Llama-architecture model with random weights, built directly on ``device`` (timing at real
+    layer shapes: the time of a forward pass does not depend on the weight values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=8192,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
