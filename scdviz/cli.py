@@ -45,18 +45,20 @@ class ModelCard:
 
 
 @dataclass
-class Calibrate:
+class _OnePair:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+
+
+@dataclass
+class Calibrate(_OnePair):
     out: str | None = opt(None, "output folder (default: assets/scd/<specialist> for built-ins)")
     store_rank: int | None = opt(None, "store codes up to this rank only (smaller file)")
     calib: CalibConfig = field(default_factory=CalibConfig)
 
 
 @dataclass
-class Rate:
-    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
-    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+class Rate(_OnePair):
     calib: str | None = opt(None, "calibration folder to measure and update (default: the shipped one of a built-in)")
     windows: int = opt(6, "calibration windows to measure on")
 
@@ -71,9 +73,7 @@ class BenchScd:
 
 
 @dataclass
-class BenchTtft:
-    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
-    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+class BenchTtft(_OnePair):
     calib: str | None = opt(None, "calibration folder (default: the shipped one of a built-in)")
     out: str | None = opt(None, "write the benchmark record (JSON) here")
     ttft: TtftConfig = field(default_factory=TtftConfig)
