@@ -157,8 +157,9 @@ def test_shipped_records_and_artefacts_are_current():
 
     for path in [*settings.ASSETS_DIR.glob("scd/*/*.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
         rec = records.read(path)
-        assert rec.kind == ("scd" if path.relative_to(settings.ASSETS_DIR).parts[0] == "scd" else "evict"), path
-        settings_cls = cli.BenchScd if rec.kind == "scd" else cli.BenchEvict
+        scd = path.relative_to(settings.ASSETS_DIR).parts[0] == "scd"
+        assert rec.kind == (("ttft" if path.name == "ttft.json" else "scd") if scd else "evict"), path
+        settings_cls = {"scd": cli.BenchScd, "evict": cli.BenchEvict, "ttft": cli.BenchTtft}[rec.kind]
         assert config.from_dict(settings_cls, rec.settings)[1] == [], path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
         assert Policy.load(path).identity["model_source"] == "builtin:smollm2-135m"
