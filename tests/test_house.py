@@ -192,3 +192,14 @@ def test_the_tree_fits_the_device_machine():
     files = [settings.REPO_DIR / n for n in names.decode().split("\0") if n]
     total = sum(f.stat().st_size for f in files if f.is_file())
     assert total < 60 * 2**20, f"tracked files take {total / 2**20:.1f} MiB"
+
+
+def test_a_shipped_ttft_record_opens_in_the_results_tab_view():
+    from scdviz import plots, service, settings
+
+    (path,) = settings.ASSETS_DIR.glob("scd/jargon/ttft.json")
+    df, kind = service.load_results(path)
+    assert kind == "ttft" and df["method"].iloc[0] == "oracle"
+    fig = plots.results_overview(df, kind)
+    assert [t.name for t in fig.data] == ["without producer prefill", "with it"]
+    assert list(fig.data[0].x) == list(df["method"].iloc[1:])
