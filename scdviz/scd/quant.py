@@ -88,18 +88,33 @@ BITS = (2, 3, 4, 8)  # integer widths the packer writes (16 = fp16 is the payloa
 
 def _pack(q: Tensor, bits: int) -> bytes:
     """uint8 values < 2**bits -> bytes: each value's bits least significant first, values back to
-    back (bits 8: the bytes as is; bits 4: low nibble first)."""
+    back (bits 8: the bytes as is; bits 4: low nibble first; bits 2: four per byte; bits 3: eight
+    values in three bytes)."""
     if bits not in BITS:
         raise ValueError(f"unsupported bit width {bits}; use one of {BITS} (or fp16 without quantisation)")
     if bits == 8:
         return q.numpy().tobytes()
-    planes = np.unpackbits(q.numpy()[:, None], axis=1, count=bits, bitorder="little")  # (n, bits)
-    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+    v = q.numpy().astype(np.uint32)
+    per = 8 if bits == 3 else 8 // bits  # values per block of ``bits`` bytes (3 bits) or per byte
+    n = len(v)
+    v = np.concatenate([v, np.zeros(-n % per, dtype=np.uint32)]).reshape(-1, per)
+    word = (v << (bits * np.arange(per, dtype=np.uint32))).sum(1, dtype=np.uint32)  # one block per row
+    width = bits if bits == 3 else 1  # bytes per block
+    out = word.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :width].reshape(-1)
+    return out[: -(-n * bits // 8)].tobytes()
 
 
 def _unpack(blob: bytes, bits: int, n: int) -> Tensor:
     raw = np.frombuffer(blob, dtype=np.uint8)
     if bits == 8:
         return torch.from_numpy(raw[:n].copy())
-    planes = np.unpackbits(raw, count=n * bits, bitorder="little").reshape(n, bits)
-    return torch.from_numpy(np.packbits(planes, axis=1, bitorder="little")[:, 0])
+    per = 8 if bits == 3 else 8 // bits
+    width = bits if bits == 3 else 1
+    blocks = -(-n // per)
+    padded = np.zeros(blocks * width, dtype=np.uint8)
+    padded[: min(len(raw), blocks * width)] = raw[: blocks * width]
+    word = np.zeros((blocks, 4), dtype=np.uint8)
+    word[:, :width] = padded.reshape(blocks, width)
+    word = word.reshape(-1).view("<u4").astype(np.uint32)
+    values = (word[:, None] >> (bits * np.arange(per, dtype=np.uint32))) & (2**bits - 1)
+    return torch.from_numpy(values.reshape(-1)[:n].astype(np.uint8))
