@@ -216,10 +216,10 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
     return reports
 
 
-def _ratio_ci(raw: measure.MethodResult, scd: measure.MethodResult) -> dict:
-    """SCD/raw KL ratio with its 95% paired-bootstrap interval over prompts."""
-    boot = metrics.paired_bootstrap(raw.kl_per_prompt, scd.kl_per_prompt)
-    return {"ratio_ci": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"}
+def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult) -> tuple[float | None, str]:
+    """KL of ``other`` relative to ``base`` (same prompts) and its 95% paired-bootstrap interval over prompts."""
+    boot = metrics.paired_bootstrap(base.kl_per_prompt, other.kl_per_prompt)
+    return (round(other.kl / base.kl, 3) if base.kl else None), f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"
 
 
 def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
@@ -254,11 +254,10 @@ def patch_table(reports: list[BenchReport]) -> pd.DataFrame:
             rows_ = [r for r in sweep if r.method.endswith(f"({placement})")]
             base = rows_[0]
             for r in rows_:
-                boot = metrics.paired_bootstrap(base.kl_per_prompt, r.kl_per_prompt)
+                ratio, ci = _ratio_ci(base, r)
                 out.append({"specialist": rep.specialist, "domain": rep.domain, "placement": placement,
                             "k": int(r.method.split("k=")[1].split()[0]), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
-                            "top1": round(r.top1, 3), "vs_k0": round(r.kl / base.kl, 3) if base.kl else None,
-                            "vs_k0_ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]",
+                            "top1": round(r.top1, 3), "vs_k0": ratio, "vs_k0_ci95": ci,
                             "bytes": round(r.payload_bytes_per_token), "n": r.n_prompts})
     return pd.DataFrame(out)
 
@@ -270,11 +269,10 @@ def budget_table(reports: list[BenchReport]) -> pd.DataFrame:
     for rep in reports:
         raw = next(r for r in rep.methods if r.method.startswith("raw KV"))
         for r in (r for r in rep.sweeps if r.group == "budget sweep"):
-            boot = metrics.paired_bootstrap(raw.kl_per_prompt, r.kl_per_prompt)
+            ratio, ci = _ratio_ci(raw, r)
             out.append({"specialist": rep.specialist, "domain": rep.domain, "method": r.method,
                         "bytes": round(r.payload_bytes_per_token, 1), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
-                        "top1": round(r.top1, 3), "vs_raw": round(r.kl / raw.kl, 3) if raw.kl else None,
-                        "vs_raw_ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]", "n": r.n_prompts})
+                        "top1": round(r.top1, 3), "vs_raw": ratio, "vs_raw_ci95": ci, "n": r.n_prompts})
     return pd.DataFrame(out)
 
 
@@ -285,13 +283,12 @@ def rank_claim_table(reports: list[BenchReport]) -> pd.DataFrame:
     for rep in reports:
         full = next(r for r in rep.methods if r.method.startswith("SCD reuse-only"))
         for r in (r for r in rep.sweeps if r.group == "rank claim"):
-            boot = metrics.paired_bootstrap(full.kl_per_prompt, r.kl_per_prompt)
+            ratio, ci = _ratio_ci(full, r)
             side = "K" if r.method.startswith("SCD r_K") else "V"
             out.append({"specialist": rep.specialist, "domain": rep.domain, "reduced": side,
                         "rank": int(r.method.split("=")[1].split()[0]), "bytes": round(r.payload_bytes_per_token),
                         "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4), "top1": round(r.top1, 3),
-                        "vs_full_rank": round(r.kl / full.kl, 3) if full.kl else None,
-                        "ci95": f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]", "n": r.n_prompts})
+                        "vs_full_rank": ratio, "ci95": ci, "n": r.n_prompts})
     return pd.DataFrame(out).sort_values(["specialist", "domain", "reduced", "rank"]) if out else pd.DataFrame(out)
 
 
@@ -311,7 +308,8 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
             "raw_top1": round(raw.top1, 3), "scd_top1": round(scd.top1, 3),
             "scd_bytes": round(scd.payload_bytes_per_token), "4bit_bytes": round(four.payload_bytes_per_token),
             "n": scd.n_prompts,
-        } | _ratio_ci(raw, scd))
+            "ratio_ci": _ratio_ci(raw, scd)[1],
+        })
     return pd.DataFrame(rows_)
 
 

@@ -109,36 +109,33 @@ def decode(payload: bytes) -> Message:
         layer, kind, bits, axis, group, rows, cols = SECTION.unpack_from(payload, pos)
         coded, axis = bool(axis & CODED), axes[axis & ~CODED]
         start = pos + SECTION.size
-        if coded:
-            if start + 4 > len(payload):
-                raise ValueError("truncated SCD payload")
-            ints = entropy.body_len(payload[start:], bits)
-            end = start + ints + 4 * quant.n_groups(rows, cols, group, axis)
-        else:
-            end = pos + section_len(rows, cols, bits, group, axis)
+        if coded and start + 4 > len(payload):
+            raise ValueError("truncated SCD payload")
+        ints = _ints_len(payload[start:], rows, cols, bits, coded)  # bytes of the integers (0 at 16 bits)
+        n = quant.n_groups(rows, cols, group, axis) if bits < 16 else 0
+        end = start + (2 * rows * cols if bits == 16 else ints + 4 * n)
         if end > len(payload):
             raise ValueError("truncated SCD payload")
-        body = payload[start:end]
-        if coded:
-            n = quant.n_groups(rows, cols, group, axis)
-            lo = torch.frombuffer(bytearray(body[ints : ints + 2 * n]), dtype=torch.float16)
-            step = torch.frombuffer(bytearray(body[ints + 2 * n :]), dtype=torch.float16)
-            q = entropy.decode(body[:ints], bits, rows * cols)
-            data = quant.dequantize_ints(q, lo, step, (rows, cols), group, axis)
-        else:
-            data = _body(body, rows, cols, bits, group, axis)
-        sections.append(Section(layer, kinds[kind], data, bits, group, axis, coded))
+        sections.append(Section(layer, kinds[kind], _body(payload[start:end], rows, cols, bits, group, axis, ints, n, coded),
+                                bits, group, axis, coded))
         pos = end
     return Message(n_tokens, token0, sections)
 
 
-def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str) -> Tensor:
-    if not rows * cols:  # an empty section (a rank-0 code)
-        return torch.zeros(rows, cols)
+def _ints_len(body: bytes, rows: int, cols: int, bits: int, coded: bool) -> int:
+    """Bytes holding a section's integers: the coded body's length, or the packed length."""
+    if bits == 16:
+        return 0
+    return entropy.body_len(body, bits) if coded else quant.packed_len(rows * cols, bits)
+
+
+def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str, ints: int, n: int, coded: bool) -> Tensor:
+    """A section's values: fp16, or integers (packed or entropy coded, ``ints`` bytes) then n minima and n steps."""
+    if not rows * cols:  # an empty section (a rank-0 code): host-side like every decoded section
+        return torch.zeros(rows, cols, device="cpu")
     if bits == 16:
         return torch.frombuffer(bytearray(body), dtype=torch.float16).float().reshape(rows, cols)
-    n = quant.n_groups(rows, cols, group, axis)
-    code_len = quant.packed_len(rows * cols, bits)
-    lo = torch.frombuffer(bytearray(body[code_len : code_len + 2 * n]), dtype=torch.float16)
-    step = torch.frombuffer(bytearray(body[code_len + 2 * n :]), dtype=torch.float16)
-    return quant.dequantize(body[:code_len], lo, step, (rows, cols), bits, group, axis)
+    lo = torch.frombuffer(bytearray(body[ints : ints + 2 * n]), dtype=torch.float16)
+    step = torch.frombuffer(bytearray(body[ints + 2 * n :]), dtype=torch.float16)
+    q = entropy.decode(body[:ints], bits, rows * cols) if coded else quant._unpack(body[:ints], bits, rows * cols)
+    return quant.dequantize_ints(q, lo, step, (rows, cols), group, axis)
