@@ -30,6 +30,7 @@ from scdviz.scd import plan as plans
 from scdviz.scd import quant, transfer
 
 BITS = plans.CODE_BITS  # precisions measured (16 = fp16)
+HOST64 = dict(dtype=torch.float64, device=hf.HOST)  # curves are host-side statistics, like the codes
 RATE_TENSORS = ("err_k", "err_v", "patch_err", "sens_k", "sens_v")  # stored in the calibration file as rd.<name>
 RATE_META = ("bits", "patch_layers", "patch_dims", "group", "n_windows", "seconds")  # stored in its header
 
@@ -72,7 +73,7 @@ def error_by_rank(code, xs: list[Tensor], ys: list[Tensor], bits: int, group: in
     """
     dec = code.dec.double()
     r_max = dec.shape[0]
-    energy, cross, gram = 0.0, torch.zeros(r_max, dtype=torch.float64), torch.zeros(r_max, r_max, dtype=torch.float64)
+    energy, cross, gram = 0.0, torch.zeros(r_max, **HOST64), torch.zeros(r_max, r_max, **HOST64)
     for x, y in zip(xs, ys):
         z = _quantised(code.encode(x, r_max), bits, group).double()
         e = y.double() - code.mu_out.double()
@@ -80,7 +81,7 @@ def error_by_rank(code, xs: list[Tensor], ys: list[Tensor], bits: int, group: in
         cross += (z * (e @ dec.T)).sum(0)
         gram += z.T @ z
     block = (gram * (dec @ dec.T)).cumsum(0).cumsum(1).diagonal()
-    zero = torch.zeros(1, dtype=torch.float64)
+    zero = torch.zeros(1, **HOST64)
     return energy - 2 * torch.cat([zero, cross.cumsum(0)]) + torch.cat([zero, block])
 
 
@@ -107,18 +108,18 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
     order = [layer for layer in calib.patch_order if layer in calib.patches]
     base = plans.full_rank_plan(calib)  # the error structure the sensitivities are measured at
     rows = {key: [[] for _ in range(n)] for key in ("kp", "kc", "vp", "vc")}
-    patch_sse = torch.zeros(len(order), len(BITS), 2, dtype=torch.float64)
-    kl_k, kl_v = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    sse_k, sse_v = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    patch_sse = torch.zeros(len(order), len(BITS), 2, **HOST64)
+    kl_k, kl_v = torch.zeros(n, **HOST64), torch.zeros(n, **HOST64)
+    sse_k, sse_v = torch.zeros(n, **HOST64), torch.zeros(n, **HOST64)
     for window in tqdm(windows, desc="rate: curves and sensitivities", disable=not progress):
         case = transfer.prepare_case(pair.producer, pair.consumer, window, cfg.cont_len)
-        own = transfer.producer_state(pair.consumer, case.state.ids)
-        for layer in range(n):
-            rows["kp"][layer].append(case.state.keys_pre[layer][1:])
-            rows["kc"][layer].append(own.keys_pre[layer][1:])
-            rows["vp"][layer].append(case.state.values[layer][1:])
-            rows["vc"][layer].append(own.values[layer][1:])
         oracle_k, oracle_v = hf.cache_kv(case.oracle_cache)
+        cos, sin = hf.rope(pair.consumer, torch.arange(case.state.ids.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0))
+        for layer in range(n):  # the consumer's own rows, from the oracle's cache (pre-RoPE keys: rotated back)
+            rows["kp"][layer].append(case.state.keys_pre[layer][1:])
+            rows["kc"][layer].append(transfer._flat(hf.unrotate(oracle_k[layer], cos, sin))[1:].float().cpu())
+            rows["vp"][layer].append(case.state.values[layer][1:])
+            rows["vc"][layer].append(transfer._flat(oracle_v[layer])[1:].float().cpu())
         got_k, got_v = hf.cache_kv(transfer.receive(pair.consumer, transfer.build_payload(case.state, base, calib), base, calib).cache)
         start = case.state.ids.shape[1]
         for layer in range(n):
@@ -139,8 +140,8 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
                 k, v = hf.kv_from_hin(pair.consumer, layer, h.unsqueeze(0), positions)
                 patch_sse[p, b, 0] += float(((k.float() - oracle_k[layer][:, :, 1:].float()) ** 2).sum())
                 patch_sse[p, b, 1] += float(((v.float() - oracle_v[layer][:, :, 1:].float()) ** 2).sum())
-    total_k = torch.tensor([_centred_energy(rows["kc"][layer]) for layer in range(n)], dtype=torch.float64)
-    total_v = torch.tensor([_centred_energy(rows["vc"][layer]) for layer in range(n)], dtype=torch.float64)
+    total_k = torch.tensor([_centred_energy(rows["kc"][layer]) for layer in range(n)], **HOST64)
+    total_v = torch.tensor([_centred_energy(rows["vc"][layer]) for layer in range(n)], **HOST64)
     err = {}
     for kind, codes, total in (("k", calib.key_codes, total_k), ("v", calib.value_codes, total_v)):
         xs, ys = rows[f"{kind}p"], rows[f"{kind}c"]
