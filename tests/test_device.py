@@ -68,9 +68,14 @@ def texts(tmp_path_factory):
 
 
 def _scd_paths(pair, calib, dtype):
-    """Every SCD plan of the line-up: payload, receive, teacher-forced scoring and generation."""
+    """Every SCD plan of the line-up and the budget planner's (its curves measured here, entropy
+    coded too): payload, receive, teacher-forced scoring and generation."""
+    from scdviz.scd import rate
+
     cases = measure.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
-    lineup = plans.lineup(calib)
+    curves = rate.measure(pair, calib, 1, progress=False)
+    rd = plans.rd_plan(curves, 30.0, cases[0].state.ids.shape[1])[0]
+    lineup = [*plans.lineup(calib, entropy=True), rd]
     oracle, gens = measure.oracle_result(pair, cases, 3)
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, calib)

@@ -272,7 +272,7 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     rows = n_tokens - 1 if sink == "recompute" else n_tokens
     g, bits, n = curves.group, list(curves.bits), curves.n_layers
     r_max = curves.err_k.shape[2] - 1
-    f64 = dict(dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device="cpu")  # the planner works on host-side curves
     cost = torch.tensor([[payload.section_len(rows, r, b, g, "channel") for r in range(r_max + 1)] for b in bits], **f64).flatten()
     dist = {"k": (curves.sens_k.double()[:, None, None] * curves.err_k.double()).flatten(1),  # (L, options)
             "v": (curves.sens_v.double()[:, None, None] * curves.err_v.double()).flatten(1)}
@@ -336,14 +336,14 @@ def _fill(choice: dict, dist: dict, cost, p_dist, p_cost, patch_layers: list[int
     while True:
         best = None  # (ratio, kind, layer, option, extra bytes)
         for kind in ("k", "v"):
-            now = torch.tensor(choice[kind])
+            now = torch.tensor(choice[kind], device=cost.device)
             extra = cost[None, :] - cost[now][:, None]
             gain = dist[kind].gather(1, now[:, None]) - dist[kind]
             ok = (extra <= left) & (gain > 0)
             for layer in choice["patch"]:
                 ok[layer] = False
             if ok.any():
-                ratio = torch.where(ok, gain / extra.clamp_min(1e-9), torch.tensor(-1.0, dtype=gain.dtype))
+                ratio = torch.where(ok, gain / extra.clamp_min(1e-9), torch.tensor(-1.0, dtype=gain.dtype, device=gain.device))
                 flat = int(ratio.argmax())
                 layer, option = divmod(flat, ratio.shape[1])
                 if best is None or float(ratio[layer, option]) > best[0]:

@@ -49,8 +49,8 @@ def quantize_ints(x: Tensor, bits: int, group: int, axis: str) -> tuple[Tensor, 
     """x (rows, cols) -> (integers (rows*cols,) uint8 in wire order, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
     rows, cols = x.shape
     if not rows * cols:  # an empty section (a rank-0 code): no values, no groups
-        empty = torch.zeros(0, dtype=torch.float16)
-        return torch.zeros(0, dtype=torch.uint8), empty, empty
+        empty = x.new_zeros(0, dtype=torch.float16)
+        return x.new_zeros(0, dtype=torch.uint8), empty, empty
     g, padded = _grouped(x.float(), group, axis)
     lo = g.min(1).values.half()
     step = ((g.max(1).values - lo.float()) / (2**bits - 1)).clamp_min(1e-8).half()
@@ -74,7 +74,7 @@ def dequantize_ints(q: Tensor, lo: Tensor, step: Tensor, shape: tuple[int, int],
     """Integers in wire order (``quantize_ints``) -> (rows, cols) float32."""
     rows, cols = shape
     if not rows * cols:
-        return torch.zeros(rows, cols)
+        return lo.new_zeros(rows, cols, dtype=torch.float32)
     length = cols if axis == "token" else rows
     q = q.reshape(-1, length).float()
     padded = math.ceil(length / group) * group
