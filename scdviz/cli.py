@@ -247,6 +247,9 @@ def _bench_evict(cmd: BenchEvict) -> None:
     models = {source: load_model(source) for source in dict.fromkeys(cmd.models)}
     rows = compare.run(cmd.eval, models)
     print(compare.table(rows))
+    if per_domain := compare.domain_table(rows):
+        print("\nper domain: the policy chosen on validation vs the best baseline on that domain's contexts")
+        print(compare.domain_text(per_domain))
     _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])))
 
 

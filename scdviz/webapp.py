@@ -162,7 +162,9 @@ def load_results(path, sess, upload_roots=(), page=None):
     df, kind = service.load_results(path, upload_roots)
     csv = sess.scratch() / "results.csv"  # one file per session, removed with it
     df.assign(bench_kind=kind).to_csv(csv, index=False)
-    return f"{len(df)} {kind} records from `{Path(path).name}`.", df, plots.results_overview(df, kind), str(csv)
+    listed = [c for c in df if df[c].map(lambda v: isinstance(v, list)).any()]  # per-context lists: in the CSV only
+    return (f"{len(df)} {kind} records from `{Path(path).name}`.", df.drop(columns=listed),
+            plots.results_overview(df, kind), str(csv))
 
 
 

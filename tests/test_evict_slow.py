@@ -51,7 +51,7 @@ def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, poli
         compare.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, compare.baselines())[
             "results"
         ]
-        for w in windows
+        for _, w in windows
     ]
     records = compare.aggregate(
         per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(compare.baselines())

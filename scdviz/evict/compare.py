@@ -1,27 +1,40 @@
 """Evaluation of eviction methods in one run on the same contexts (``bench evict``).
 
-Per model and context, one eager prefill (``context.observe``) serves every method: the
-learned policies (per-head and global) and kvpress's SnapKV, ObservedAttention (H2O),
-StreamingLLM, TOVA, ExpectedAttention, Knorm and Random, each at every budget (kept
-fractions and fixed token counts); a policy with another feature window costs one more
-prefill (features only). Each pruned cache then teacher-forces the same tail
-(question + continuation) from the original positions; the full cache is the reference.
+Per model and context, one eager prefill (``context.observe``) serves the learned policies
+(per-head and global) and kvpress's scorers: SnapKV, ObservedAttention (H2O),
+StreamingLLM, TOVA, ExpectedAttention, KeyDiff, CUR, LagKV, Knorm and Random, each at
+every budget (kept fractions and fixed token counts); a policy with another feature
+window costs one more prefill (features only). kvpress's presses that are not plain
+scorers (PyramidKV, KVzip, the AdaKV / CriticalKV wrappers) run kvpress's own way, one
+prefill each per budget (``hf.press_prefill``); one that cannot run on the model is
+reported with its reason. Each pruned cache then teacher-forces the same tail (question +
+continuation) from the original positions; the full cache is the reference.
+
+Protocol: contexts come from the eval splits of every shipped domain, spread evenly; the
+headline policy is the one with the lowest *validation* KL in its training log
+(``chosen_on_validation``), never picked by these results. Per budget every method gets
+the paired-bootstrap 95% interval of its KL minus the best baseline's, wins against that
+baseline and against each context's own best baseline; ``domain_table`` repeats the
+comparison per domain.
 
 Modes: ``agnostic`` compresses the context before the question is seen; ``aware``
 compresses context + question together. Metrics on the continuation: mean KL(full ||
-pruned) and top-1 agreement per step, perplexity, paired per-context wins vs the best
-kvpress baseline, tokens kept, fp16 cache bytes, scoring time as a fraction of the
-prefill (overhead_frac), decode speed-up of the pruned cache vs the full one, and the
-learned policy's cost while evicting at decode time (decode_overhead_frac).
-Policies trained on one model are applied zero-shot to the others in ``models``.
+pruned) and top-1 agreement per step, perplexity, tokens kept, fp16 cache bytes, scoring
+time as a fraction of the prefill (overhead_frac), decode speed-up of the pruned cache vs
+the full one, and the chosen policy's cost while evicting at decode time
+(decode_overhead_frac). Policies trained on one model are applied zero-shot to the others
+in ``models``.
 
 This module does not train (trainer.py) and draws no figures.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -47,8 +60,9 @@ class EvalConfig:
 
     policies: tuple[str, ...] = opt((), 'policy files; empty: the shipped ones')
     texts: str | None = opt(None, '.txt / .jsonl passages; None: shipped eval splits of ``corpora``')
-    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora used when texts is None')
-    limit: int = opt(16, 'contexts')
+    corpora: tuple[str, ...] = opt(("austen", "bible", "gcide", "handbook", "jargon", "manpages"),
+                                   'shipped corpora whose eval splits are used when texts is None (contexts spread evenly)')
+    limit: int = opt(66, 'contexts in all')
     context_len: int = opt(512, 'T, context tokens')
     cont_len: int = opt(32, 'continuation tokens scored')
     keeps: tuple[float, ...] = opt((0.5, 0.25, 0.125), 'kept fractions')
@@ -59,14 +73,18 @@ class EvalConfig:
     decode_steps: int = opt(32, 'greedy steps per throughput timing')
     decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
     qa: bool = opt(False, 'also the context-QA task (scdviz.qa), question-agnostic mode')
+    natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline")
 
 
 def baselines(seed: int = 0) -> dict:
-    """kvpress presses compared against, by display name."""
+    """kvpress scorer presses scored inside the shared eager prefill, by display name."""
     from kvpress import (
+        CURPress,
         ExpectedAttentionPress,
+        KeyDiffPress,
         KnormPress,
+        LagKVPress,
         ObservedAttentionPress,
         RandomPress,
         SnapKVPress,
@@ -80,34 +98,83 @@ def baselines(seed: int = 0) -> dict:
         "StreamingLLM": StreamingLLMPress(),
         "TOVA": TOVAPress(),
         "ExpectedAttention": ExpectedAttentionPress(),
+        "KeyDiff": KeyDiffPress(),
+        "CUR": CURPress(),
+        "LagKV": LagKVPress(),
         "Knorm": KnormPress(),
         "Random": RandomPress(seed=seed),
     }
 
 
+def native_baselines() -> dict:
+    """kvpress presses that are not plain scorers, run kvpress's own way (``hf.press_prefill``):
+    display name -> a function of the compression ratio that builds the press.
+
+    Per-layer budgets (PyramidKV), head-wise budgets (AdaKV, CriticalAdaKV) and KVzip's
+    context reconstruction. The wrappers hold SnapKV and ExpectedAttention, the strongest
+    scorers they accept: ObservedAttention (H2O) needs eager attention, which kvpress's
+    head-wise masking does not cover. FastKVzip is listed so that a run says why it cannot
+    run (its trained gates are fetched from a hub and exist for a few models only).
+    """
+    import kvpress as K
+
+    return {
+        "PyramidKV": lambda r: K.PyramidKVPress(compression_ratio=r),
+        "KVzip": lambda r: K.KVzipPress(compression_ratio=r),
+        "AdaKV-SnapKV": lambda r: K.AdaKVPress(K.SnapKVPress(compression_ratio=r)),
+        "AdaKV-ExpectedAttention": lambda r: K.AdaKVPress(K.ExpectedAttentionPress(compression_ratio=r)),
+        "CriticalKV-SnapKV": lambda r: K.CriticalKVPress(K.SnapKVPress(compression_ratio=r)),
+        "CriticalAdaKV-SnapKV": lambda r: K.CriticalAdaKVPress(K.SnapKVPress(compression_ratio=r)),
+        "FastKVzip": lambda r: K.FastKVzipPress(compression_ratio=r),
+    }
+
+
+def validation_kl(path: str | Path) -> float | None:
+    """The lowest validation KL a policy's training log records (``log.json`` beside it), or None."""
+    log = Path(path).with_name("log.json")
+    if not log.is_file():
+        return None
+    vals = [v["kl"] for v in json.loads(log.read_text()).get("val", [])]
+    return min(vals) if vals else None
+
+
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
-    """Policies by method name (distillcache-head / distillcache-global)."""
+    """Policies by method name (distillcache-head / distillcache-global[-wW])."""
+    return {name: policy for name, (policy, _) in _load(paths).items()}
+
+
+def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
+    """The method name of the policy with the lowest validation KL in its training log:
+    the headline policy, chosen without looking at any evaluation result."""
+    vals = {name: val for name, (_, val) in _load(paths).items() if val is not None}
+    return min(vals, key=vals.get) if vals else None
+
+
+def _load(paths: tuple[str, ...]) -> dict[str, tuple[Policy, float | None]]:
     paths = paths or tuple(str(p) for p in SHIPPED_POLICIES if p.is_file())
-    policies = {}
+    out = {}
     for path in paths:
         policy = Policy.load(path)
         name = "distillcache-head" if policy.config.per_head else "distillcache-global"
-        policies[name if name not in policies else f"{name}-w{policy.config.window}"] = policy
-    return policies
+        out[name if name not in out else f"{name}-w{policy.config.window}"] = (policy, validation_kl(path))
+    return out
 
 
-def contexts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
-    """Token windows of context + question + continuation, held out from training."""
+def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
+    """(domain, token window of context + question + continuation), held out from training.
+
+    Shipped text: eval splits only, the corpora taken in turn so that any ``limit`` spreads
+    the contexts evenly over them. A user's file is one domain, "texts".
+    """
     from scdviz import data
 
     length = cfg.context_len + cfg.question_len + cfg.cont_len
     if cfg.texts:
-        windows = data.token_windows(tokenizer, data.read_passages(cfg.texts), length, cfg.limit)
+        windows = [("texts", w) for w in data.token_windows(tokenizer, data.read_passages(cfg.texts), length, cfg.limit)]
     else:
         per = -(-cfg.limit // len(cfg.corpora))
-        windows = [
-            w for c in cfg.corpora for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)
-        ]
+        by = [[(c, w) for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)] for c in cfg.corpora]
+        windows = [item for turn in itertools.zip_longest(*by) for item in turn if item is not None]
     if not windows:
         raise ValueError(f"no window of {length} tokens in the texts; lower --context-len or give longer texts")
     return windows[: cfg.limit]
@@ -152,9 +219,13 @@ def _policy_seconds(feats: dict[int, Observed], policies: dict[str, Policy]) -> 
     return out
 
 
-def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None) -> dict:
+def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None,
+                  natives: dict | None = None, failed: dict | None = None) -> dict:
     """All methods x budgets on one context; returns {(method, label): metrics} and timings.
 
+    presses: kvpress scorers, scored in the shared eager prefill; natives: name -> press
+    factory (``native_baselines``), each run in its own prefill per budget. failed: name ->
+    why it cannot run, filled on a native's first failure and skipped from then on.
     qa_item: optional scdviz.qa.QAItem about the context, answered from every pruned cache.
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
@@ -178,7 +249,42 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
             kept[(name, label)] = idx
     seconds = _policy_seconds(feats, policies) | obs.score_seconds
     overhead = {k: v / obs.prefill_seconds for k, v in seconds.items()}
+    if natives:
+        native_results, native_overhead = _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)
+        results |= native_results
+        overhead |= native_overhead
     return {"results": results, "overhead": overhead, "feats": feats, "kept": kept, "observed": obs}
+
+
+def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict | None, qa_item):
+    """The native kvpress presses at every budget; overhead = press prefill time over a plain one, less 1."""
+    from kvpress import KnormPress
+
+    failed = {} if failed is None else failed
+    tail, results, seconds = ids[:, prefix:], {}, {}
+    t0 = time.perf_counter()
+    with hf.press_prefill(model, KnormPress(compression_ratio=0.0), ids[:, :prefix]):  # ratio 0: no compression
+        plain = time.perf_counter() - t0
+    for name, make in natives.items():
+        if name in failed:
+            continue
+        for label, n_keep in budgets(cfg, prefix):
+            try:
+                press = make(1.0 - n_keep / prefix)
+                t0 = time.perf_counter()
+                with hf.press_prefill(model, press, ids[:, :prefix]) as cache:
+                    seconds.setdefault(name, []).append(time.perf_counter() - t0)
+                    logits = hf.continue_logits(model, cache, tail, prefix)[0]
+                    results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {
+                        "tokens_kept": round(hf.kept_per_head(model, cache), 2)}
+                    if qa_item is not None:
+                        results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
+            except Exception as err:  # a press that cannot run on this model: reported, never fatal
+                failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+                results = {k: v for k, v in results.items() if k[0] != name}
+                seconds.pop(name, None)
+                break
+    return results, {k: max(0.0, sum(v) / len(v) / plain - 1.0) for k, v in seconds.items()}
 
 
 def _metrics(ref, logits, tail, cont_len: int) -> dict:
@@ -223,52 +329,70 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     policies = load_policies(cfg.policies)
     if not policies:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
+    chosen = chosen_on_validation(cfg.policies)
     records = []
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
-        items = [qa.make_item(tokenizer, w[: cfg.context_len], i) for i, w in enumerate(windows)] if cfg.qa else None
+        items = [qa.make_item(tokenizer, w[: cfg.context_len], i) for i, (_, w) in enumerate(windows)] if cfg.qa else None
         for mode in cfg.modes:
             with hf.eager(model):
-                records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None)
+                records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None,
+                                     chosen)
     return records
 
 
-def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None) -> list[dict]:
+def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None,
+              chosen: str | None = None) -> list[dict]:
     """Every context of one model and mode, aggregated into records."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
     presses = baselines(cfg.seed)
-    per_ctx, overhead, timing = [], {}, {}
-    head = next((p for p in policies.values() if p.config.per_head), None)
-    for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
+    natives = native_baselines() if cfg.natives else {}
+    per_ctx, overhead, timing, failed = [], {}, {}, {}
+    timed = policies.get(chosen) if chosen and policies[chosen].config.per_head else None
+    timed = timed or next((p for p in policies.values() if p.config.per_head), None)
+    for n, (_, window) in enumerate(tqdm(windows, desc=f"{source} {mode}")):
         ids = hf.ids_tensor(window)
-        out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None)
+        out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None, natives, failed)
         per_ctx.append(out["results"])
         for k, v in out["overhead"].items():
             overhead.setdefault(k, []).append(v)
-        if head is not None and n < cfg.throughput_contexts:
+        if timed is not None and n < cfg.throughput_contexts:
             for label, n_keep in budgets(cfg, prefix):
                 t = decode_timing(
-                    model, out["feats"][head.config.window], ids[:, prefix : prefix + 1], prefix, n_keep, cfg, head
+                    model, out["feats"][timed.config.window], ids[:, prefix : prefix + 1], prefix, n_keep, cfg, timed
                 )
                 timing.setdefault(label, []).append(t)
-    return aggregate(per_ctx, overhead, timing, model, source, mode, set(presses))
+    return aggregate(per_ctx, overhead, timing, model, source, mode, set(presses) | set(natives),
+                     domains=[d for d, _ in windows], chosen=chosen, failed=failed)
 
 
 def aggregate(
-    per_ctx: list[dict], overhead: dict, timing: dict, model, source: str, mode: str, baseline_names: set
+    per_ctx: list[dict], overhead: dict, timing: dict, model, source: str, mode: str, baseline_names: set,
+    domains: list[str] | None = None, chosen: str | None = None, failed: dict | None = None,
 ) -> list[dict]:
-    """Records with means, standard errors and paired wins vs the best baseline per budget."""
+    """Records with means, standard errors and paired comparisons to the baselines per budget.
+
+    For every method: the paired-bootstrap 95% interval of its KL minus the best baseline's
+    (lowest mean KL at that budget) over contexts, wins against that baseline, and wins
+    against the best baseline *of each context* (the lowest KL any baseline reached there).
+    Per-context KL and each context's domain are kept so tables per domain can be drawn.
+    ``chosen``: the policy chosen on validation (flagged); ``failed``: baselines that could
+    not run, one record each saying why. A method missing on some context is left out.
+    """
     n_layers, (_, n_kv, head_dim) = hf.n_layers(model), hf.attn_heads(model)
     records = []
     full = [c.pop(("full cache", "full")) for c in per_ctx if ("full cache", "full") in c]
     for label in dict.fromkeys(lab for _, lab in per_ctx[0]):
-        methods = [m for m, lab in per_ctx[0] if lab == label]
+        methods = [m for m, lab in per_ctx[0] if lab == label and all((m, label) in c for c in per_ctx)]
         kl = {m: [c[(m, label)]["kl"] for c in per_ctx] for m in methods}
-        best = min((m for m in methods if m in baseline_names), key=lambda m: sum(kl[m]))
+        base = [m for m in methods if m in baseline_names]
+        best = min(base, key=lambda m: sum(kl[m]))
+        ctx_best = [min(kl[b][i] for b in base) for i in range(len(per_ctx))]
         for m in methods:
             mean, se = metrics.mean_se(kl[m])
-            kept = per_ctx[0][(m, label)]["tokens_kept"]
+            kept = sum(c[(m, label)]["tokens_kept"] for c in per_ctx) / len(per_ctx)
             wins = None if m == best else sum(a < b for a, b in zip(kl[m], kl[best], strict=True)) / len(per_ctx)
+            boot = metrics.paired_bootstrap(kl[best], kl[m]) if m != best and len(per_ctx) > 1 else None
             t = timing.get(label, [])
             records.append(
                 {
@@ -276,19 +400,28 @@ def aggregate(
                     "mode": mode,
                     "method": m,
                     "keep": label,
-                    "tokens_kept": kept,
-                    "cache_bytes": kept * n_layers * n_kv * head_dim * 2 * 2,
+                    "tokens_kept": round(kept, 2),
+                    "cache_bytes": round(kept * n_layers * n_kv * head_dim * 2 * 2),
                     "kl": round(mean, 5),
                     "kl_se": round(se, 5),
                     "top1": round(sum(c[(m, label)]["top1"] for c in per_ctx) / len(per_ctx), 4),
                     "ppl": round(metrics.perplexity([x for c in per_ctx for x in c[(m, label)]["nll"]]), 3),
                     "wins_vs_best_baseline": wins,
                     "best_baseline": best,
+                    "kl_minus_best": round(boot["diff"], 5) if boot else None,
+                    "kl_minus_best_ci95": [round(v, 5) for v in boot["diff_ci"]] if boot else None,
+                    "kl_vs_best_ratio": round(boot["ratio"], 4) if boot else None,
+                    "wins_vs_context_best": None if m in base else
+                    sum(a < b for a, b in zip(kl[m], ctx_best, strict=True)) / len(per_ctx),
+                    "baseline": m in baseline_names,
+                    "chosen_on_validation": m == chosen,
                     "n_contexts": len(per_ctx),
-                    "overhead_frac": round(sum(overhead[m]) / len(overhead[m]), 4),
+                    "kl_per_context": [round(v, 6) for v in kl[m]],
+                    "domains": domains,
+                    "overhead_frac": round(sum(overhead[m]) / len(overhead[m]), 4) if overhead.get(m) else None,
                     "decode_speedup": round(sum(x["speedup"] for x in t) / len(t), 3) if t else None,
                     "decode_overhead_frac": round(sum(x["decode_overhead_frac"] for x in t) / len(t), 4)
-                    if t and m == "distillcache-head"
+                    if t and m == chosen
                     else None,
                 }
                 | _qa_fields([c[(m, label)] for c in per_ctx])
@@ -296,7 +429,35 @@ def aggregate(
     if full:
         records.append({"model": source, "mode": mode, "method": "full cache", "keep": "1",
                         "n_contexts": len(full)} | _qa_fields(full))
+    for name, why in (failed or {}).items():
+        records.append({"model": source, "mode": mode, "method": name, "keep": "-", "cannot_run": why})
     return records
+
+
+def domain_table(records: list[dict], method: str | None = None) -> list[dict]:
+    """Per domain and budget: ``method`` (default: the policy chosen on validation) against the
+    best baseline *on that domain's contexts*, with the paired-bootstrap 95% interval of the
+    KL difference over those contexts."""
+    rows = [r for r in records if "kl_per_context" in r and r.get("domains")]
+    method = method or next((r["method"] for r in rows if r.get("chosen_on_validation")), None)
+    out = []
+    for (model, mode, keep) in dict.fromkeys((r["model"], r["mode"], r["keep"]) for r in rows):
+        group = {r["method"]: r for r in rows if (r["model"], r["mode"], r["keep"]) == (model, mode, keep)}
+        if method not in group:
+            continue
+        doms = group[method]["domains"]
+        for dom in dict.fromkeys(doms):
+            at = [i for i, d in enumerate(doms) if d == dom]
+            kl = {m: [r["kl_per_context"][i] for i in at] for m, r in group.items()}
+            best = min((m for m, r in group.items() if r["baseline"]), key=lambda m: sum(kl[m]))
+            boot = metrics.paired_bootstrap(kl[best], kl[method]) if len(at) > 1 else None
+            out.append({"model": model, "mode": mode, "keep": keep, "domain": dom, "n": len(at), "method": method,
+                        "kl": round(sum(kl[method]) / len(at), 4), "best_baseline": best,
+                        "best_kl": round(sum(kl[best]) / len(at), 4),
+                        "minus_best": round(boot["diff"], 4) if boot else None,
+                        "ci95": [round(v, 4) for v in boot["diff_ci"]] if boot else None,
+                        "wins": sum(a < b for a, b in zip(kl[method], kl[best], strict=True)) / len(at)})
+    return out
 
 
 def _qa_fields(rows: list[dict]) -> dict:
@@ -308,18 +469,38 @@ def _qa_fields(rows: list[dict]) -> dict:
 
 
 def table(records: list[dict]) -> str:
-    """A plain-text table of the records."""
-    head = f"{'model':22} {'mode':8} {'method':22} {'keep':>6} {'KL':>14} {'top1':>6} {'PPL':>8} {'wins':>5} {'ovh':>6} {'speed':>6}"
+    """A plain-text table of the records; the policy chosen on validation is marked *."""
+    head = (f"{'model':18} {'mode':8} {'method':25} {'keep':>6} {'KL':>15} {'top1':>6} {'PPL':>7} "
+            f"{'KL - best [95% CI]':>28} {'wins':>5} {'ctx':>5} {'ovh':>6} {'speed':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
+        if "cannot_run" in r:
+            lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} cannot run: {r['cannot_run']}")
+            continue
         if "kl" not in r:  # the full-cache QA row
-            lines.append(f"{r['model'][-22:]:22} {r['mode']:8} {r['method']:22} {'1':>6}  QA acc {r['qa_acc']:.3f}")
+            lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} {'1':>6}  QA acc {r['qa_acc']:.3f}")
             continue
         qa_text = f" QA {r['qa_acc']:.3f}" if "qa_acc" in r else ""
         wins = "best" if r["wins_vs_best_baseline"] is None else f"{r['wins_vs_best_baseline']:.2f}"
+        ctx = "" if r.get("wins_vs_context_best") is None else f"{r['wins_vs_context_best']:.2f}"
+        diff = "" if r.get("kl_minus_best") is None else \
+            f"{r['kl_minus_best']:+.4f} [{r['kl_minus_best_ci95'][0]:+.4f}, {r['kl_minus_best_ci95'][1]:+.4f}]"
         speed = "" if r["decode_speedup"] is None else f"{r['decode_speedup']:.2f}"
+        ovh = "" if r["overhead_frac"] is None else f"{r['overhead_frac']:.3f}"
+        name = r["method"] + ("*" if r.get("chosen_on_validation") else "")
         lines.append(
-            f"{r['model'][-22:]:22} {r['mode']:8} {r['method']:22} {r['keep']:>6} {r['kl']:7.4f}±{r['kl_se']:.4f} "
-            f"{r['top1']:6.3f} {r['ppl']:8.2f} {wins:>5} {r['overhead_frac']:6.3f} {speed:>6}{qa_text}"
+            f"{r['model'][-18:]:18} {r['mode']:8} {name:25} {r['keep']:>6} {r['kl']:7.4f}±{r['kl_se']:.4f} "
+            f"{r['top1']:6.3f} {r['ppl']:7.2f} {diff:>28} {wins:>5} {ctx:>5} {ovh:>6} {speed:>6}{qa_text}"
         )
+    return "\n".join(lines)
+
+
+def domain_text(rows: list[dict]) -> str:
+    """``domain_table`` rows as plain text."""
+    head = f"{'model':18} {'keep':>6} {'domain':10} {'n':>3} {'method':22} {'KL':>7} {'best baseline':22} {'KL':>7} {'diff [95% CI]':>28} {'wins':>5}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ci = "" if r["ci95"] is None else f"{r['minus_best']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]"
+        lines.append(f"{r['model'][-18:]:18} {r['keep']:>6} {r['domain']:10} {r['n']:3d} {r['method']:22} {r['kl']:7.4f} "
+                     f"{r['best_baseline']:22} {r['best_kl']:7.4f} {ci:>28} {r['wins']:5.2f}")
     return "\n".join(lines)

@@ -367,10 +367,58 @@ def kv_from_hin(model, layer_idx: int, h_in: Tensor, positions: Tensor) -> tuple
 def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor) -> Tensor:
     """Teacher-forced logits (B, n, V) for ``ids`` (B, n) placed at positions start..start+n-1.
 
-    The cache is cloned first, so the caller's cache is not changed.
+    The cache is cloned first, so the caller's cache is not changed. A cache whose layers
+    hold different numbers of tokens (per-layer budgets, e.g. PyramidKV) is continued one
+    token at a time: transformers builds one attention mask from layer 0's length, which
+    misplaces the causal part of a multi-token step on the other layers.
     """
     positions = _positions(ids, start, device_of(model))
-    return forward(model, ids, cache=clone_cache(model, cache), positions=positions).logits
+    cache = clone_cache(model, cache)
+    if len(set(cache_len(cache))) <= 1:
+        return forward(model, ids, cache=cache, positions=positions).logits
+    steps = [forward(model, ids[:, i : i + 1], cache=cache, positions=positions[:, i : i + 1]).logits
+             for i in range(ids.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
+@contextlib.contextmanager
+def press_prefill(model, press, ids: Tensor):
+    """Prefill ``ids`` (B, T) under a kvpress press, kvpress's own way; yields the compressed cache.
+
+    For presses that are not plain scorers: per-layer budgets (PyramidKV), head-wise
+    budgets (AdaKV, CriticalAdaKV, KVzip), which kvpress applies by masking keys in its
+    patched attention functions through ``masked_key_indices`` on each attention module.
+    Those masks act on every later forward pass, so continue the cache *inside* the
+    block; the model's lock is held throughout and the masks are removed on exit (nothing
+    per request stays on a shared model). Runs with sdpa attention (head-wise masking does
+    not cover eager), restoring the model's setting afterwards.
+    """
+    with _lock_of(model):
+        before = model.config._attn_implementation
+        if before == "eager":
+            model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+        try:
+            with torch.no_grad(), press(model):
+                decoder(model)(input_ids=ids.to(device_of(model)), past_key_values=cache, use_cache=True)
+            yield cache
+        finally:
+            for layer in layers(model):
+                if getattr(layer.self_attn, "masked_key_indices", None) is not None:
+                    layer.self_attn.masked_key_indices = None
+            if before == "eager":
+                model.set_attn_implementation(before)
+
+
+def kept_per_head(model, cache: DynamicCache) -> float:
+    """Mean tokens a cache lets each layer's KV heads attend to: its length less the keys a
+    head-wise press masked (``masked_key_indices``, read inside ``press_prefill``)."""
+    sizes = []
+    for layer, n in zip(layers(model), cache_len(cache), strict=True):
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        b, h = cache.layers[0].keys.shape[:2]
+        sizes.append(n - (0 if masked is None else len(masked[0]) / (b * h)))
+    return sum(sizes) / len(sizes)
 
 
 @_one_at_a_time

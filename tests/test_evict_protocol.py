@@ -1,0 +1,121 @@
+"""Fast tier: the eviction benchmark's protocol (bootstrap comparisons, wins, domains, choice on
+validation) and kvpress's own presses run through ``hf.press_prefill`` on tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from scdviz import metrics
+from scdviz.evict import compare
+from scdviz.evict.policy import Policy, PolicyConfig
+from scdviz.models import hf
+
+
+def _ctx(kls: dict[str, float]) -> dict:
+    return {(m, "0.25"): {"kl": v, "top1": 0.5, "nll": [1.0], "tokens_kept": 8} for m, v in kls.items()}
+
+
+def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best():
+    model = tiny_model("llama")
+    per_ctx = [_ctx({"learned": 0.10, "A": 0.20, "B": 0.05}),
+               _ctx({"learned": 0.10, "A": 0.12, "B": 0.30}),
+               _ctx({"learned": 0.30, "A": 0.10, "B": 0.11})]
+    rows = compare.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "B"},
+                             domains=["x", "x", "y"], chosen="learned", failed={"C": "no gates"})
+    by = {r["method"]: r for r in rows}
+    assert by["A"]["best_baseline"] == "A" and by["A"]["kl_minus_best"] is None  # A: mean .14 < B: .153
+    boot = metrics.paired_bootstrap([0.20, 0.12, 0.10], [0.10, 0.10, 0.30])
+    assert by["learned"]["kl_minus_best"] == pytest.approx(boot["diff"], abs=1e-5)
+    assert by["learned"]["kl_minus_best_ci95"] == pytest.approx(boot["diff_ci"], abs=1e-5)
+    assert by["learned"]["wins_vs_best_baseline"] == pytest.approx(2 / 3)
+    assert by["learned"]["wins_vs_context_best"] == pytest.approx(1 / 3)  # only context 2 (0.10 < 0.12)
+    assert by["learned"]["chosen_on_validation"] and not by["B"]["chosen_on_validation"]
+    assert by["C"]["cannot_run"] == "no gates" and by["learned"]["domains"] == ["x", "x", "y"]
+    per_domain = {r["domain"]: r for r in compare.domain_table(rows)}
+    assert per_domain["x"]["best_baseline"] == "A" and per_domain["y"]["best_baseline"] == "A"
+    assert per_domain["x"]["kl"] == pytest.approx(0.10) and per_domain["x"]["wins"] == 1.0
+    assert per_domain["y"]["n"] == 1 and per_domain["y"]["ci95"] is None
+
+
+def test_aggregate_drops_a_method_missing_on_some_context():
+    model = tiny_model("llama")
+    per_ctx = [_ctx({"A": 0.2, "late": 0.1}), _ctx({"A": 0.2})]
+    rows = compare.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "late"})
+    assert [r["method"] for r in rows] == ["A"]
+
+
+def test_contexts_spread_evenly_over_the_domains():
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [hash(w) % 97 for w in text.split()]}
+
+    cfg = compare.EvalConfig(corpora=("austen", "bible", "jargon"), limit=7, context_len=40, question_len=4, cont_len=4)
+    domains = [d for d, _ in compare.contexts(cfg, Words())]
+    assert len(domains) == 7 and domains[:3] == ["austen", "bible", "jargon"]
+    assert max(domains.count(d) for d in set(domains)) - min(domains.count(d) for d in set(domains)) <= 1
+
+
+def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
+    paths = []
+    for name, window, vals in (("a", 16, [0.3, 0.2]), ("b", 8, [0.25, 0.15, 0.4])):
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.manual_seed(0)
+        Policy(PolicyConfig(hidden=4, per_head=True, window=window)).save(folder / "best.safetensors")
+        (folder / "log.json").write_text(json.dumps({"val": [{"step": i, "kl": v} for i, v in enumerate(vals)]}))
+        paths.append(str(folder / "best.safetensors"))
+    assert compare.validation_kl(paths[1]) == 0.15
+    assert compare.chosen_on_validation(tuple(paths)) == "distillcache-head-w8"
+    assert set(compare.load_policies(tuple(paths))) == {"distillcache-head", "distillcache-head-w8"}
+
+
+def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    full = hf.forward(model, ids[:, :32]).cache
+    keys, values = hf.cache_kv(full)
+    keep = [torch.arange(0, 32, 1 + i) for i in range(len(keys))]  # 32, 16, 11 tokens per layer
+    cache = hf.make_cache(model, [k[:, :, i] for k, i in zip(keys, keep, strict=True)],
+                          [v[:, :, i] for v, i in zip(values, keep, strict=True)])
+    assert len(set(hf.cache_len(cache))) == 3
+    got = hf.continue_logits(model, cache, ids[:, 32:], 32)
+    step = hf.clone_cache(model, cache)
+    want = torch.cat([hf.forward(model, ids[:, j:j + 1], cache=step, positions=torch.tensor([[j]])).logits
+                      for j in range(32, 40)], dim=1)
+    torch.testing.assert_close(got, want)
+    assert hf.cache_len(cache) == [32, 16, 11]  # the caller's cache is untouched
+
+
+@pytest.mark.parametrize("name", ["AdaKV-SnapKV", "CriticalAdaKV-SnapKV", "PyramidKV", "CriticalKV-SnapKV"])
+def test_native_presses_keep_the_budget_and_leave_nothing_on_the_model(name):
+    model = tiny_model("llama")
+    hf.set_eager(model)  # the benchmark's setting: press_prefill switches to sdpa and back
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(5))
+    make = compare.native_baselines()[name]
+    with hf.press_prefill(model, make(0.75), ids[:, :96]) as cache:
+        assert hf.kept_per_head(model, cache) == pytest.approx(24)
+        pruned = hf.continue_logits(model, cache, ids[:, 96:], 96)
+    assert model.config._attn_implementation == "eager"
+    assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in hf.layers(model))
+    full = hf.continue_logits(model, hf.forward(model, ids[:, :96]).cache, ids[:, 96:], 96)
+    assert not torch.allclose(pruned, full)  # the budget acts on the continuation
+
+
+def test_score_context_reports_a_native_press_that_cannot_run():
+    model = tiny_model("llama")
+    hf.set_eager(model)
+    torch.manual_seed(0)
+    policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
+    cfg = compare.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
+    natives = {k: v for k, v in compare.native_baselines().items() if k in ("KVzip", "AdaKV-SnapKV")}
+    failed = {}
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
+    out = compare.score_context(model, ids, 96, cfg, policies, compare.baselines(), natives=natives, failed=failed)
+    assert "KVzip" in failed and failed["KVzip"]  # no tokenizer for a random model: said, not raised
+    assert out["results"][("AdaKV-SnapKV", "0.25")]["tokens_kept"] == pytest.approx(24)
+    assert ("KVzip", "0.25") not in out["results"]
+    assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in hf.layers(model))
