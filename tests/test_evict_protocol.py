@@ -119,3 +119,48 @@ def test_score_context_reports_a_native_press_that_cannot_run():
     assert out["results"][("AdaKV-SnapKV", "0.25")]["tokens_kept"] == pytest.approx(24)
     assert ("KVzip", "0.25") not in out["results"]
     assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in hf.layers(model))
+
+
+class _Words:
+    """A fake tokenizer: one id per word (hash mod the tiny vocabulary)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [sum(map(ord, w)) % 97 for w in text.split()]}
+
+
+def test_future_attention_sums_each_group_and_averages_the_rows():
+    from scdviz.evict import features as F
+
+    gen = torch.Generator().manual_seed(0)
+    attn = [torch.softmax(torch.randn(1, 4, 3, 10, generator=gen), -1) for _ in range(2)]  # 4 heads, 2 KV heads
+    head, glob = F.future_attention(attn, 7, 2)
+    assert head.shape == (2, 1, 2, 7) and glob.shape == (1, 7)
+    for layer in range(2):
+        for kv in range(2):
+            want = sum(attn[layer][0, h, :, :7].mean(0) for h in (2 * kv, 2 * kv + 1))
+            torch.testing.assert_close(head[layer, 0, kv], want)
+    torch.testing.assert_close(glob[0], head[:, 0].mean((0, 1)))
+
+
+def test_foresight_warm_start_fits_the_future_ranking(tmp_path):
+    from scdviz.evict import trainer
+
+    model = tiny_model("llama")
+    cfg = trainer.TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=48, cont_len=8,
+                              warm_steps=40, warm_target="foresight", lr=1e-2,
+                              policy=PolicyConfig(hidden=8, per_head=True, window=8))
+    samples = trainer.prepare(model, _Words(), cfg, "train", 2, progress=False)
+    head, glob = samples[0].future
+    assert head.shape == (3, 1, 2, 48) and glob.shape == (1, 48)
+    assert trainer.warm_rows(samples[0], True, "foresight").shape == (6, 48)
+    torch.manual_seed(0)
+    policy = Policy(cfg.policy)
+    log = {"warm": []}
+    trainer.warm_start(policy, samples, cfg, torch.optim.Adam(policy.parameters(), lr=cfg.lr), log)
+    first, last = sum(log["warm"][:4]) / 4, sum(log["warm"][-4:]) / 4
+    assert last < first  # the policy moves toward the continuation's attention ranking
+    alpha_only = trainer.prepare(model, _Words(), trainer.TrainConfig(**{**cfg.__dict__, "warm_target": "alpha"}),
+                                 "train", 1, progress=False)
+    assert alpha_only[0].future is None
+    with pytest.raises(ValueError, match="foresight"):
+        trainer.warm_rows(alpha_only[0], True, "foresight")

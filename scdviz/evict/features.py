@@ -76,3 +76,20 @@ def prefill_layer_features(attn: Tensor, values: Tensor, window: int, groups: in
 def global_features(per_layer: list[Tensor]) -> Tensor:
     """Average of the layers' global forms [(B, 1, T, 5)] -> (B, T, 5)."""
     return torch.stack(per_layer, 0).mean(0)[:, 0]
+
+
+def future_attention(attn: list[Tensor], n_context: int, n_kv: int) -> tuple[Tensor, Tensor]:
+    """The foresight target: attention that *later* tokens pay to each context token.
+
+    attn: per layer (B, H, n, n_context + n), the rows of n continuation tokens run over the
+    full cache (a teacher's view, known only in training). Returns the per-KV-head form
+    (L, B, Hkv, T), the group's query heads summed and the rows averaged, and the global
+    form (B, T), averaged over layers and heads, each laid out like the features.
+    """
+    per_layer = []
+    for a in attn:
+        b, h, _, _ = a.shape
+        recv = a[..., :n_context].float().mean(2)  # (B, H, T)
+        per_layer.append(recv.view(b, n_kv, h // n_kv, n_context).sum(2))
+    head = torch.stack(per_layer, 0)
+    return head, head.mean((0, 2))

@@ -10,8 +10,10 @@ Algorithm, per training context:
      continuation; advantage R_m - mean of the other M-1 rewards (leave-one-out);
   4. loss = -mean_m advantage_m * log P(ranking_m) - beta * entropy, with the entropy of
      softmax(scores) per row (the first-choice distribution) as the bonus.
-Optional warm start: maximise the Plackett-Luce likelihood of a heuristic's top-B
-ranking (observed attention, the alpha feature). Prefills are cached once per context
+Optional warm start: maximise the Plackett-Luce likelihood of a target's top-B ranking:
+``alpha`` (observed attention, the alpha feature: what H2O keeps) or ``foresight`` (the
+attention the teacher-forced continuation pays to each context token over the full
+cache: which tokens the future will read, a signal attention history only estimates). Prefills are cached once per context
 (features, full keys/values, reference logits), so an epoch costs only the continuations.
 
 Not here: feature maths (features.py), the press (press.py), evaluation (compare.py).
@@ -31,6 +33,7 @@ from tqdm import tqdm
 
 from scdviz import artefact, metrics
 from scdviz.config import opt
+from scdviz.evict import features as F
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.policy import Policy, PolicyConfig, keep_count
 from scdviz.models import hf
@@ -93,7 +96,8 @@ class TrainConfig:
     keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
     samples: int = opt(4, 'M, Gumbel samples per context and step')
     steps: int = opt(300, 'REINFORCE steps (one context each)')
-    warm_steps: int = opt(100, 'imitation steps on the heuristic ranking before REINFORCE (0: none)')
+    warm_steps: int = opt(100, 'imitation steps on the warm-start ranking before REINFORCE (0: none)')
+    warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight (attention the continuation pays to each token over the full cache)", choices=("alpha", "foresight"))
     lr: float = opt(3e-4, "Adam learning rate (3e-3 degraded the warm start on validation: assets/policy/README.md)")
     entropy_coef: float = opt(1e-4, "beta, weight of the entropy bonus")
     checkpoint_every: int = opt(25, 'steps between checkpoints (each also scores the validation contexts)')
@@ -109,6 +113,7 @@ class Sample:
     obs: Observed  # prefill features and full keys/values
     cont: Tensor  # (1, n) continuation ids
     ref: Tensor  # (n, V) full-cache logits over the continuation
+    future: tuple[Tensor, Tensor] | None = None  # foresight target (L, 1, Hkv, T) and (1, T), when asked
 
 
 def rows(policy: Policy, obs: Observed) -> Tensor:
@@ -140,26 +145,30 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
 
     per = -(-count // len(cfg.corpora))
     length = cfg.context_len + cfg.cont_len
+    foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
     windows = [w for c in cfg.corpora for w in data.token_windows(tokenizer, data.load_split(c, split), length, per)]
     if len(windows) < count:
         raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
     out = []
     for w in tqdm(windows[:count], desc=f"prefill {split} contexts", disable=not progress):
         ids = hf.ids_tensor(w)
+        cont = ids[:, cfg.context_len :]
         with hf.eager(model):  # features need attention probabilities; restored for other users
             obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window)
-        cont = ids[:, cfg.context_len :]
-        ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), cont, cfg.context_len)[0]
-        out.append(Sample(obs, cont, ref))
+            full = hf.make_cache(model, obs.keys, obs.values)
+            positions = torch.arange(cfg.context_len, cfg.context_len + cont.shape[1]).unsqueeze(0)
+            trace = hf.forward(model, cont, cache=full, positions=positions, attentions=foresight)
+        future = F.future_attention(trace.attn, cfg.context_len, hf.attn_heads(model)[1]) if foresight else None
+        out.append(Sample(obs, cont, trace.logits[0], future))
     return out
 
 
 def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict) -> None:
-    """Imitate the observed-attention ranking: maximise its Plackett-Luce likelihood."""
-    for step in tqdm(range(cfg.warm_steps), desc="warm start"):
+    """Imitate the warm-start ranking (``cfg.warm_target``): maximise its Plackett-Luce likelihood."""
+    for step in tqdm(range(cfg.warm_steps), desc=f"warm start ({cfg.warm_target})"):
         sample = samples[step % len(samples)]
         scores = rows(policy, sample.obs)
-        heuristic = rows_of_feature(sample.obs, policy.config.per_head, 0)
+        heuristic = warm_rows(sample, policy.config.per_head, cfg.warm_target)
         n_keep = keep_count(sample.obs.n_tokens, cfg.keeps[step % len(cfg.keeps)])
         target = heuristic.topk(n_keep, dim=-1).indices
         loss = -plackett_luce_logprob(scores, target).mean() / n_keep
@@ -167,6 +176,16 @@ def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: tor
         loss.backward()
         opt.step()
         log["warm"].append(round(float(loss.detach()), 5))
+
+
+def warm_rows(sample: Sample, per_head: bool, target: str) -> Tensor:
+    """The warm-start target's scores as rows, laid out like ``rows``."""
+    if target == "alpha":
+        return rows_of_feature(sample.obs, per_head, 0)
+    if sample.future is None:
+        raise ValueError("the foresight warm start needs samples prepared with warm_target='foresight'")
+    head, glob = sample.future
+    return head[:, 0].flatten(0, 1) if per_head else glob
 
 
 def rows_of_feature(obs: Observed, per_head: bool, idx: int) -> Tensor:
@@ -210,13 +229,17 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
         log["val_heuristic"] = round(
             validate(
                 model,
-                lambda obs: rows_of_feature(obs, cfg.policy.per_head, 0),
+                lambda s: rows_of_feature(s.obs, cfg.policy.per_head, 0),
                 cfg.policy.per_head,
                 held_out,
                 cfg.keeps,
             ),
             5,
         )
+    if cfg.warm_target == "foresight" and "val_foresight_oracle" not in log:  # top-B of the true future: a bound
+        log["val_foresight_oracle"] = round(
+            validate(model, lambda s: warm_rows(s, cfg.policy.per_head, "foresight"), cfg.policy.per_head, held_out,
+                     cfg.keeps), 5)
     if not log["warm"] and cfg.warm_steps:
         warm_start(policy, samples, cfg, opt, log)
         _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
@@ -257,11 +280,11 @@ def run_folder(cfg: TrainConfig, resume: bool) -> Path:
 
 
 def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...]) -> float:
-    """Mean KL of deterministic top-B of ``scorer(obs) -> rows`` over samples and kept fractions."""
+    """Mean KL of deterministic top-B of ``scorer(sample) -> rows`` over samples and kept fractions."""
     kls = []
     with torch.no_grad():
         for sample in samples:
-            scores = scorer(sample.obs)
+            scores = scorer(sample)
             for keep in keeps:
                 idx = scores.topk(keep_count(sample.obs.n_tokens, keep), dim=-1).indices
                 kls.append(rollout_kl(model, sample, indices_from_rows(idx, sample.obs, per_head)))
@@ -270,7 +293,7 @@ def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[
 
 def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], keeps) -> None:
     """Validate, save the current policy and optimizer, and keep the best policy so far."""
-    val = validate(model, lambda obs: rows(policy, obs), policy.config.per_head, held_out, keeps)
+    val = validate(model, lambda s: rows(policy, s.obs), policy.config.per_head, held_out, keeps)
     log["val"].append({"step": len(log["steps"]), "kl": round(val, 5)})
     if val <= min(v["kl"] for v in log["val"]):
         policy.save(out / "best.safetensors", meta={"steps": len(log["steps"]), "val_kl": val})
