@@ -299,7 +299,8 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
     info = (f"{method}: keeps {view.tokens_kept} of {len(view.context_tokens)} context tokens per layer and KV head "
             f"({view.budget_label}); {which} model. Full-cache continuation: “{view.continuation.strip()}”")
     texts = [[m, g] for m, g in view.generations.items()]
-    return {"info": info, "kept": kept, "table": pd.DataFrame(view.rows), "texts": texts,
+    versus = list(zip(view.context_tokens, [round(v, 3) for v in view.versus_h2o[method]]))
+    return {"info": info, "kept": kept, "versus": versus, "table": pd.DataFrame(view.rows), "texts": texts,
             "methods": sorted(view.kept_fraction), "figures": figures}
 
 

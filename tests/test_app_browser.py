@@ -117,6 +117,8 @@ def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
                    "ExpectedAttention", "Knorm", "Random"):
         assert method in table
     assert len(page.locator("#ev-kept").inner_text().split()) > 50  # the context, token by token
+    assert len(page.locator("#ev-versus").inner_text().split()) > 50  # and where it differs from H2O's choice
+    assert "jaccard_vs_h2o" in table
     assert "distillcache-head" in page.locator("#ev-texts").inner_text()
     _plots_drawn(page, "ev", FIGURES)
     _shot(page, "evict", tmp_path_factory)

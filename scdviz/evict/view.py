@@ -3,8 +3,10 @@
 ``eviction_view`` runs the benchmark's own ``score_context`` on a single user context (so the
 numbers equal ``bench evict`` on the same window and settings) and adds what a person
 wants to look at: which tokens each method keeps (fraction of layer × KV-head slots
-keeping each token), KL per decode step, the budget sweep, the tokens' features, and
-greedy text generated from each pruned cache. The continuation scored is the full
+keeping each token), where each method's choice differs from H2O's (ObservedAttention:
+what attention history alone keeps) with the overlap of their kept slots, KL per decode
+step, the budget sweep, the tokens' features, and greedy text generated from each pruned
+cache. The continuation scored is the full
 cache's own greedy generation. No figures here (scdviz.plots), no training.
 """
 
@@ -39,18 +41,30 @@ class EvictionView:
     feature_names: tuple[str, ...] = NAMES  # names of the 5 features
     continuation: str = ""  # the full cache's greedy continuation (the scored tokens)
     generations: dict[str, str] = field(default_factory=dict)  # method -> greedy text from its pruned cache
+    versus_h2o: dict[str, list[float]] = field(default_factory=dict)  # method -> (T,) its kept share minus H2O's
 
 
-def _kept_masks(idx, n_tokens: int, n_layers: int) -> torch.Tensor:
-    """(L, T) share of KV heads keeping each token, from per-layer (B, Hkv, n) or one (B, n) set."""
+H2O = "ObservedAttention"  # kvpress's H2O: what attention history alone keeps
+
+
+def _slot_masks(idx, n_tokens: int, n_layers: int, n_kv: int) -> torch.Tensor:
+    """(L, Hkv, T) 1 where a layer's KV head keeps a token, from per-layer (B, Hkv, n) or one (B, n) set."""
     per_layer = idx if isinstance(idx, list) else [idx] * n_layers
     rows = []
     for i in per_layer:
-        i = i[0] if i.dim() == 3 else i  # (Hkv, n) or (1, n)
-        mask = torch.zeros(i.shape[0], n_tokens, device=hf.HOST)  # for the plots
+        i = (i[0] if i.dim() == 3 else i).expand(n_kv, -1)  # (Hkv, n); one set is every head's
+        mask = torch.zeros(n_kv, n_tokens, device=hf.HOST)  # for the plots
         mask.scatter_(1, i.cpu(), 1.0)
-        rows.append(mask.mean(0))
+        rows.append(mask)
     return torch.stack(rows)
+
+
+def agreement(mask: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How a method's kept slots (L, Hkv, T) compare with a reference's: Jaccard overlap and the
+    share of its kept slots the reference drops."""
+    both, either = (mask * reference).sum(), ((mask + reference) > 0).sum()
+    return {"jaccard_vs_h2o": round(float(both / either.clamp_min(1)), 3),
+            "kept_not_by_h2o": round(float(1 - both / mask.sum().clamp_min(1)), 3)}
 
 
 def eviction_view(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
@@ -81,8 +95,9 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         cfg = compare.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
         policies = compare.load_policies(()) | dict(policies or {})
         out = compare.score_context(model, window, prefix, cfg, policies, presses)
-        n_layers = hf.n_layers(model)
-        masks = {m: _kept_masks(i, prefix, n_layers) for (m, lab), i in out["kept"].items() if lab == label}
+        n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
+        slots = {m: _slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
+        masks = {m: s.mean(1) for m, s in slots.items()}
         res = out["results"]
         methods = sorted(masks)
         feats = out["feats"][min(out["feats"])].global_features[0]
@@ -99,8 +114,9 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         kl_steps={m: res[(m, label)]["kl_steps"] for m in methods},
         sweep={m: {k: res[(m, f"{k:g}")]["kl"] for k in keeps} for m in methods},
         rows=[{"method": m, "kl": round(res[(m, label)]["kl"], 4), "top1": round(res[(m, label)]["top1"], 3),
-               "tokens_kept": res[(m, label)]["tokens_kept"]} for m in methods],
+               "tokens_kept": res[(m, label)]["tokens_kept"]} | agreement(slots[m], slots[H2O]) for m in methods],
         features=feats.tolist(),
         continuation=tokenizer.decode(cont),
         generations=gens,
+        versus_h2o={m: (slots[m].mean((0, 1)) - slots[H2O].mean((0, 1))).tolist() for m in methods},
     )

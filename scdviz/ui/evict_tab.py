@@ -39,7 +39,12 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     info = gr.Markdown(elem_id="ev-info")
     kept = gr.HighlightedText(label="Retained tokens (darker = kept by more layers × KV heads)",
                               combine_adjacent=False, show_legend=False, elem_id="ev-kept")
-    table = gr.Dataframe(label="At this budget", interactive=False, elem_id="ev-table")
+    versus = gr.HighlightedText(label="Where the inspected method differs from H2O (ObservedAttention): positive = "
+                                "kept here and dropped by H2O, negative = kept by H2O only (share of layer × KV-head "
+                                "slots)", combine_adjacent=False, show_legend=False, elem_id="ev-versus")
+    table = gr.Dataframe(label="At this budget (jaccard_vs_h2o: overlap of kept layer × KV-head slots with H2O's; "
+                               "kept_not_by_h2o: share of this method's kept slots H2O drops)",
+                         interactive=False, elem_id="ev-table")
     texts = gr.Dataframe(headers=["method", "generated from the pruned cache"], label="Generated text",
                          interactive=False, wrap=True, elem_id="ev-texts")
     plots = {}
@@ -53,8 +58,9 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="one eager prefill, then every method")
         out = run(key, sess, ctx, q, aw, u, b, m, method)
-        return [out["info"], out["kept"], out["table"], out["texts"], gr.update(choices=out["methods"])] + [
-            out["figures"][n] for n in FIGURES]
+        return [out["info"], out["kept"], out["versus"], out["table"], out["texts"],
+                gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES]
 
     go_btn.click(guard(on_run), [pair_state, session, context, question, aware, unit, budget, model, show],
-                 [info, kept, table, texts, show] + [plots[n] for n in FIGURES], concurrency_limit=1, api_name="evict")
+                 [info, kept, versus, table, texts, show] + [plots[n] for n in FIGURES], concurrency_limit=1,
+                 api_name="evict")
