@@ -176,3 +176,26 @@ def test_agreement_with_h2o_is_exact_on_known_masks():
     assert agreement(a, a) == {"jaccard_vs_h2o": 1.0, "kept_not_by_h2o": 0.0}
     both = 2 + 1 + 1  # layer 0 head 0 shares {0, 1}; layer 1 head 0 shares {0}, head 1 shares {1}
     assert agreement(a, b) == {"jaccard_vs_h2o": round(both / (16 - both), 3), "kept_not_by_h2o": round(1 - both / 8, 3)}
+
+
+def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cache_when_nothing_is_cut():
+    model = tiny_model("llama")
+    hf.set_eager(model)
+    torch.manual_seed(0)
+    policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval(),
+                "distillcache-global": Policy(PolicyConfig(hidden=4, per_head=False, window=8)).eval()}
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(4))
+    presses = {k: v for k, v in compare.baselines().items() if k in ("ObservedAttention", "Knorm", "TOVA")}
+    for keep, n_keep in ((0.25, 24), (1.0, 96)):
+        cfg = compare.EvalConfig(keeps=(keep,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=12,
+                                 decode_interval=4)
+        out = compare.score_context(model, ids, 96, cfg, policies, presses)
+        failed = {}
+        res = compare.decode_context(model, ids, 96, cfg, out, policies, presses, failed)
+        assert {m for m, _ in res} == {"distillcache-head", "ObservedAttention", "Knorm", "TOVA"} and not failed
+        for r in res.values():
+            assert len(r["kl_steps"]) == 12 and r["tokens_kept"] == n_keep
+            if keep == 1.0:  # budget = the whole context: decode-time eviction still cuts the generated tokens
+                assert r["kl_steps"][0] == pytest.approx(0.0, abs=1e-5)  # the first step sees the full cache
+            else:
+                assert r["kl"] > 0

@@ -73,6 +73,7 @@ class EvalConfig:
     decode_steps: int = opt(32, 'greedy steps per throughput timing')
     decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
     qa: bool = opt(False, 'also the context-QA task (scdviz.qa), question-agnostic mode')
+    decode_tokens: int = opt(0, "decode-time quality: teacher-force this many tokens of the full cache's greedy generation with every cache held at its budget (evicting every decode_interval tokens), and answer the QA questions so; 0: skip")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline")
 
@@ -287,6 +288,48 @@ def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict,
     return results, {k: max(0.0, sum(v) / len(v) / plain - 1.0) for k, v in seconds.items()}
 
 
+DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")
+DECODE_WINDOW = 64  # query rows every decode-time scorer sees (the shipped policies' W)
+
+
+def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: dict, policies: dict,
+                   presses: dict, failed: dict, qa_item=None) -> dict:
+    """Decode-time quality on one context: every method's prefill selection, then the full
+    cache's greedy generation of ``cfg.decode_tokens`` tokens teacher-forced one token at a
+    time with the cache held at the budget by ``DecodeEvictor`` (the method scoring, the
+    same window and interval for all); KL per step against the full cache.
+
+    ``out``: this context's ``score_context`` result (its prefill, features and kept sets).
+    Learned policies: the per-head ones (one set for all layers cannot be held per head).
+    SnapKV is left out: its observation window (64 rows) must exceed the rows a decode
+    step buffers. kvpress's ``DecodingPress`` is not used (scdviz.evict.decode says why).
+    """
+    obs, first = out["observed"], ids[:, prefix : prefix + 1]
+    full = hf.make_cache(model, obs.keys, obs.values)
+    gen = hf.generate(model, full, first, prefix, cfg.decode_tokens)
+    steps = torch.cat([first, hf.ids_tensor(gen[:-1], device=ids.device)], dim=1)
+    ref = hf.continue_logits(model, full, steps, prefix)[0]
+    scorers = {name: DistillCachePress(policy=p) for name, p in policies.items() if p.config.per_head}
+    scorers |= {name: presses[name] for name in DECODE_BASELINES if name in presses}
+    results = {}
+    for label, n_keep in budgets(cfg, prefix):
+        for name, press in scorers.items():
+            if name in failed or (name, label) not in out["kept"]:
+                continue
+            cache = prune(model, obs, out["kept"][(name, label)])
+            evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=cfg.decode_interval)
+            try:
+                with evictor(model):
+                    logits = hf.continue_logits(model, cache, steps, prefix, one_at_a_time=True)[0]
+                    qa_out = qa.answer(model, cache, qa_item, prefix) if qa_item is not None else {}
+            except Exception as err:  # a scorer that cannot score while decoding: reported, never fatal
+                failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+                results = {k: v for k, v in results.items() if k[0] != name}
+                continue
+            results[(name, label)] = _metrics(ref, logits, steps[0], steps.shape[1]) | {"tokens_kept": n_keep} | qa_out
+    return results
+
+
 def _metrics(ref, logits, tail, cont_len: int) -> dict:
     """KL, top-1 and NLL over the continuation part of the tail."""
     r, g = ref[-cont_len:], logits[-cont_len:]
@@ -315,7 +358,9 @@ def decode_timing(model, obs: Observed, first: torch.Tensor, start: int, n_keep:
     with evictor(model):
         hf.generate(model, prune(model, obs, idx), first, start, cfg.decode_steps)
     t_evict = time.perf_counter() - t0
-    return {"speedup": t_full / t_pruned, "decode_overhead_frac": evictor.score_seconds / t_evict}
+    return {"speedup": t_full / t_pruned, "decode_overhead_frac": evictor.score_seconds / t_evict,
+            "policy_ms_per_token": 1000 * evictor.score_seconds / cfg.decode_steps,
+            "decode_ms_per_token": 1000 * t_evict / cfg.decode_steps}
 
 
 def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
@@ -348,12 +393,16 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     presses = baselines(cfg.seed)
     natives = native_baselines() if cfg.natives else {}
     per_ctx, overhead, timing, failed = [], {}, {}, {}
+    decoded, decode_failed = [], {}
     timed = policies.get(chosen) if chosen and policies[chosen].config.per_head else None
     timed = timed or next((p for p in policies.values() if p.config.per_head), None)
     for n, (_, window) in enumerate(tqdm(windows, desc=f"{source} {mode}")):
         ids = hf.ids_tensor(window)
         out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None, natives, failed)
         per_ctx.append(out["results"])
+        if cfg.decode_tokens:
+            decoded.append(decode_context(model, ids, prefix, cfg, out, policies, presses, decode_failed,
+                                          items[n] if items else None))
         for k, v in out["overhead"].items():
             overhead.setdefault(k, []).append(v)
         if timed is not None and n < cfg.throughput_contexts:
@@ -362,8 +411,17 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
                     model, out["feats"][timed.config.window], ids[:, prefix : prefix + 1], prefix, n_keep, cfg, timed
                 )
                 timing.setdefault(label, []).append(t)
-    return aggregate(per_ctx, overhead, timing, model, source, mode, set(presses) | set(natives),
-                     domains=[d for d, _ in windows], chosen=chosen, failed=failed)
+    domains = [d for d, _ in windows]
+    full_qa = [c.get(("full cache", "full")) for c in per_ctx]  # aggregate pops it
+    records = aggregate(per_ctx, overhead, timing, model, source, mode, set(presses) | set(natives),
+                        domains=domains, chosen=chosen, failed=failed)
+    if decoded:
+        for c, full in zip(decoded, full_qa, strict=True):
+            if full is not None:  # the decode rows' QA beside the same full-cache accuracy
+                c[("full cache", "full")] = full
+        records += aggregate(decoded, {}, {}, model, source, f"{mode} decode{cfg.decode_tokens}", set(presses),
+                             domains=domains, chosen=chosen, failed=decode_failed)
+    return records
 
 
 def aggregate(
@@ -421,6 +479,12 @@ def aggregate(
                     "overhead_frac": round(sum(overhead[m]) / len(overhead[m]), 4) if overhead.get(m) else None,
                     "decode_speedup": round(sum(x["speedup"] for x in t) / len(t), 3) if t else None,
                     "decode_overhead_frac": round(sum(x["decode_overhead_frac"] for x in t) / len(t), 4)
+                    if t and m == chosen
+                    else None,
+                    "policy_ms_per_token": round(sum(x["policy_ms_per_token"] for x in t) / len(t), 3)
+                    if t and m == chosen
+                    else None,
+                    "decode_ms_per_token": round(sum(x["decode_ms_per_token"] for x in t) / len(t), 3)
                     if t and m == chosen
                     else None,
                 }

@@ -364,17 +364,18 @@ def kv_from_hin(model, layer_idx: int, h_in: Tensor, positions: Tensor) -> tuple
     return k, v
 
 
-def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor) -> Tensor:
+def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor, one_at_a_time: bool = False) -> Tensor:
     """Teacher-forced logits (B, n, V) for ``ids`` (B, n) placed at positions start..start+n-1.
 
     The cache is cloned first, so the caller's cache is not changed. A cache whose layers
     hold different numbers of tokens (per-layer budgets, e.g. PyramidKV) is continued one
     token at a time: transformers builds one attention mask from layer 0's length, which
-    misplaces the causal part of a multi-token step on the other layers.
+    misplaces the causal part of a multi-token step on the other layers. ``one_at_a_time``
+    asks for that anyway: decoding step by step, e.g. under decode-time eviction.
     """
     positions = _positions(ids, start, device_of(model))
     cache = clone_cache(model, cache)
-    if len(set(cache_len(cache))) <= 1:
+    if not one_at_a_time and len(set(cache_len(cache))) <= 1:
         return forward(model, ids, cache=cache, positions=positions).logits
     steps = [forward(model, ids[:, i : i + 1], cache=cache, positions=positions[:, i : i + 1]).logits
              for i in range(ids.shape[1])]
