@@ -299,7 +299,9 @@ def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, b
     info = (f"{method}: keeps {view.tokens_kept} of {len(view.context_tokens)} context tokens per layer and KV head "
             f"({view.budget_label}); {which} model. Full-cache continuation: “{view.continuation.strip()}”")
     texts = [[m, g] for m, g in view.generations.items()]
-    versus = list(zip(view.context_tokens, [round(v, 3) for v in view.versus_h2o[method]]))
+    diff = view.versus_h2o[method]
+    scale = max((abs(v) for v in diff), default=0.0) or 1.0  # the largest difference darkest: they are small
+    versus = list(zip(view.context_tokens, [round(v / scale, 3) for v in diff]))
     return {"info": info, "kept": kept, "versus": versus, "table": pd.DataFrame(view.rows), "texts": texts,
             "methods": sorted(view.kept_fraction), "figures": figures}
 
