@@ -46,8 +46,9 @@ def check_source(source) -> tuple[str, str]:
         raise UserError(f"a model source has at most {MAX_SOURCE_CHARS} characters, got {len(source):,}")
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
-        if name != builtin.PRODUCER_NAME and name not in builtin.specialists():
-            raise UserError(f"unknown built-in model {name[:60]!r}; built-in: {', '.join(builtin_sources())}")
+        if name not in builtin.BASES and name not in builtin.specialists():
+            known = ", ".join([*builtin_sources(), f"builtin:{builtin.GEMMA_NAME}"])
+            raise UserError(f"unknown built-in model {name[:60]!r}; built-in: {known}")
         return "builtin", name
     looks_local = source.startswith(("/", ".", "~", "\\")) or "\\" in source or source.count("/") != 1
     if settings.hosted():

@@ -3,6 +3,7 @@ validation) and kvpress's own presses run through ``hf.press_prefill`` on tiny m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -57,6 +58,11 @@ def test_contexts_spread_evenly_over_the_domains():
     domains = [d for d, _ in compare.contexts(cfg, Words())]
     assert len(domains) == 7 and domains[:3] == ["austen", "bible", "jargon"]
     assert max(domains.count(d) for d in set(domains)) - min(domains.count(d) for d in set(domains)) <= 1
+    Words.bos_token_id = 96
+    plain = compare.contexts(cfg, Words())
+    with_bos = compare.contexts(dataclasses.replace(cfg, bos=True), Words())
+    assert all(w[0] == 96 and len(w) == 48 == len(p) for (_, w), (_, p) in zip(with_bos, plain, strict=True))
+    assert with_bos[0][1][1:] == plain[0][1][:47]  # BOS, then the same text
 
 
 def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):

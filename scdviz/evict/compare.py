@@ -74,6 +74,7 @@ class EvalConfig:
     decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
     qa: bool = opt(False, 'also the context-QA task (scdviz.qa), question-agnostic mode')
     decode_tokens: int = opt(0, "decode-time quality: teacher-force this many tokens of the full cache's greedy generation with every cache held at its budget (evicting every decode_interval tokens), and answer the QA questions so; 0: skip")
+    bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use none)")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline")
 
@@ -170,11 +171,14 @@ def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
     from scdviz import data
 
     length = cfg.context_len + cfg.question_len + cfg.cont_len
+    bos = [tokenizer.bos_token_id] if cfg.bos and getattr(tokenizer, "bos_token_id", None) is not None else []
+    length -= len(bos)
     if cfg.texts:
-        windows = [("texts", w) for w in data.token_windows(tokenizer, data.read_passages(cfg.texts), length, cfg.limit)]
+        windows = [("texts", bos + w) for w in data.token_windows(tokenizer, data.read_passages(cfg.texts), length, cfg.limit)]
     else:
         per = -(-cfg.limit // len(cfg.corpora))
-        by = [[(c, w) for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)] for c in cfg.corpora]
+        by = [[(c, bos + w) for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)]
+              for c in cfg.corpora]
         windows = [item for turn in itertools.zip_longest(*by) for item in turn if item is not None]
     if not windows:
         raise ValueError(f"no window of {length} tokens in the texts; lower --context-len or give longer texts")
@@ -238,8 +242,9 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     tail = ids[:, prefix:]
     ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), tail, prefix)[0]
     results, kept = {}, {}
+    results[("full cache", "full")] = {"nll": metrics.nll_per_token(ref[-cfg.cont_len : -1], tail[0, -cfg.cont_len + 1 :]).tolist()}
     if qa_item is not None:
-        results[("full cache", "full")] = qa.answer(model, hf.make_cache(model, obs.keys, obs.values), qa_item, prefix)
+        results[("full cache", "full")] |= qa.answer(model, hf.make_cache(model, obs.keys, obs.values), qa_item, prefix)
     for label, n_keep in budgets(cfg, prefix):
         for name, idx in method_indices(obs, feats, policies, label, n_keep).items():
             cache = prune(model, obs, idx)
@@ -491,8 +496,9 @@ def aggregate(
                 | _qa_fields([c[(m, label)] for c in per_ctx])
             )
     if full:
+        ppl = {"ppl": round(metrics.perplexity([x for c in full for x in c["nll"]]), 3)} if "nll" in full[0] else {}
         records.append({"model": source, "mode": mode, "method": "full cache", "keep": "1",
-                        "n_contexts": len(full)} | _qa_fields(full))
+                        "n_contexts": len(full)} | ppl | _qa_fields(full))
     for name, why in (failed or {}).items():
         records.append({"model": source, "mode": mode, "method": name, "keep": "-", "cannot_run": why})
     return records
@@ -541,8 +547,10 @@ def table(records: list[dict]) -> str:
         if "cannot_run" in r:
             lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} cannot run: {r['cannot_run']}")
             continue
-        if "kl" not in r:  # the full-cache QA row
-            lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} {'1':>6}  QA acc {r['qa_acc']:.3f}")
+        if "kl" not in r:  # the full-cache row: the reference's perplexity and QA accuracy
+            qa_text = f"  QA acc {r['qa_acc']:.3f}" if "qa_acc" in r else ""
+            ppl = f"{r['ppl']:7.2f}" if "ppl" in r else ""
+            lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} {'1':>6} {'':15} {'':6} {ppl:>7}{qa_text}")
             continue
         qa_text = f" QA {r['qa_acc']:.3f}" if "qa_acc" in r else ""
         wins = "best" if r["wins_vs_best_baseline"] is None else f"{r['wins_vs_best_baseline']:.2f}"

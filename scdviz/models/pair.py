@@ -188,7 +188,7 @@ def _resolve(source: str) -> tuple[str, Path | str, Path | None]:
     except ValueError as err:
         raise PairError(str(err)) from None
     if kind == "builtin":
-        if what == builtin.PRODUCER_NAME:
+        if what in builtin.BASES:
             return "builtin", what, None
         return "builtin", builtin.PRODUCER_NAME, builtin.adapter_dir(what)
     if kind == "hub":
@@ -209,7 +209,7 @@ def load_model(source: str, base: str | None = None, progress=None):
     hf_logging.disable_progress_bar()  # one bar per weight tensor floods logs; our own progress suffices
     kind, where, adapter = _resolve(source)
     if kind == "builtin":
-        where = builtin.producer_dir(progress)
+        where = builtin.base_dir(where, progress)
     elif kind == "adapter":
         base = base or f"builtin:{builtin.PRODUCER_NAME}"
         if _resolve(base)[2] is not None:
