@@ -205,3 +205,26 @@ def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cac
                 assert r["kl_steps"][0] == pytest.approx(0.0, abs=1e-5)  # the first step sees the full cache
             else:
                 assert r["kl"] > 0
+
+
+def test_a_scorer_that_raises_on_the_model_is_reported_and_left_out():
+    from dataclasses import dataclass
+
+    from kvpress import KnormPress, ScorerPress
+
+    @dataclass
+    class Broken(ScorerPress):
+        def score(self, *args, **kwargs):
+            raise AttributeError("no rotary embedding for this layer type")
+
+    model = tiny_model("llama")
+    hf.set_eager(model)
+    torch.manual_seed(0)
+    policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
+    cfg = compare.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
+    failed = {}
+    out = compare.score_context(model, ids, 96, cfg, policies, {"Broken": Broken(), "Knorm": KnormPress()},
+                                failed=failed)
+    assert failed == {"Broken": "AttributeError: no rotary embedding for this layer type"}
+    assert {m for m, _ in out["results"]} == {"distillcache-head", "Knorm", "full cache"}

@@ -230,15 +230,17 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
 
     presses: kvpress scorers, scored in the shared eager prefill; natives: name -> press
     factory (``native_baselines``), each run in its own prefill per budget. failed: name ->
-    why it cannot run, filled on a native's first failure and skipped from then on.
+    why it cannot run, filled on a press's first failure and skipped from then on.
     qa_item: optional scdviz.qa.QAItem about the context, answered from every pruned cache.
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
     fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
     windows = sorted({p.config.window for p in policies.values()})
-    obs = observe(model, ids[:, :prefix], windows[0], presses, tuple(dict.fromkeys(fracs.values())))
+    failed = {} if failed is None else failed
+    obs = observe(model, ids[:, :prefix], windows[0], presses, tuple(dict.fromkeys(fracs.values())), failed)
     feats = {windows[0]: obs} | {w: observe(model, ids[:, :prefix], w) for w in windows[1:]}  # other windows
-    obs.scores = {(name, lab): obs.scores[(name, frac)] for name in presses for lab, frac in fracs.items()}
+    obs.scores = {(name, lab): obs.scores[(name, frac)] for name in presses if name not in failed
+                  for lab, frac in fracs.items()}
     tail = ids[:, prefix:]
     ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), tail, prefix)[0]
     results, kept = {}, {}
@@ -256,6 +258,7 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     seconds = _policy_seconds(feats, policies) | obs.score_seconds
     overhead = {k: v / obs.prefill_seconds for k, v in seconds.items()}
     if natives:
+        natives = {k: v for k, v in natives.items() if k not in failed}
         native_results, native_overhead = _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)
         results |= native_results
         overhead |= native_overhead

@@ -44,13 +44,17 @@ class Observed:
         return int(self.keys[0].shape[-2])
 
 
-def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps: tuple = ()) -> Observed:
+def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps: tuple = (),
+            failed: dict | None = None) -> Observed:
     """Prefill ``ids`` (B, T) once (eager attention) and collect features and press scores.
 
     presses: name -> kvpress ScorerPress; each is scored at every kept fraction in
     ``keeps`` (its compression_ratio set accordingly; StreamingLLM's scores depend on it).
+    failed: name -> why; a press that raises on this model is recorded there and left out
+    (its scores dropped), presses already in it are not tried.
     """
-    presses = presses or {}
+    failed = {} if failed is None else failed
+    presses = {k: v for k, v in (presses or {}).items() if k not in failed}
     _, n_kv, _ = hf.attn_heads(model)
     head, glob, scores = [], [], {}
     timing = {name: 0.0 for name in presses}
@@ -64,23 +68,29 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
         glob.append(F.prefill_layer_features(attn, values, window, 1))
         feat_time[0] += time.perf_counter() - t0
         for name, press in presses.items():
+            if name in failed:
+                continue
             t0 = time.perf_counter()
-            for keep in keeps:
-                press.compression_ratio = compression_ratio(keep)
-                scores.setdefault((name, keep), []).append(press.score(module, hidden, keys, values, attn, kwargs))
+            try:
+                for keep in keeps:
+                    press.compression_ratio = compression_ratio(keep)
+                    scores.setdefault((name, keep), []).append(press.score(module, hidden, keys, values, attn, kwargs))
+            except Exception as err:  # a scorer that cannot run on this model: reported by the caller, never fatal
+                failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             timing[name] += time.perf_counter() - t0
         return None
 
     start = time.perf_counter()
     with hf.attention_hook(model, on_layer), torch.no_grad():
         trace = hf.forward(model, ids)
+    scores = {k: v for k, v in scores.items() if k[0] not in failed}
     return Observed(
         keys=trace.keys,
         values=trace.values,
         head_features=torch.stack(head, 0),
         global_features=F.global_features(glob),
         scores=scores,
-        score_seconds=timing,
+        score_seconds={k: v for k, v in timing.items() if k not in failed},
         feature_seconds=feat_time[0],
         prefill_seconds=time.perf_counter() - start,
     )
