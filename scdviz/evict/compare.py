@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from scdviz import metrics, qa, settings
 from scdviz.config import opt
-from scdviz.evict.context import Observed, observe, prune
+from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
 from scdviz.evict.press import DistillCachePress
@@ -289,7 +289,7 @@ def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict,
                     if qa_item is not None:
                         results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
             except Exception as err:  # a press that cannot run on this model: reported, never fatal
-                failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+                failed[name] = why_not(err)
                 results = {k: v for k, v in results.items() if k[0] != name}
                 seconds.pop(name, None)
                 break
@@ -331,7 +331,7 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
                     logits = hf.continue_logits(model, cache, steps, prefix, one_at_a_time=True)[0]
                     qa_out = qa.answer(model, cache, qa_item, prefix) if qa_item is not None else {}
             except Exception as err:  # a scorer that cannot score while decoding: reported, never fatal
-                failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+                failed[name] = why_not(err)
                 results = {k: v for k, v in results.items() if k[0] != name}
                 continue
             results[(name, label)] = _metrics(ref, logits, steps[0], steps.shape[1]) | {"tokens_kept": n_keep} | qa_out

@@ -76,7 +76,7 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
                     press.compression_ratio = compression_ratio(keep)
                     scores.setdefault((name, keep), []).append(press.score(module, hidden, keys, values, attn, kwargs))
             except Exception as err:  # a scorer that cannot run on this model: reported by the caller, never fatal
-                failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+                failed[name] = why_not(err)
             timing[name] += time.perf_counter() - t0
         return None
 
@@ -94,6 +94,12 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
         feature_seconds=feat_time[0],
         prefill_seconds=time.perf_counter() - start,
     )
+
+
+def why_not(err: Exception) -> str:
+    """One line saying why a baseline cannot run on a model (its error's type and first line)."""
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def gather_kv(keys: Tensor, values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
