@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from scdviz import data
-from scdviz.evict import trainer
-from scdviz.evict.policy import keep_count
-from scdviz.models import hf
-from scdviz.models.pair import choose_threads, load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
+from scdviz import data  # noqa: E402
+from scdviz.evict import trainer  # noqa: E402
+from scdviz.evict.policy import keep_count  # noqa: E402
+from scdviz.models import hf  # noqa: E402
+from scdviz.models.pair import choose_threads, load_model  # noqa: E402
 
 STATS = ("alpha, all rows (H2O)", "last row (TOVA-like)", "alpha, last 8 rows", "max over 64 rows", "key norm")
 
