@@ -148,7 +148,11 @@ def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
 def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
     """The method name of the policy with the lowest validation KL in its training log:
     the headline policy, chosen without looking at any evaluation result."""
-    vals = {name: val for name, (_, val) in _load(paths).items() if val is not None}
+    return _lowest_validation(_load(paths))
+
+
+def _lowest_validation(loaded: dict[str, tuple[Policy, float | None]]) -> str | None:
+    vals = {name: val for name, (_, val) in loaded.items() if val is not None}
     return min(vals, key=vals.get) if vals else None
 
 
@@ -244,7 +248,7 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     tail = ids[:, prefix:]
     ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), tail, prefix)[0]
     results, kept = {}, {}
-    results[("full cache", "full")] = {"nll": metrics.nll_per_token(ref[-cfg.cont_len : -1], tail[0, -cfg.cont_len + 1 :]).tolist()}
+    results[("full cache", "full")] = {"nll": _metrics(ref, ref, tail[0], cfg.cont_len)["nll"]}  # the reference's own
     if qa_item is not None:
         results[("full cache", "full")] |= qa.answer(model, hf.make_cache(model, obs.keys, obs.values), qa_item, prefix)
     for label, n_keep in budgets(cfg, prefix):
@@ -265,18 +269,15 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     return {"results": results, "overhead": overhead, "feats": feats, "kept": kept, "observed": obs}
 
 
-def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict | None, qa_item):
+def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict, qa_item):
     """The native kvpress presses at every budget; overhead = press prefill time over a plain one, less 1."""
     from kvpress import KnormPress
 
-    failed = {} if failed is None else failed
     tail, results, seconds = ids[:, prefix:], {}, {}
     t0 = time.perf_counter()
     with hf.press_prefill(model, KnormPress(compression_ratio=0.0), ids[:, :prefix]):  # ratio 0: no compression
         plain = time.perf_counter() - t0
     for name, make in natives.items():
-        if name in failed:
-            continue
         for label, n_keep in budgets(cfg, prefix):
             try:
                 press = make(1.0 - n_keep / prefix)
@@ -379,10 +380,11 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     """
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
-    policies = load_policies(cfg.policies)
+    loaded = _load(cfg.policies)  # each policy file read once
+    policies = {name: policy for name, (policy, _) in loaded.items()}
     if not policies:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
-    chosen = chosen_on_validation(cfg.policies)
+    chosen = _lowest_validation(loaded)
     records = []
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
@@ -424,9 +426,9 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     records = aggregate(per_ctx, overhead, timing, model, source, mode, set(presses) | set(natives),
                         domains=domains, chosen=chosen, failed=failed)
     if decoded:
-        for c, full in zip(decoded, full_qa, strict=True):
-            if full is not None:  # the decode rows' QA beside the same full-cache accuracy
-                c[("full cache", "full")] = full
+        for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
+            if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
+                c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
         records += aggregate(decoded, {}, {}, model, source, f"{mode} decode{cfg.decode_tokens}", set(presses),
                              domains=domains, chosen=chosen, failed=decode_failed)
     return records
@@ -486,16 +488,8 @@ def aggregate(
                     "domains": domains,
                     "overhead_frac": round(sum(overhead[m]) / len(overhead[m]), 4) if overhead.get(m) else None,
                     "decode_speedup": round(sum(x["speedup"] for x in t) / len(t), 3) if t else None,
-                    "decode_overhead_frac": round(sum(x["decode_overhead_frac"] for x in t) / len(t), 4)
-                    if t and m == chosen
-                    else None,
-                    "policy_ms_per_token": round(sum(x["policy_ms_per_token"] for x in t) / len(t), 3)
-                    if t and m == chosen
-                    else None,
-                    "decode_ms_per_token": round(sum(x["decode_ms_per_token"] for x in t) / len(t), 3)
-                    if t and m == chosen
-                    else None,
                 }
+                | {key: round(sum(x[key] for x in t) / len(t), 4) if t and m == chosen else None for key in TIMED}
                 | _qa_fields([c[(m, label)] for c in per_ctx])
             )
     if full:
@@ -505,6 +499,9 @@ def aggregate(
     for name, why in (failed or {}).items():
         records.append({"model": source, "mode": mode, "method": name, "keep": "-", "cannot_run": why})
     return records
+
+
+TIMED = ("decode_overhead_frac", "policy_ms_per_token", "decode_ms_per_token")  # the chosen policy's decode timing
 
 
 def domain_table(records: list[dict], method: str | None = None) -> list[dict]:

@@ -414,10 +414,9 @@ def press_prefill(model, press, ids: Tensor):
 def kept_per_head(model, cache: DynamicCache) -> float:
     """Mean tokens a cache lets each layer's KV heads attend to: its length less the keys a
     head-wise press masked (``masked_key_indices``, read inside ``press_prefill``)."""
-    sizes = []
+    sizes, (b, h) = [], cache.layers[0].keys.shape[:2]
     for layer, n in zip(layers(model), cache_len(cache), strict=True):
         masked = getattr(layer.self_attn, "masked_key_indices", None)
-        b, h = cache.layers[0].keys.shape[:2]
         sizes.append(n - (0 if masked is None else len(masked[0]) / (b * h)))
     return sum(sizes) / len(sizes)
 
