@@ -27,7 +27,7 @@ def top1_agreement(ref_logits: Tensor, logits: Tensor) -> Tensor:
 def nll_per_token(logits: Tensor, targets: Tensor) -> Tensor:
     """Negative log-likelihood of ``targets`` (...) under ``logits`` (..., V)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return -logp.gather(-1, targets.to(logp.device).unsqueeze(-1)).squeeze(-1)  # token ids may come from the host
 
 
 def perplexity(nll: Tensor | list[float]) -> float:

@@ -20,6 +20,8 @@ from conftest import tiny_model
 from kvpress import KnormPress, ObservedAttentionPress
 from test_scd import make_pair, perturbed, small_cfg
 
+from scdviz.evict import compare
+from scdviz.evict import features as F
 from scdviz.evict.context import observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio
@@ -150,6 +152,19 @@ def _eviction_paths(model, dtype, baseline):
                                torch.Generator(device=ids.device).manual_seed(0))
         stats["loss"].backward()
         assert stats["kl"] >= 0 and any(p.grad is not None for p in policy.parameters())
+        # the benchmark's paths: every method on a context, decode-time quality, the foresight target
+        cfg = compare.EvalConfig(keeps=(0.5,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=4,
+                                 decode_interval=2)
+        policies = {"distillcache-head": _policy(True)}
+        failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
+        out = compare.score_context(model, ids, 24, cfg, policies, {"baseline": baseline}, failed=failed)
+        assert not failed and all(math.isfinite(r["kl"]) for k, r in out["results"].items() if k[0] != "full cache")
+        dec = compare.decode_context(model, ids, 24, cfg, out, policies, {"baseline": baseline}, failed)
+        assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values())
+        trace = hf.forward(model, ids[:, 24:], cache=hf.make_cache(model, obs.keys, obs.values),
+                           positions=torch.arange(24, 30, device=hf.device_of(model)).unsqueeze(0), attentions=True)
+        head, glob = F.future_attention(trace.attn, 24, hf.attn_heads(model)[1])
+        assert head.device == hf.device_of(model) and torch.isfinite(glob).all()
 
 
 def test_eviction_paths_under_the_wrong_device_trap():
