@@ -10,11 +10,14 @@ line (no traceback) with exit status 2. Bench commands write a scdviz.records.Be
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scdviz import config, records
+from scdviz import config, records, runs, settings
 from scdviz.config import opt
 from scdviz.evict.compare import EvalConfig
 from scdviz.evict.trainer import TrainConfig
@@ -24,7 +27,14 @@ from scdviz.scd.calibrate import CalibConfig
 from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
-SOURCE_HELP = "model source: builtin:NAME, a local folder, or a hub id"
+SOURCE_HELP = ("model source: builtin:NAME (builtin:smollm2-135m, builtin:gemma3-270m, or a built-in specialist: "
+               "builtin:jargon, builtin:bible-qkv), a local folder (a transformers model, or a LoRA adapter folder such "
+               "as `finetune` writes, applied to the producer), or a hub id (needs network)")
+TEXTS_HELP = ("your text: a .txt (passages separated by blank lines) or .jsonl ('text' field) file, split by passage "
+              "60/20/20 into train/calib/eval, or a folder of train/calib/eval files; each command reads its own split")
+NAME_HELP = "run name: the run is written to <runs>/{kind}/<name> (runs: SCDVIZ_WORK, else SCDVIZ_CACHE, else the platform cache folder)"
+MAINTAINER_HELP = "allow writing into the repository's assets/ (maintainers refreshing a shipped artefact)"
+FIGURES_HELP = "also write the record's figures here as PNG, SVG and standalone HTML (the Results tab's figures)"
 
 
 @dataclass
@@ -32,6 +42,7 @@ class PairInfo:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
     eval: bool = opt(False, "also held-out perplexity and raw-reuse drift")
+    texts: str | None = opt(None, TEXTS_HELP + "; --eval measures its eval split instead of every shipped corpus")
     limit: int = opt(16, "held-out prompts per corpus")
     prompt_len: int = opt(256, "prompt tokens")
     cont_len: int = opt(32, "teacher-forced continuation tokens")
@@ -45,51 +56,73 @@ class ModelCard:
 
 
 @dataclass
-class _OnePair:
-    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
-    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+class Finetune:
+    name: str | None = opt(None, NAME_HELP.format(kind="specialists") + " (default: the text's file name or the corpus)")
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": without --out, writes assets/adapters/<name>")
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 @dataclass
-class Calibrate(_OnePair):
-    out: str | None = opt(None, "output folder (default: assets/scd/<specialist> for built-ins)")
+class Calibrate:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    name: str | None = opt(None, NAME_HELP.format(kind="calibrations") + " (default: the consumer's name)")
+    out: str | None = opt(None, "output folder instead of the runs folder")
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": without --out, writes assets/scd/<specialist>")
     store_rank: int | None = opt(None, "store codes up to this rank only (smaller file)")
     calib: CalibConfig = field(default_factory=CalibConfig)
 
 
 @dataclass
-class Rate(_OnePair):
-    calib: str | None = opt(None, "calibration folder to measure and update (default: the shipped one of a built-in)")
+class Rate:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    calib: str | None = opt(None, "calibration folder to measure (default: yours in the runs folder, else the shipped one)")
     windows: int = opt(6, "calibration windows to measure on")
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": update a shipped calibration in place (else the result "
+                           "is saved as a calibration in the runs folder)")
 
 
 @dataclass
 class BenchScd:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
-    consumers: list[str] = opt([], "consumer sources (default: every built-in specialist)")
-    calibs: list[str] = opt([], "calibration folders, one per consumer (default: the shipped ones)")
-    out: str | None = opt(None, "write the benchmark record (JSON) here")
+    consumers: list[str] = opt([], "consumer sources (default: every built-in specialist); " + SOURCE_HELP)
+    calibs: list[str] = opt([], "calibration folders, one per consumer (default: yours in the runs folder, else the shipped one)")
+    name: str | None = opt(None, NAME_HELP.format(kind="bench") + " (default: scd-<UTC time>)")
+    out: str | None = opt(None, "write the record (JSON) to this file instead; its config goes beside it (.toml)")
+    maintainer: bool = opt(False, MAINTAINER_HELP)
+    figures: str | None = opt(None, FIGURES_HELP)
     bench: ScdBenchConfig = field(default_factory=ScdBenchConfig)
 
 
 @dataclass
-class BenchTtft(_OnePair):
-    calib: str | None = opt(None, "calibration folder (default: the shipped one of a built-in)")
-    out: str | None = opt(None, "write the benchmark record (JSON) here")
+class BenchTtft:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
+    calib: str | None = opt(None, "calibration folder (default: yours in the runs folder, else the shipped one)")
+    name: str | None = opt(None, NAME_HELP.format(kind="bench") + " (default: ttft-<UTC time>)")
+    out: str | None = opt(None, "write the record (JSON) to this file instead; its config goes beside it (.toml)")
+    maintainer: bool = opt(False, MAINTAINER_HELP)
+    figures: str | None = opt(None, FIGURES_HELP)
     ttft: TtftConfig = field(default_factory=TtftConfig)
 
 
 @dataclass
 class TrainPolicy:
     model: str = opt(PRODUCER, f"{SOURCE_HELP}: the model whose caches are pruned")
-    resume: bool = opt(False, "continue the run in --out")
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(out=""))
+    name: str | None = opt(None, NAME_HELP.format(kind="policies") + " (default: policy-<UTC time>)")
+    maintainer: bool = opt(False, MAINTAINER_HELP + " (with --out under assets/policy)")
+    resume: bool = opt(False, "continue the run named by --name or --out")
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 @dataclass
 class BenchEvict:
-    models: list[str] = opt([PRODUCER], "model sources; the first is the policies' own, the others test zero-shot transfer")
-    out: str | None = opt(None, "write the benchmark record (JSON) here")
+    models: list[str] = opt([PRODUCER], "model sources; the first is the policies' own, the others test zero-shot transfer; " + SOURCE_HELP)
+    name: str | None = opt(None, NAME_HELP.format(kind="bench") + " (default: evict-<UTC time>)")
+    out: str | None = opt(None, "write the record (JSON) to this file instead; its config goes beside it (.toml)")
+    maintainer: bool = opt(False, MAINTAINER_HELP)
+    figures: str | None = opt(None, FIGURES_HELP)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -114,13 +147,23 @@ def _prepare_text(_) -> None:
     prepare_text.main()
 
 
-def _finetune(cfg: FinetuneConfig) -> None:
+def _finetune(cmd: Finetune) -> None:
     from scdviz.finetune import finetune
     from scdviz.models.pair import choose_threads
 
+    cfg = cmd.finetune
+    name = cmd.name or (Path(cfg.texts).stem if cfg.texts else cfg.corpus)
+    if not name:
+        raise ValueError("give either --texts (your text) or --corpus (a shipped one)")
+    out = _out_folder(cfg.out, "specialists", name, cmd.maintainer, settings.ASSETS_DIR / "adapters" / name)
+    cfg = dataclasses.replace(cfg, out=str(out))
     print(f"torch threads: {choose_threads()}")
+    t0 = time.perf_counter()
     log = finetune(cfg)
-    print(f"done in {log['seconds']} s; loss {log['loss'][0]} -> {sum(log['loss'][-5:]) / 5:.3f} (mean of last 5)")
+    _save_run(cmd, out, "finetune", cfg.seed, "", time.perf_counter() - t0)
+    tail = log['loss'][-5:]
+    print(f"done in {log['seconds']} s; loss {log['loss'][0]} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})")
+    print(f"specialist saved to {out}; use it as --consumer {out}")
 
 
 def _pair_info(cmd: PairInfo) -> None:
@@ -133,10 +176,12 @@ def _pair_info(cmd: PairInfo) -> None:
     print(drift.facts_table(pair))
     print(f"loaded in {pair.load_seconds:.1f} s on {pair.device} ({pair.dtype})")
     if cmd.eval:
-        report = drift.evaluate_pair(pair, n_prompts=cmd.limit, prompt_len=cmd.prompt_len, cont_len=cmd.cont_len)
+        report = drift.evaluate_pair(pair, n_prompts=cmd.limit, prompt_len=cmd.prompt_len, cont_len=cmd.cont_len,
+                                     texts=cmd.texts)
         print(drift.report_table(report))
         if cmd.out:
-            Path(cmd.out).write_text(json.dumps(records.finite(report), indent=1))
+            path = _check_writable(Path(cmd.out), False)
+            path.write_text(json.dumps(records.finite(report), indent=1))
 
 
 def _model_card(cmd: ModelCard) -> None:
@@ -149,14 +194,27 @@ def _calibrate(cmd: Calibrate) -> None:
     from scdviz.models.pair import load_pair
     from scdviz.scd import calibrate as cal
 
+    name = cmd.name or cal.specialist_name(cmd.consumer)
+    out = _out_folder(cmd.out, "calibrations", name, cmd.maintainer, cal.shipped_folder(cmd.consumer))
     pair = load_pair(cmd.producer, cmd.consumer)
+    t0 = time.perf_counter()
     calib = cal.calibrate(pair, cmd.calib)
-    out = Path(cmd.out) if cmd.out else cal.shipped_folder(cmd.consumer)
     cal.save(calib, out, cmd.store_rank)
+    _save_run(cmd, out, "calibrate", cmd.calib.seed, str(pair.device), time.perf_counter() - t0)
     print(f"patch order ({calib.config.selection}): {calib.patch_order}; drift order: {calib.drift_order}")
     if calib.selection_kl:
         print("selection KL after each added patch: " + ", ".join(f"{x:.4f}" for x in calib.selection_kl))
     print(f"saved to {out} in {calib.stats['seconds_total']} s")
+
+
+def _calib_folder(consumer: str) -> Path:
+    """A consumer's calibration by default: the user's own in the runs folder, else the shipped one."""
+    from scdviz.scd import calibrate as cal
+
+    mine = runs.root() / "calibrations" / cal.specialist_name(consumer)
+    folder = mine if (mine / "calibration.safetensors").is_file() else cal.shipped_folder(consumer)
+    print(f"calibration of {consumer}: {folder}")
+    return folder
 
 
 def _rate(cmd: Rate) -> None:
@@ -166,15 +224,18 @@ def _rate(cmd: Rate) -> None:
 
     if cmd.windows < 1:
         raise ValueError(f"--windows must be at least 1, got {cmd.windows}")
+    folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
+    out = folder
+    if _in_assets(folder) and not cmd.maintainer:  # shipped artefacts are read-only: the result is a new run
+        out = runs.new("calibrations", runs.auto_name(f"{folder.name}-rate"))
     pair = load_pair(cmd.producer, cmd.consumer)
-    folder = Path(cmd.calib) if cmd.calib else cal.shipped_folder(cmd.consumer)
     calib = cal.load(folder, pair)
     calib.rate = rate.measure(pair, calib, cmd.windows)
     calib.stats["seconds_rate"] = round(calib.rate.seconds, 1)
-    cal.save(calib, folder)
+    cal.save(calib, out)
     print(f"rate curves of {len(calib.rate.bits)} code precisions x ranks 0..{calib.rate.err_k.shape[2] - 1}, "
           f"{len(calib.rate.patch_layers)} patch layers, measured on {calib.rate.n_windows} windows in "
-          f"{calib.rate.seconds:.0f} s; saved into {folder}")
+          f"{calib.rate.seconds:.0f} s; saved into {out}")
 
 
 def _bench_scd(cmd: BenchScd) -> None:
@@ -186,10 +247,11 @@ def _bench_scd(cmd: BenchScd) -> None:
     consumers = cmd.consumers or [f"builtin:{s}" for s in builtin.specialists()]
     if not consumers:
         raise ValueError("no consumer given and no built-in specialist installed")
-    folders = cmd.calibs or [str(cal.shipped_folder(c)) for c in consumers]
+    folders = cmd.calibs or [str(_calib_folder(c)) for c in consumers]
     if len(folders) != len(consumers):
         raise ValueError("give one --calibs folder per --consumers source")
     rows, device, reports = [], "", []
+    t0 = time.perf_counter()
     for consumer, folder in zip(consumers, folders):
         pair = load_pair(cmd.producer, consumer)
         device = str(pair.device)
@@ -199,9 +261,11 @@ def _bench_scd(cmd: BenchScd) -> None:
             print(f"\n== {report.specialist} on {report.domain} ({seen} the calibration's domains; {n} prompts of "
                   f"{cmd.bench.prompt_len} tokens + {cmd.bench.cont_len}) ==")
             print(report.table().to_string(index=False))
-            proj = [p for p in report.projection if p["model"] == "Mistral-7B" and p["gpu"] == bench.PROJECTION_GPU.name and p["link_gbps"] == 10]
-            print(f"analytic projection (not measured): {bench.PROJECTION_GPU.name}, {bench.PROJECTION_TOKENS} tokens, 10 Gbit/s, "
-                  "Mistral-7B: " + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
+            for model in dict.fromkeys(p["model"] for p in report.projection):
+                proj = [p for p in report.projection if p["model"] == model and p["gpu"] == bench.PROJECTION_GPU.name
+                        and p["link_gbps"] == 10]
+                print(f"analytic projection (not measured) for {model}: {bench.PROJECTION_GPU.name}, "
+                      f"{bench.PROJECTION_TOKENS} tokens, 10 Gbit/s: " + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
             rows += bench.rows(report)
             reports.append(report)
     print("\n== per domain: raw reuse vs SCD full, same token-0 handling (ratio_ci: paired bootstrap over prompts) ==")
@@ -221,19 +285,29 @@ def _bench_scd(cmd: BenchScd) -> None:
     if len(qa_rows):
         print(f"\n== context-QA token-F1, {qa_rows['items'].iloc[0]} items pooled over the reports (95% bootstrap) ==")
         print(qa_rows.to_string(index=False))
-    _write(cmd, "scd", cmd.bench.seed, rows, device)
+    _write(cmd, "scd", cmd.bench.seed, rows, device, time.perf_counter() - t0)
 
 
 def _train_policy(cmd: TrainPolicy) -> None:
     from scdviz.evict.trainer import run_folder, train
     from scdviz.models.pair import choose_threads, load_model
 
-    run_folder(cmd.train, cmd.resume)  # refuse a bad --out before loading a model
+    if cmd.resume and not (cmd.name or cmd.train.out):
+        raise ValueError("--resume continues a run: name it with --name (or --out)")
+    if cmd.resume:
+        folder = _check_writable(Path(cmd.train.out or runs.folder("policies", cmd.name)), cmd.maintainer)
+    else:
+        folder = _out_folder(cmd.train.out, "policies", cmd.name or runs.auto_name("policy"), cmd.maintainer, None)
+    cfg = dataclasses.replace(cmd.train, out=str(folder))
+    run_folder(cfg, cmd.resume)  # refuse a bad --out before loading a model
     print(f"torch threads: {choose_threads()}")
     model, tokenizer = load_model(cmd.model)
-    log = train(cmd.train, model, tokenizer, cmd.model, resume=cmd.resume)
+    t0 = time.perf_counter()
+    log = train(cfg, model, tokenizer, cmd.model, resume=cmd.resume)
+    _save_run(cmd, folder, "train-policy", cfg.seed, str(next(model.parameters()).device), time.perf_counter() - t0)
     best = min(log["val"], key=lambda v: v["kl"]) if log["val"] else None
     print(f"done in {log['seconds']} s; heuristic val KL {log['val_heuristic']}; best val KL {best}")
+    print(f"policy saved to {folder}; bench it with: python -m scdviz bench evict --policies {folder / 'best.safetensors'}")
 
 
 def _bench_evict(cmd: BenchEvict) -> None:
@@ -245,12 +319,13 @@ def _bench_evict(cmd: BenchEvict) -> None:
         raise ValueError("give at least one model source (--models)")
     print(f"torch threads: {choose_threads()}")
     models = {source: load_model(source) for source in dict.fromkeys(cmd.models)}
+    t0 = time.perf_counter()
     rows = compare.run(cmd.eval, models)
     print(compare.table(rows))
     if per_domain := compare.domain_table(rows):
         print("\nper domain: the policy chosen on validation vs the best baseline on that domain's contexts")
         print(compare.domain_text(per_domain))
-    _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])))
+    _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])), time.perf_counter() - t0)
 
 
 def _bench_ttft(cmd: BenchTtft) -> None:
@@ -261,7 +336,8 @@ def _bench_ttft(cmd: BenchTtft) -> None:
     from scdviz.scd import ttft
 
     pair = load_pair(cmd.producer, cmd.consumer)
-    calib = cal.load(cmd.calib or cal.shipped_folder(cmd.consumer), pair)
+    calib = cal.load(cmd.calib or _calib_folder(cmd.consumer), pair)
+    t0 = time.perf_counter()
     table = ttft.run(cmd.ttft, pair, calib)
     c = cmd.ttft
     print(f"\n== time to first token, {c.prompt_len}-token prompts, {c.limit} prompts x {c.reps} interleaved rounds after "
@@ -276,13 +352,62 @@ def _bench_ttft(cmd: BenchTtft) -> None:
             cols = [f"ttft{label}_{g:g}gbps_ms" for g in ttft.BANDWIDTHS] + [f"break_even{label}_gbps"]
             print(f"\nTTFT (ms) {what}; break-even: the slowest link (Gbit/s) at which the method still beats the oracle")
             print(table[["method", *cols]].iloc[1:].to_string(index=False))
-    _write(cmd, "ttft", c.seed, table.to_dict("records"), str(pair.device))
+    _write(cmd, "ttft", c.seed, table.to_dict("records"), str(pair.device), time.perf_counter() - t0)
 
 
-def _write(cmd, kind: str, seed: int, rows: list[dict], device: str) -> None:
+# ----------------------------------------------------------------------------- where runs write
+
+
+def _in_assets(path: Path) -> bool:
+    return Path(path).expanduser().resolve().is_relative_to(settings.ASSETS_DIR.resolve())
+
+
+def _check_writable(path: Path, maintainer: bool) -> Path:
+    """``path``, unless it lies in the repository's assets/ and --maintainer was not given."""
+    if _in_assets(path) and not maintainer:
+        raise ValueError(f"{path} is inside the shipped assets/ folder, which only --maintainer writes; "
+                         "leave out --out to write into the runs folder")
+    return Path(path).expanduser()
+
+
+def _out_folder(out: str | None, kind: str, name: str, maintainer: bool, shipped: Path | None) -> Path:
+    """Where a run writes: --out, else the shipped place with --maintainer, else a new ``<runs>/<kind>/<name>``."""
+    if out:
+        path = _check_writable(Path(out), maintainer)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    if maintainer and shipped is not None:
+        shipped.mkdir(parents=True, exist_ok=True)
+        return shipped
+    return runs.new(kind, name)
+
+
+def _save_run(cmd, folder: Path, command: str, seed: int | None, device: str, seconds: float) -> None:
+    """The run's config (rerun it with --config) and provenance beside its results."""
+    settings_ = config.to_dict(cmd)
+    (folder / "config.toml").write_text(config.to_toml(settings_, f"python -m scdviz {command} --config {folder / 'config.toml'}"))
+    (folder / "run.json").write_text(json.dumps(records.run_info(settings_, seed, device, seconds, command), indent=1))
+
+
+def _write(cmd, kind: str, seed: int, rows: list[dict], device: str, seconds: float) -> None:
+    """The bench record, its config (``.toml``) and, with --figures, its figures."""
+    record = records.make(kind, config.to_dict(cmd), seed, rows, device, seconds)
     if cmd.out:
-        path = records.write(records.make(kind, config.to_dict(cmd), seed, rows, device), cmd.out)
-        print(f"wrote {len(rows)} rows to {path}")
+        path = _check_writable(Path(cmd.out), cmd.maintainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        toml = path.with_suffix(".toml")
+    else:
+        folder = runs.new("bench", cmd.name or runs.auto_name(kind))
+        path, toml = folder / "record.json", folder / "config.toml"
+    records.write(record, path)
+    toml.write_text(config.to_toml(record.settings, f"python -m scdviz bench {kind} --config {toml}"))
+    print(f"wrote {len(rows)} rows to {path} (rerun: python -m scdviz bench {kind} --config {toml})")
+    if cmd.figures:
+        from scdviz import figures, plots
+
+        written = figures.export(plots.record_figures([(path.parent.name if path.name == "record.json" else path.stem,
+                                                        record)]), _check_writable(Path(cmd.figures), cmd.maintainer))
+        print(f"wrote {len(written)} figure files to {cmd.figures}")
 
 
 # name, help, settings dataclass (None: no flags), function
@@ -290,7 +415,7 @@ COMMANDS = [
     ("app", "start the web app (settings from SCDVIZ_* / GRADIO_SERVER_* variables)", None, _app),
     ("download", "fetch and convert the built-in producer (first use)", None, _download),
     ("pair-info", "print a pair's facts; --eval adds perplexity and drift", PairInfo, _pair_info),
-    ("finetune", "train a LoRA specialist on a shipped corpus", FinetuneConfig, _finetune),
+    ("finetune", "train a LoRA specialist on your text (--texts) or a shipped corpus", Finetune, _finetune),
     ("model-card", "measure a built-in specialist and write its model card", ModelCard, _model_card),
     ("prepare-text", "rebuild assets/text from Debian's text packages", None, _prepare_text),
     ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
@@ -308,7 +433,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m scdviz", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for name, help_text, settings, fn in COMMANDS:
+    for name, help_text, fields_, fn in COMMANDS:
         where = sub
         if " " in name:
             group, name = name.split(" ", 1)
@@ -316,22 +441,81 @@ def parser() -> argparse.ArgumentParser:
                 groups[group] = sub.add_parser(group, help="benchmarks that print tables and write records").add_subparsers(
                     dest=group, required=True)
             where = groups[group]
-        p = where.add_parser(name, help=help_text, description=help_text)
-        if settings is not None:
-            config.add_arguments(p, settings)
-        p.set_defaults(fn=fn, settings=settings)
+        p = where.add_parser(name, help=help_text, description=help_text,
+                             epilog=f"model sources: {SOURCE_HELP}. Runs go to <runs>/<kind>/<name>, runs = "
+                                    f"{runs.root()} here.")
+        if fields_ is not None:
+            config.add_arguments(p, fields_)
+            p.add_argument("--config", metavar="FILE", default=None,
+                           help="a TOML file of these settings (as each run saves in config.toml); flags given "
+                                "here override it")
+        p.set_defaults(fn=fn, settings=fields_, parser=p)
     return top
 
 
+# settings that name files or folders: a relative path that exists is made absolute before the run, so
+# the saved config reruns from any working folder
+PATH_FIELDS = frozenset({"texts", "producer", "consumer", "consumers", "calib", "calibs", "policies", "model", "models",
+                         "base"})
+
+
+def _absolute_paths(cmd) -> None:
+    def fix(value):
+        if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
+            return str(Path(value).resolve())
+        return value
+
+    for f in dataclasses.fields(cmd):
+        value = getattr(cmd, f.name)
+        if dataclasses.is_dataclass(value):
+            _absolute_paths(value)
+        elif f.name in PATH_FIELDS:
+            setattr(cmd, f.name, type(value)(fix(v) for v in value) if isinstance(value, (list, tuple)) else fix(value))
+
+
+def _seed(cmd) -> int | None:
+    """The run's seed: the first ``seed`` field in its settings (nested configs included)."""
+    todo = [cmd]
+    while todo:
+        obj = todo.pop(0)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name == "seed":
+                return value
+            if dataclasses.is_dataclass(value):
+                todo.append(value)
+    return None
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global generators (each method also seeds its own)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def main(argv: list[str] | None = None) -> int:
+    top = parser()
     try:
-        args = parser().parse_args(argv)
+        args = top.parse_args(argv)
     except SystemExit as done:  # --help, or a flag argparse refused (it printed why)
         return int(done.code or 0)
     from scdviz.models.pair import PairError
 
     try:
+        if getattr(args, "config", None):  # the file's settings become defaults; flags on the command line win
+            args.parser.set_defaults(**config.read_toml(args.settings, args.config))
+            args = top.parse_args(argv)
         cmd = config.from_args(args.settings, args) if args.settings is not None else None
+        if cmd is not None:
+            _absolute_paths(cmd)
+            if (seed := _seed(cmd)) is not None:
+                seed_everything(seed)
         args.fn(cmd)
     except (PairError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
@@ -128,3 +129,88 @@ def from_dict(cls, saved: dict, where: str = "the saved config") -> tuple:
 def to_dict(cfg) -> dict:
     """A config as plain JSON-able data (tuples as lists)."""
     return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------- config files (TOML)
+
+# where a run writes, not what it measures: left out of a saved config, so a rerun from it makes a new run
+OUTPUT_FIELDS = frozenset({"out", "name", "figures", "maintainer", "resume"})
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return {float("inf"): "inf", float("-inf"): "-inf"}.get(value, "nan" if value != value else repr(value))
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(settings: dict, header: str = "") -> str:
+    """Settings (``to_dict`` of a command) as TOML: nested configs as tables, None and output fields left out."""
+    lines = [f"# {line}" for line in header.splitlines()]
+
+    def emit(table: dict, prefix: str) -> None:
+        nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+        for key, value in table.items():
+            if key in OUTPUT_FIELDS or isinstance(value, dict):
+                continue
+            if value is None:
+                lines.append(f"# {key}: default (None)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in nested.items():
+            lines.extend(["", f"[{prefix}{key}]"])
+            emit(value, f"{prefix}{key}.")
+
+    emit(settings, "")
+    return "\n".join(lines) + "\n"
+
+
+def unknown_keys(cls, saved: dict, prefix: str = "") -> list[str]:
+    """Keys of ``saved`` that are no field of ``cls`` (nested tables checked against nested configs)."""
+    hints = _hints(cls)
+    names = {f.name: hints[f.name] for f in fields(cls)}
+    out = []
+    for key, value in saved.items():
+        if key not in names:
+            out.append(prefix + key)
+        elif is_dataclass(names[key]):
+            out += unknown_keys(names[key], value if isinstance(value, dict) else {}, f"{prefix}{key}.")
+    return out
+
+
+def read_toml(cls, path: str) -> dict:
+    """A config file for command settings ``cls``, as flat ``{flag dest: value}`` to use as parser
+    defaults (flags given on the command line still win). ValueError names unknown keys."""
+    import tomllib
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"config file not found: {file}")
+    try:
+        saved = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file.name} is not a TOML file: {err}") from None
+    unknown = unknown_keys(cls, saved)
+    if unknown:
+        raise ValueError(f"{file.name}: unknown settings {', '.join(unknown)} (see --help for the names)")
+    flat = {}
+
+    def walk(klass, table: dict) -> None:
+        types_ = _hints(klass)
+        for f in fields(klass):
+            if f.name in table:
+                if is_dataclass(types_[f.name]):
+                    walk(types_[f.name], table[f.name])
+                else:
+                    flat[f.name] = table[f.name]
+
+    walk(cls, saved)
+    return flat

@@ -1,7 +1,11 @@
 """Text passages: the shipped public-domain splits and user-supplied files.
 
 A passage file is either ``.txt`` (passages separated by blank lines) or ``.jsonl`` (one
-JSON object per line with a ``"text"`` field). The shipped text lives in
+JSON object per line with a ``"text"`` field). A user's text (``--texts`` on every command)
+is treated like a shipped corpus, so that no command measures on text another one fitted
+on: a folder with ``train`` / ``calib`` / ``eval`` files is used as it is, and a single file
+is split by passage, every fifth passage from the 4th on to ``calib`` and from the 5th on
+to ``eval`` (60 / 20 / 20; ``text_split``). The shipped text lives in
 ``assets/text/<corpus>/{train,calib,eval}.txt``; the three splits never share a passage
 (see assets/text/README.md for provenance and licence, and ``scdviz.prepare_text`` for
 how they were built). This module does not tokenise beyond ``token_windows``.
@@ -61,6 +65,39 @@ def read_passages(path: str | Path) -> list[str]:
 def load_split(corpus: str, split: str) -> list[str]:
     """Passages of one shipped split."""
     return read_passages(split_path(corpus, split))
+
+
+USER_SPLIT = {"train": (0, 1, 2), "calib": (3,), "eval": (4,)}  # passage index mod 5 -> split
+
+
+def text_split(texts: str | Path, split: str) -> list[str]:
+    """Passages of one split of a user's text: ``texts/<split>.txt|.jsonl`` of a folder, or every
+    passage ``i`` of a file with ``i % 5`` in ``USER_SPLIT[split]`` (ValueError when it is empty)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    path = Path(texts).expanduser()
+    if path.is_dir():
+        found = [path / f"{split}{ext}" for ext in (".txt", ".jsonl") if (path / f"{split}{ext}").is_file()]
+        if not found:
+            raise ValueError(f"text folder {path} has no {split}.txt or {split}.jsonl")
+        return read_passages(found[0])
+    passages = [p for i, p in enumerate(read_passages(path)) if i % 5 in USER_SPLIT[split]]
+    if not passages:
+        raise ValueError(f"{path} has too few passages for a {split} split (passages are separated by blank "
+                         "lines; every fifth one from the 4th on is calib text and from the 5th on eval text)")
+    return passages
+
+
+USER = "texts"  # the domain name of a user's text, wherever domains are listed
+
+
+def passages(domain: str, split: str, texts: str | Path | None = None) -> list[str]:
+    """One split of a domain: the user's ``texts`` for the domain named ``USER``, else a shipped corpus."""
+    if domain == USER:
+        if not texts:
+            raise ValueError("the domain 'texts' is your text: give it with --texts")
+        return text_split(texts, split)
+    return load_split(domain, split)
 
 
 def token_windows(tokenizer, passages: list[str], length: int, limit: int | None = None):

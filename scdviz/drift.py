@@ -65,9 +65,11 @@ def window_nll(model, window: list[int]) -> list[float]:
 
 
 def evaluate_pair(
-    pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_len: int = 32, corpora: list[str] | None = None
+    pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_len: int = 32, corpora: list[str] | None = None,
+    texts: str | None = None,
 ) -> dict:
-    """Perplexities and raw-reuse drift on the eval split of the given (default: every shipped) corpora."""
+    """Perplexities and raw-reuse drift on the eval split of the given (default: every shipped) corpora,
+    or of the user's text (reported as corpus "texts")."""
     report = {
         "producer": pair.producer_source,
         "consumer": pair.consumer_source,
@@ -75,8 +77,11 @@ def evaluate_pair(
         "cont_len": cont_len,
         "corpora": {},
     }
-    for corpus in corpora or data.corpora():
-        windows = data.token_windows(pair.tokenizer, data.load_split(corpus, "eval"), prompt_len + cont_len, n_prompts)
+    for corpus in ["texts"] if texts else corpora or data.corpora():
+        windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval", texts), prompt_len + cont_len, n_prompts)
+        if not windows:
+            raise ValueError(f"the eval split of {texts or corpus} has no window of {prompt_len + cont_len} tokens; "
+                             "give more text or lower --prompt-len")
         acc: dict[str, list[float]] = {k: [] for k in ("kl", "top1", "nll_oracle", "nll_reuse", "prod", "cons",
                                                   "kl_producer", "top1_producer")}
         per_prompt_kl = []

@@ -1,8 +1,9 @@
-"""Make a LoRA specialist of the built-in producer on a shipped public-domain corpus.
+"""Make a LoRA specialist of the built-in producer on a shipped corpus or on your own text.
 
-    python -m scdviz finetune --corpus jargon --rank 8 --steps 60 --out assets/adapters/jargon
+    python -m scdviz finetune --texts my.txt --name mine      # -> <runs>/specialists/mine
+    python -m scdviz finetune --corpus jargon --maintainer     # -> assets/adapters/jargon
 
-Plain next-token training on non-overlapping windows of the corpus's *train* split
+Plain next-token training on non-overlapping windows of the text's *train* split
 (AdamW, linear warm-up then cosine decay, fp32 on CPU, bf16 autocast on CUDA);
 the adapter (fp16 safetensors) and ``train_log.json`` (loss per step and settings) go to
 ``--out``. The model card numbers come from ``python -m scdviz pair-info --eval``.
@@ -30,8 +31,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass
 class FinetuneConfig:
-    corpus: str = opt(help='shipped corpus name (assets/text/<corpus>/train.txt)')
-    out: str = opt(help='adapter folder to write')
+    corpus: str | None = opt(None, "shipped corpus to train on (assets/text/<corpus>/train.txt)")
+    texts: str | None = opt(None, "your text instead (.txt / .jsonl file, or a folder of train/calib/eval files); its train split is used, so pair-info, calibrate and bench can measure on the rest")
+    out: str = opt(None, "adapter folder to write (set by the CLI: a runs folder by default)")
     base: str = opt("builtin:smollm2-135m", 'model to adapt')
     rank: int = opt(8, 'LoRA rank')
     alpha: int | None = opt(None, 'LoRA alpha (default 2 * rank)')
@@ -49,12 +51,18 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     """Train the adapter; returns the training log (also written to out/train_log.json)."""
     from peft import LoraConfig, get_peft_model
 
+    if bool(cfg.corpus) == bool(cfg.texts):
+        raise ValueError("give either --texts (your text) or --corpus (a shipped one), not both or neither")
+    if not cfg.out:
+        raise ValueError("give the adapter folder to write (out)")
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=list(cfg.targets), lora_dropout=0.0)
     model = get_peft_model(model, lora)
-    windows = data.token_windows(tokenizer, data.load_split(cfg.corpus, "train"), cfg.seq_len)
+    windows = data.token_windows(tokenizer, data.passages(cfg.corpus or data.USER, "train", cfg.texts), cfg.seq_len)
+    if not windows:
+        raise ValueError(f"the training text has no window of {cfg.seq_len} tokens; give more text or lower --seq-len")
     random.Random(cfg.seed).shuffle(windows)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -69,7 +77,7 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     device = next(model.parameters()).device
     # bf16 autocast only on CUDA: on CPUs without native bf16 it measured ~20x slower here.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    for step in tqdm(range(cfg.steps), desc=f"finetune {cfg.corpus}"):
+    for step in tqdm(range(cfg.steps), desc=f"finetune {cfg.corpus or Path(cfg.texts).name}"):
         idx = [(step * cfg.batch + i) % len(windows) for i in range(cfg.batch)]
         batch = torch.tensor([windows[i] for i in idx], device=device)
         for group in opt.param_groups:

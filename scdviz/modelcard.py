@@ -52,7 +52,7 @@ def render(name: str, log: dict, report: dict) -> str:
                 f"--prompt-len {report['prompt_len']} --cont-len {report['cont_len']}")
     train_cmd = (f"python -m scdviz finetune --corpus {cfg['corpus']} --rank {cfg['rank']} --steps {cfg['steps']} "
                  f"--batch {cfg['batch']} --seq-len {cfg['seq_len']} --lr {cfg['lr']} --seed {cfg['seed']} "
-                 + (f"--targets {' '.join(targets)} " if targets != TARGETS else "") + f"--out assets/adapters/{name}")
+                 + (f"--targets {' '.join(targets)} " if targets != TARGETS else "") + f"--name {name} --maintainer")
     lines = [
         f"# `builtin:{name}` — a LoRA specialist of SmolLM2-135M-Instruct",
         "",

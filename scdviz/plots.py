@@ -1,11 +1,20 @@
 """Plotly figures from result dataclasses and tables. Pure functions; no gradio, no models.
 
 SCD figures take ``scdviz.scd.measure.MethodResult`` lists (read by attribute) and the
-rank-spectra DataFrame; eviction figures take the eviction records / DataFrames. Every
-function returns a ``plotly.graph_objects.Figure``.
+rank-spectra DataFrame; eviction figures take the eviction records / DataFrames; saved
+benchmark records (``scdviz.records.BenchRecord``, one or several) go through
+``record_figures``, which the Results tab and ``bench ... --figures`` share. Figure functions
+return ``plotly.graph_objects.Figure``; ``records_table``, ``settings_diff`` and ``rounded``
+make the Results tab's tables. Where points cluster, names go to the legend and the hover,
+never onto the points.
 """
 
 from __future__ import annotations
+
+import json
+import math
+import numbers
+import warnings
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -13,21 +22,105 @@ import plotly.graph_objects as go
 from scdviz import link as links
 
 PATCH_COLOR = "rgba(230, 120, 20, 0.18)"
+PATCH_EDGE = "rgba(230, 120, 20, 0.55)"  # the legend swatch of the patched-layer bands
+# 20 colours that stay apart on white: plotly's ten, then ten darker ones (eviction compares 13 methods)
+COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
+          "#FECB52", "#222A2A", "#B68100", "#750D86", "#862A16", "#6C7C32", "#0D2A63", "#FC0080", "#00A08B",
+          "#778AAE", "#AF0038")
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star", "triangle-down", "pentagon",
+           "hexagon", "circle-open", "square-open", "diamond-open", "triangle-up-open")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+
+
+def _legend_entries(fig: go.Figure) -> int:
+    return sum(1 for t in fig.data if t.showlegend is not False and t.name)
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str, log_y: bool = False) -> go.Figure:
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, template="plotly_white", height=380,
-                      margin=dict(l=60, r=20, t=50, b=50), legend=dict(orientation="h", y=-0.2))
+    """Title, axes and a legend that never covers the axis title: below the plot, growing downwards
+    (the figure grows with it), or at the right when there are many entries."""
+    n = _legend_entries(fig)
+    rows = -(-n // 3)  # about three entries per row in a half-width plot
+    below = n <= 15
+    legend = (dict(orientation="h", x=0, xanchor="left", y=-0.2, yanchor="top") if below else
+              dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top"))
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, template="plotly_white",
+                      height=380 + (22 * max(0, rows - 1) if below else 0), colorway=list(COLORS),
+                      margin=dict(l=60, r=20, t=50, b=50), legend=legend, hoverlabel=dict(namelength=-1))
     if log_y:
         fig.update_yaxes(type="log")
     return fig
 
 
+def _bands(layers: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive layers as (first, last)."""
+    out: list[tuple[int, int]] = []
+    for layer in sorted(set(layers)):
+        if out and layer == out[-1][1] + 1:
+            out[-1] = (out[-1][0], layer)
+        else:
+            out.append((layer, layer))
+    return out
+
+
 def _mark_layers(fig: go.Figure, layers: list[int], label: str) -> None:
-    """Shade the given layers (e.g. patch layers) as vertical bands."""
-    for i, layer in enumerate(layers):
-        fig.add_vrect(x0=layer - 0.5, x1=layer + 0.5, fillcolor=PATCH_COLOR, line_width=0,
-                      annotation_text=label if i == 0 else None, annotation_position="top left")
+    """Shade the given layers (e.g. patch layers) as vertical bands, neighbours merged, with one
+    legend entry for all of them (no text on the plot, so nothing overlaps)."""
+    if not layers:
+        return
+    for first, last in _bands(layers):
+        fig.add_vrect(x0=first - 0.5, x1=last + 0.5, fillcolor=PATCH_COLOR, line_width=0, layer="below")
+    fig.add_scatter(x=[None], y=[None], mode="markers", name=f"{label} ({', '.join(map(str, sorted(set(layers))))})",
+                    marker=dict(symbol="square", size=14, color=PATCH_COLOR, line=dict(color=PATCH_EDGE, width=1)),
+                    hoverinfo="skip")
+
+
+def _num(value) -> str:
+    """A number for a hover line: 4 significant digits, thousands kept whole (22,953 not 2.295e+04)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return str(value)
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _hover(part: pd.DataFrame, fields: list[tuple[str, str]]) -> list[str]:
+    """One hover text per row: ``label: value`` lines for the fields present and not empty."""
+    fields = [(label, col) for label, col in fields if col in part]
+    out = []
+    for _, row in part.iterrows():
+        lines = [f"{label}: {_num(row[col])}" for label, col in fields
+                 if row[col] is not None and not (isinstance(row[col], float) and math.isnan(row[col]))]
+        out.append("<br>".join(lines))
+    return out
+
+
+def _overlay(fig: go.Figure, df: pd.DataFrame, x: str, y: str, series: str, group: str | None = None,
+             mode: str = "markers", hover: list[tuple[str, str]] = (), sort_x: bool = False, symbol_of=None,
+             dash_of=None) -> None:
+    """One trace per (group, series): a colour per series (the same in every group), a marker symbol
+    and line dash per group (per series when there is one group), a titled legend group per group and
+    the ``hover`` fields on hover. Points never carry text: where points cluster, labels overlap."""
+    colors = {s: COLORS[i % len(COLORS)] for i, s in enumerate(dict.fromkeys(df[series]))}
+    groups = list(dict.fromkeys(df[group])) if group else [None]
+    for gi, g in enumerate(groups):
+        part_g = df if g is None else df[df[group] == g]
+        for si, (s, part) in enumerate(part_g.groupby(series, sort=False)):
+            if sort_x:
+                part = part.sort_values(x)
+            k = si if len(groups) == 1 else gi
+            several = len(groups) > 1  # else one record: a symbol per series, solid lines
+            symbol = symbol_of(g) if symbol_of and several else SYMBOLS[k % len(SYMBOLS)]
+            dash = dash_of(g) if dash_of and several else DASHES[gi % len(DASHES)]
+            trace = go.Scatter(x=part[x].tolist(), y=part[y].tolist(), mode=mode, name=str(s),
+                               hovertext=_hover(part, hover), hovertemplate="%{hovertext}<extra></extra>",
+                               marker=dict(color=colors[s], symbol=symbol, size=9, line=dict(width=0.5, color="white")),
+                               line=dict(color=colors[s], dash=dash, width=1.5))
+            if g is not None:
+                trace.legendgroup = str(g)
+                if si == 0:
+                    trace.legendgrouptitle = dict(text=str(g))
+            fig.add_trace(trace)
 
 
 def _patched(results) -> list[int]:
@@ -93,35 +186,56 @@ def rank_spectra(spectra: pd.DataFrame, kind: str = "K", chosen: list[int] | Non
 
 
 def plan_layers(plan) -> go.Figure:
-    """A transfer plan per layer: rank of the key and value codes (bars, bits in the hover and
-    the label) and the patch layers (orange, the bits of their H_in code)."""
+    """A transfer plan per layer: rank of the key and value codes and the patch layers (orange) on
+    top, the bits of every code section (K, V, the patches' H_in) in a strip below; no labels on the bars."""
+    from plotly.subplots import make_subplots
+
     n = len(plan.modes)
     layers = list(range(n))
     code = [m == "code" for m in plan.modes]
-    fig = go.Figure()
-    for kind, ranks, color in (("k", plan.rank_k or [0] * n, "#4c78a8"), ("v", plan.rank_v or [0] * n, "#72b7b2")):
+    coded = [i for i in layers if code[i]]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.06)
+    for kind, ranks, color, symbol in (("k", plan.rank_k or [0] * n, "#4c78a8", "diamond"),
+                                       ("v", plan.rank_v or [0] * n, "#72b7b2", "circle")):
         bits = [plan.bits_of(i, kind) for i in layers]
         fig.add_bar(x=layers, y=[r if c else 0 for r, c in zip(ranks, code)], name=f"rank {kind.upper()}",
-                    marker_color=color, text=[f"{b}b" if c else "" for b, c in zip(bits, code)], textposition="outside",
-                    customdata=bits, hovertemplate=f"layer %{{x}}<br>rank {kind.upper()} %{{y}} at %{{customdata}} bits")
+                    marker_color=color, customdata=bits, row=1, col=1,
+                    hovertemplate=f"layer %{{x}}: rank {kind.upper()} %{{y}} at %{{customdata}} bits<extra></extra>")
+        if coded:
+            fig.add_scatter(x=coded, y=[bits[i] for i in coded], mode="markers", name=f"bits {kind.upper()}",
+                            marker=dict(symbol=symbol, size=8, color=color, line=dict(color="black", width=1)),
+                            row=2, col=1, hovertemplate=f"layer %{{x}}: {kind.upper()} code at %{{y}} bits<extra></extra>")
     top = max([*(plan.rank_k or [0]), *(plan.rank_v or [0]), 1])
     patches = plan.layers_in("patch")
     if patches:
+        h_bits = [plan.bits_of(i, "h") for i in patches]
         fig.add_bar(x=patches, y=[top] * len(patches), name="patch (H_in code)", marker_color=PATCH_COLOR,
-                    text=[f"{plan.bits_of(i, 'h')}b" for i in patches], textposition="outside",
-                    hovertemplate="layer %{x}: patch, H_in code at %{text}")
+                    marker_line=dict(color=PATCH_EDGE, width=1), customdata=h_bits, row=1, col=1,
+                    hovertemplate="layer %{x}: patch, H_in code at %{customdata} bits<extra></extra>")
+        fig.add_scatter(x=patches, y=h_bits, mode="markers", name="bits H_in", row=2, col=1,
+                        marker=dict(symbol="square", size=8, color="#e67814", line=dict(color="black", width=1)),
+                        hovertemplate="layer %{x}: H_in code at %{y} bits<extra></extra>")
     fig.update_layout(barmode="group")
-    return _layout(fig, f"Plan per layer: {plan.name}", "layer", "code rank (label: bits)")
+    _layout(fig, f"Plan per layer: {plan.name}", "", "code rank")
+    fig.update_xaxes(title_text="layer", row=2, col=1)
+    shown = sorted({y for t in fig.data if t.type == "scatter" for y in t.y})
+    fig.update_yaxes(title_text="bits", row=2, col=1, tickvals=shown, range=[0, 1.25 * max(shown or [16])])
+    return fig
 
 
 def pareto(table: pd.DataFrame) -> go.Figure:
-    """Payload bytes per token vs KL, one point per method (lower-left is better)."""
-    rows = table[table["bytes_per_token"] > 0]
+    """Payload bytes per token vs KL, one point per method (lower-left is better): colour and marker
+    per method, names in the legend and the hover, no labels on the points (they cluster). With
+    several specialists (the fan-out) each is a legend group with its own marker."""
+    rows = table[pd.to_numeric(table["bytes_per_token"], errors="coerce") > 0]
     fig = go.Figure()
-    for group, part in rows.groupby("group"):
-        fig.add_scatter(x=part["bytes_per_token"], y=part["kl"], mode="markers+text", text=part["method"],
-                        textposition="top center", name=group, marker=dict(size=10))
-    return _layout(fig, "Payload vs quality", "payload bytes per prompt token", "KL(oracle ‖ method)", log_y=True)
+    several = "specialist" in rows and rows["specialist"].nunique() > 1
+    _overlay(fig, rows.assign(series=rows["method"]), "bytes_per_token", "kl", "series",
+             group="specialist" if several else None,
+             hover=[("method", "method"), ("specialist", "specialist"), ("payload (B/token)", "bytes_per_token"),
+                    ("KL", "kl"), ("KL s.e.", "kl_se"), ("top-1", "top1")])
+    return _layout(fig, "Payload vs quality (lower left is better)", "payload bytes per prompt token",
+                   "KL(oracle ‖ method)", log_y=True)
 
 
 def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float = 0.0005) -> go.Figure:
@@ -137,7 +251,7 @@ def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float
         n_bytes = r.payload_bytes_per_token * r.prompt_tokens
         ys = [links.ttft(n_bytes, r.consumer_seconds, links.Link(g, latency_s)) for g in gbps]
         fig.add_scatter(x=gbps, y=ys, mode="lines+markers", name=r.method)
-    fig.update_xaxes(type="log")
+    fig.update_xaxes(type="log", tickvals=gbps)
     return _layout(fig, "Modelled TTFT vs link bandwidth", "Gbit/s", "seconds", log_y=True)
 
 
@@ -147,18 +261,21 @@ def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float
 def kl_per_step(kl_steps: dict[str, list[float]]) -> go.Figure:
     """KL(full ‖ pruned) at every scored decode step, one line per method."""
     fig = go.Figure()
-    for method, ys in kl_steps.items():
-        fig.add_scatter(x=list(range(1, len(ys) + 1)), y=ys, mode="lines", name=method)
+    for i, (method, ys) in enumerate(kl_steps.items()):
+        fig.add_scatter(x=list(range(1, len(ys) + 1)), y=ys, mode="lines", name=method,
+                        line=dict(dash=DASHES[(i // len(COLORS)) % len(DASHES)], width=1.5))
     return _layout(fig, "KL per decode step (teacher-forced on the full cache's continuation)", "step",
                    "KL(full ‖ pruned)", log_y=True)
 
 
 def budget_sweep(sweep: dict[str, dict[float, float]]) -> go.Figure:
-    """Mean KL vs kept fraction, one line per method."""
+    """Mean KL vs kept fraction, one line per method (colour and marker per method)."""
     fig = go.Figure()
-    for method, points in sweep.items():
+    for i, (method, points) in enumerate(sweep.items()):
         keeps = sorted(points)
-        fig.add_scatter(x=[100 * k for k in keeps], y=[points[k] for k in keeps], mode="lines+markers", name=method)
+        fig.add_scatter(x=[100 * k for k in keeps], y=[points[k] for k in keeps], mode="lines+markers", name=method,
+                        marker=dict(symbol=SYMBOLS[i % len(SYMBOLS)], size=7),
+                        hovertemplate=f"{method}<br>%{{x:.3g}} % kept: KL %{{y:.4g}}<extra></extra>")
     return _layout(fig, "Budget sweep", "% of context kept", "mean KL(full ‖ pruned)", log_y=True)
 
 
@@ -239,3 +356,226 @@ def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
         label = " / ".join(str(x) for x in (name if isinstance(name, tuple) else (name,)))
         fig.add_scatter(x=100 * part["keep"], y=part["kl"], mode="lines+markers", name=label)
     return _layout(fig, "Saved eviction benchmark: KL vs budget", "% kept", "KL", log_y=True)
+
+
+# ----------------------------------------------------------------------------- several saved records
+
+
+def round_sig(value, digits: int = 4):
+    """A float rounded to ``digits`` significant digits for display, never dropping digits before the
+    point (0.0894391 -> 0.08944, 22952.76 -> 22953.0); anything else (ints, text, NaN) unchanged."""
+    if isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value) or value == 0:
+        return value
+    return round(value, max(0, digits - 1 - math.floor(math.log10(abs(value)))))
+
+
+def rounded(df: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
+    """A copy of ``df`` for display: every float to ``digits`` significant digits (``round_sig``).
+    Exports (CSV) take the unrounded table."""
+    out = df.copy()
+    for col in out.columns:
+        if pd.api.types.is_float_dtype(out[col]) or out[col].dtype == object:
+            out[col] = out[col].map(lambda v: round_sig(v, digits))
+    return out
+
+
+def unique_labels(labels: list[str]) -> list[str]:
+    """Labels made unique in order: a repeated ``name`` becomes ``name (2)``, ``name (3)``..."""
+    out: list[str] = []
+    for label in map(str, labels):
+        name, n = label, 1
+        while name in out:
+            n += 1
+            name = f"{label} ({n})"
+        out.append(name)
+    return out
+
+
+def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """Rows of several records in one frame (records without a column bring it empty, as they should)."""
+    with warnings.catch_warnings():  # pandas warns that all-empty columns will keep their dtype; fine here
+        warnings.simplefilter("ignore", FutureWarning)
+        return pd.concat(parts, ignore_index=True)
+
+
+def records_table(labelled: list[tuple[str, object]]) -> pd.DataFrame:
+    """Every record's rows in one table, with ``record`` (its label) and ``bench_kind`` columns first;
+    raw values (what the CSV export writes; ``rounded`` it for display)."""
+    labels = unique_labels([label for label, _ in labelled])
+    parts = [pd.DataFrame(rec.rows).assign(record=label, bench_kind=rec.kind) for label, (_, rec) in zip(labels, labelled)]
+    if not parts:
+        return pd.DataFrame(columns=["record", "bench_kind"])
+    df = _concat(parts)
+    return df[["record", "bench_kind", *[c for c in df.columns if c not in ("record", "bench_kind")]]]
+
+
+def _flat(obj, prefix: str, out: dict) -> dict:
+    """Nested settings as dotted keys (``bench.prompt_len``) with values as text (JSON for lists)."""
+    if isinstance(obj, dict) and obj:
+        for key, value in obj.items():
+            _flat(value, f"{prefix}.{key}" if prefix else str(key), out)
+    elif prefix:
+        out[prefix] = obj if isinstance(obj, str) else json.dumps(obj)
+    return out
+
+
+def record_settings(record) -> dict[str, str]:
+    """A record's settings flattened (``bench.prompt_len``), with its own fields as ``record.*`` and the
+    packages and hardware it ran on as ``versions.*``."""
+    own = {"kind": record.kind, "seed": record.seed, "created": record.created,
+           "seconds": getattr(record, "seconds", None), "note": record.note}
+    out = _flat({k: v for k, v in own.items() if v not in (None, "")}, "record", {})
+    _flat(record.settings or {}, "", out)
+    _flat(record.versions or {}, "versions", out)
+    return out
+
+
+def settings_diff(labelled: list[tuple[str, object]]) -> pd.DataFrame:
+    """The settings whose values differ between the records, one column per record (every setting
+    when there is one record); ``—`` where a record lacks the setting."""
+    labels = unique_labels([label for label, _ in labelled])
+    flat = [record_settings(rec) for _, rec in labelled]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    rank = {"record": 0, "versions": 2}  # the records' own fields first, their packages last
+    keys.sort(key=lambda k: rank.get(k.split(".")[0], 1))
+    if len(flat) > 1:
+        keys = [k for k in keys if len({f.get(k, "—") for f in flat}) > 1]
+    return pd.DataFrame([[k, *[f.get(k, "—") for f in flat]] for k in keys], columns=["setting", *labels])
+
+
+def _frames(labelled, kind: str) -> list[tuple[str, pd.DataFrame]]:
+    return [(label, pd.DataFrame(rec.rows)) for label, rec in labelled if rec.kind == kind]
+
+
+def _numeric(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    """``df`` with ``cols`` as numbers (missing columns as NaN)."""
+    return df.assign(**{c: pd.to_numeric(df[c], errors="coerce") if c in df else float("nan") for c in cols})
+
+
+def _records_legend(fig: go.Figure) -> go.Figure:
+    """Record figures: a titled legend group per record at the right (clicking an entry hides that
+    series alone, clicking a record's title hides the record); tall enough to show every entry, so
+    an exported image has the whole legend."""
+    groups = len({t.legendgroup for t in fig.data if t.legendgroup})
+    height = min(2400, max(480, 22 * _legend_entries(fig) + 40 * groups + 150))
+    fig.update_layout(height=height, legend=dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top",
+                                                 groupclick="toggleitem", tracegroupgap=12),
+                      margin=dict(l=70, r=20, t=60, b=60))
+    return fig
+
+
+def _scd_payload_kl(frames, symbol_of, dash_of) -> go.Figure | None:
+    parts = []
+    for label, df in frames:
+        df = _numeric(df, "payload_bytes_per_token", "kl", "kl_se", "top1")
+        if "row" in df:
+            df = df[df["row"].fillna("measured") == "measured"]
+        df = df[(df["payload_bytes_per_token"] > 0) & (df["kl"] > 0)]
+        if df.empty:
+            continue
+        group = df["group"] if "group" in df else pd.Series("method", index=df.index)
+        series = df["method"].where(group.isna() | (group == "method"), group)
+        parts.append(df.assign(record=label, series=series.astype(str), group=group))
+    if not parts:
+        return None
+    fig = go.Figure()
+    _overlay(fig, _concat(parts), "payload_bytes_per_token", "kl", "series", group="record",
+             symbol_of=symbol_of, dash_of=dash_of,
+             hover=[("record", "record"), ("method", "method"), ("group", "group"), ("specialist", "specialist"),
+                    ("domain", "domain"), ("held out", "held_out"), ("payload (B/token)", "payload_bytes_per_token"),
+                    ("KL", "kl"), ("KL s.e.", "kl_se"), ("top-1", "top1"), ("prompts", "n_prompts")])
+    _layout(fig, "SCD records: payload vs KL (lower left is better)", "payload bytes per prompt token",
+            "KL(oracle ‖ method)", log_y=True)
+    return _records_legend(fig)
+
+
+def _evict_kl_budget(frames, symbol_of, dash_of) -> go.Figure | None:
+    parts = []
+    for label, df in frames:
+        df = _numeric(df, "keep", "kl", "kl_se", "top1", "tokens_kept")
+        df = df[(df["keep"] > 0) & (df["kl"] > 0)]
+        if not df.empty:
+            parts.append(df.assign(record=label, kept_pct=100 * df["keep"]))
+    if not parts:
+        return None
+    df = _concat(parts)
+    name = df["method"].astype(str)
+    for col in ("mode", "model"):  # part of a series' name only where the records hold several
+        if col in df and df[col].nunique() > 1:
+            name = name + " · " + df[col].astype(str).str.replace("builtin:", "", regex=False)
+    fig = go.Figure()
+    _overlay(fig, df.assign(series=name), "kept_pct", "kl", "series", group="record", mode="lines+markers",
+             sort_x=True, symbol_of=symbol_of, dash_of=dash_of,
+             hover=[("record", "record"), ("method", "method"), ("mode", "mode"), ("model", "model"),
+                    ("kept (%)", "kept_pct"), ("tokens kept", "tokens_kept"), ("KL", "kl"), ("KL s.e.", "kl_se"),
+                    ("top-1", "top1"), ("QA F1", "qa_f1"), ("contexts", "n_contexts")])
+    _layout(fig, "Eviction records: KL vs budget", "% of context kept", "KL(full ‖ pruned)", log_y=True)
+    return _records_legend(fig)
+
+
+def _ttft_lines(frames, symbol_of, dash_of) -> go.Figure | None:
+    parts, oracles = [], []
+    for label, df in frames:
+        gbps = [g for g in (1, 10, 100) if f"ttft_{g}gbps_ms" in df]
+        if not gbps:
+            continue
+        df = _numeric(df, "oracle_ms", "bytes_per_token", "break_even_gbps", *[f"ttft_{g}gbps_ms" for g in gbps],
+                      *[f"ttft_with_prefill_{g}gbps_ms" for g in gbps])
+        methods = df[df["method"] != "oracle"]
+        for g in gbps:
+            parts.append(methods.assign(record=label, gbps=g, ttft=methods[f"ttft_{g}gbps_ms"],
+                                        with_prefill=methods[f"ttft_with_prefill_{g}gbps_ms"]))
+        oracle = df["oracle_ms"].dropna()
+        if len(oracle):
+            oracles.append((label, float(oracle.iloc[0]), gbps))
+    df = _concat(parts) if parts else pd.DataFrame()
+    if df.empty or df["ttft"].notna().sum() == 0:
+        return None
+    df = df[df["ttft"] > 0]
+    fig = go.Figure()
+    _overlay(fig, df.assign(series=df["method"].astype(str)), "gbps", "ttft", "series", group="record",
+             mode="lines+markers", sort_x=True, symbol_of=symbol_of, dash_of=dash_of,
+             hover=[("record", "record"), ("method", "method"), ("link (Gbit/s)", "gbps"), ("TTFT (ms)", "ttft"),
+                    ("with producer prefill (ms)", "with_prefill"), ("payload (B/token)", "bytes_per_token"),
+                    ("break-even (Gbit/s)", "break_even_gbps")])
+    for label, oracle_ms, gbps in oracles:
+        fig.add_scatter(x=[min(gbps), max(gbps)], y=[oracle_ms, oracle_ms], mode="lines", name="oracle prefill",
+                        legendgroup=label, line=dict(color="black", dash=dash_of(label), width=1.5),
+                        hovertemplate=f"record: {label}<br>oracle (consumer prefill): {_num(oracle_ms)} ms<extra></extra>")
+    fig.update_xaxes(type="log", tickvals=[1, 10, 100])
+    _layout(fig, "TTFT records: time to first token vs link bandwidth (medians)", "link Gbit/s", "TTFT (ms)",
+            log_y=True)
+    return _records_legend(fig)
+
+
+RECORD_FIGURES = {"scd": ("payload_vs_kl", _scd_payload_kl), "evict": ("kl_vs_budget", _evict_kl_budget),
+                  "ttft": ("ttft", _ttft_lines)}
+
+
+def record_figures(labelled: list[tuple[str, object]]) -> dict[str, go.Figure]:
+    """Figures of one or several benchmark records (``scdviz.records.BenchRecord``), overlaid per kind:
+    ``payload_vs_kl`` (SCD records), ``kl_vs_budget`` (eviction records), ``ttft`` (TTFT records).
+
+    ``labelled``: (label, record) pairs; labels name the records in legends and hovers (repeated
+    labels get a suffix). Each record is a titled legend group with its own marker symbol and line
+    dash, the same in every figure; each method keeps one colour across records. Kinds without
+    plottable rows give no figure; no records give ``{}``. The app's Results tab and
+    ``bench ... --figures`` both draw with this.
+    """
+    labels = unique_labels([label for label, _ in labelled])
+    labelled = [(label, rec) for label, (_, rec) in zip(labels, labelled)]
+    out = {}
+    for kind, (name, make) in RECORD_FIGURES.items():
+        frames = _frames(labelled, kind)
+        index = {label: i for i, (label, _) in enumerate(frames)}  # the first record of a kind: circles, solid
+
+        def symbol_of(label, index=index):
+            return SYMBOLS[index.get(label, 0) % len(SYMBOLS)]
+
+        def dash_of(label, index=index):
+            return DASHES[index.get(label, 0) % len(DASHES)]
+
+        fig = make(frames, symbol_of, dash_of) if frames else None
+        if fig is not None:
+            out[name] = fig
+    return out

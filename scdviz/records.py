@@ -3,8 +3,9 @@
 A ``BenchRecord`` is what ``python -m scdviz bench scd|evict --out FILE`` writes and what
 the Results tab opens: ``kind`` ("scd" or "evict") says which bench made it (nobody
 guesses from column names), ``settings`` are the full settings of the run (sources and
-config, as the CLI parsed them), ``seed`` the seed, ``versions`` the packages and device
-it ran on, ``rows`` the bench's rows. NaN and infinities become JSON null.
+config, as the CLI parsed them; the run's ``config.toml`` reruns it), ``seed`` the seed,
+``versions`` the packages, git commit, hardware and device it ran on, ``seconds`` its wall
+time, ``rows`` the bench's rows. NaN and infinities become JSON null.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class BenchRecord:
     created: str = ""  # UTC time written
     format: str = FORMAT  # layout of this file
     note: str = ""  # anything done to the file after the run (e.g. a label corrected), said plainly
+    seconds: float | None = None  # wall time of the run
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,16 +43,56 @@ class BenchRecord:
 
 
 def versions(device: str = "") -> dict:
-    """Python, scdviz and package versions (None for a package not installed), and the device."""
+    """Python, scdviz and package versions (None for a package not installed), the device, the
+    git commit of the checkout (None outside one; ``+dirty`` with uncommitted changes) and the hardware."""
     from scdviz import __version__
 
-    out: dict = {"python": platform.python_version(), "scdviz": __version__, "device": device}
+    out: dict = {"python": platform.python_version(), "scdviz": __version__, "device": device,
+                 "git_commit": git_commit(), "hardware": hardware(device)}
     for name in _PACKAGES:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, ``+dirty`` when tracked files changed; None when not run from a git checkout."""
+    import subprocess
+
+    from scdviz import settings
+
+    if not (settings.REPO_DIR / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=settings.REPO_DIR, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=settings.REPO_DIR,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def hardware(device: str = "") -> dict:
+    """CPU, cores, torch threads and, on CUDA, the GPU's name."""
+    import os
+
+    import torch
+
+    out = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+           "system": platform.system(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return out
+
+
+def run_info(settings_: dict, seed: int | None, device: str, seconds: float, command: str) -> dict:
+    """What a calibrate / train / finetune run writes beside its results (run.json): the same
+    provenance a BenchRecord carries."""
+    return finite({"command": command, "settings": settings_, "seed": seed, "versions": versions(device),
+                   "seconds": round(seconds, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
 def finite(obj):
@@ -64,9 +106,11 @@ def finite(obj):
     return obj
 
 
-def make(kind: str, settings: dict, seed: int, rows: list[dict], device: str = "") -> BenchRecord:
-    """A record of a run just made (versions and time filled in)."""
-    return BenchRecord(kind, settings, seed, rows, versions(device), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+def make(kind: str, settings: dict, seed: int, rows: list[dict], device: str = "",
+         seconds: float | None = None) -> BenchRecord:
+    """A record of a run just made (versions, time and wall time filled in)."""
+    return BenchRecord(kind, settings, seed, rows, versions(device), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       seconds=None if seconds is None else round(seconds, 1))
 
 
 def write(record: BenchRecord, path: str | Path) -> Path:
@@ -88,7 +132,7 @@ def from_json(obj, name: str = "the file") -> BenchRecord:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{name}: the record has no rows")
     return BenchRecord(obj["kind"], obj["settings"], obj["seed"], rows, obj.get("versions") or {},
-                       obj.get("created", ""), obj["format"], obj.get("note", ""))
+                       obj.get("created", ""), obj["format"], obj.get("note", ""), obj.get("seconds"))
 
 
 def read(path: str | Path) -> BenchRecord:

@@ -23,18 +23,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scdviz import settings
-from scdviz.inputs import UserError, run_name
+from scdviz import runs, settings
+from scdviz.inputs import UserError
 
 
 def sessions_root() -> Path:
     """Parent of every session folder."""
     return settings.work_dir() / "sessions"
-
-
-def runs_root() -> Path:
-    """Where runs made in local (not hosted) use are kept."""
-    return settings.work_dir() / "runs"
 
 
 def folder_id(key: str) -> str:
@@ -90,11 +85,11 @@ class Session:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def new_run(self, name) -> Path:
-        """A fresh folder for a run named ``name``: validated, unique, and bounded in hosted mode."""
-        name = run_name(name)
-        parent = self.folder / "runs" if settings.hosted() else runs_root()
-        path = parent / name
+    def new_run(self, name, kind: str) -> Path:
+        """A fresh folder ``runs/<kind>/<name>`` (scdviz.runs): validated, unique, and bounded in hosted
+        mode, where it lies in this session's folder."""
+        path = runs.folder(kind, name, self.folder / "runs" if settings.hosted() else None)
+        name = path.name
         with self._lock:
             if settings.hosted() and len(self.runs) >= settings.max_session_runs():
                 raise UserError(f"this hosted demo keeps at most {settings.max_session_runs()} runs per visitor "

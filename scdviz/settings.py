@@ -16,13 +16,15 @@ ASSETS_DIR = REPO_DIR / "assets" if (REPO_DIR / "assets" / "adapters").is_dir() 
 
 
 def cache_dir() -> Path:
-    """Folder for converted weights (SCDVIZ_CACHE, default ~/.cache/scdviz)."""
-    path = os.environ.get("SCDVIZ_CACHE") or Path.home() / ".cache" / "scdviz"
+    """Folder for converted weights and, by default, runs: SCDVIZ_CACHE, else $XDG_CACHE_HOME/scdviz,
+    else ~/.cache/scdviz (the platform cache folder, as HF_HOME's default follows it)."""
+    path = os.environ.get("SCDVIZ_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scdviz"
     return Path(path).expanduser()
 
 
 def work_dir() -> Path:
-    """Folder for runs and per-session folders (SCDVIZ_WORK, default SCDVIZ_CACHE). On a Space,
+    """Folder for runs (``runs/<kind>/<name>``, see scdviz.runs) and per-session folders (SCDVIZ_WORK,
+    default the cache folder). On a Space,
     point it at persistent storage (e.g. /data) to keep local-mode runs across restarts."""
     path = os.environ.get("SCDVIZ_WORK")
     return Path(path).expanduser() if path else cache_dir()

@@ -18,6 +18,7 @@ import gradio as gr
 
 from scdviz import data, drift, service, session, settings
 from scdviz.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
+from scdviz.ui.common import redraw_on_select
 
 # Seconds of GPU each handler may hold on a ZeroGPU Space (its default is 60; its maximum
 # is about 300). Calibration and training are capped by their controls to fit.
@@ -155,18 +156,52 @@ def _shown(folder: Path) -> str:
     return str(folder)
 
 
-def load_results(path, sess, upload_roots=(), page=None):
+def compare_results(shipped, uploads, local, sess, upload_roots=(), page=None) -> dict:
+    """The Results tab's view of the chosen records: figures overlaid per kind, the settings that
+    differ, every row (rounded for display) and the unrounded rows as a CSV in the visitor's scratch folder."""
     from scdviz import plots
 
     sess = _session(sess, page)
-    df, kind = service.load_results(path, upload_roots)
+    labelled = service.open_records(shipped, uploads, local, upload_roots)
+    if not labelled:
+        return {"info": "Choose one or more records above.", "figures": {}, "settings": None, "table": None, "csv": None}
+    table = plots.records_table(labelled)
     csv = sess.scratch() / "results.csv"  # one file per session, removed with it
-    df.assign(bench_kind=kind).to_csv(csv, index=False)
-    listed = [c for c in df if df[c].map(lambda v: isinstance(v, list)).any()]  # per-context lists: in the CSV only
-    return (f"{len(df)} {kind} records from `{Path(path).name}`.", df.drop(columns=listed),
-            plots.results_overview(df, kind), str(csv))
+    table.to_csv(csv, index=False)
+    listed = [c for c in table if table[c].map(lambda v: isinstance(v, list)).any()]  # per-context lists: CSV only
+    figs = plots.record_figures(labelled)
+    diff = plots.settings_diff(labelled)
+    kinds = sorted({rec.kind for _, rec in labelled})
+    lines = [f"{len(labelled)} record{'s' if len(labelled) > 1 else ''} ({', '.join(kinds)}): "
+             + "; ".join(f"`{label}` ({rec.kind}, {len(rec.rows)} rows)" for label, rec in labelled) + "."]
+    if len(labelled) > 1:
+        lines.append(f"{len(diff)} settings differ between them (table below)." if len(diff) else
+                     "Their settings are the same.")
+    if len(kinds) > 1:
+        lines.append("Records of different kinds are plotted separately, one plot per kind.")
+    missing = [label for label, rec in labelled if not any(label in {t.legendgroup for t in f.data} for f in figs.values())]
+    if missing:
+        lines.append(f"Nothing to plot from {', '.join(f'`{m}`' for m in missing)} (no rows with the plotted values).")
+    lines += [f"**Note on `{label}`**: {rec.note}" for label, rec in labelled if rec.note]
+    return {"info": "\n\n".join(lines), "figures": figs, "settings": diff,
+            "table": plots.rounded(table.drop(columns=listed)), "csv": str(csv)}
 
 
+def export_figures(figs, sess, tab: str, page=None) -> list[str]:
+    """Write a tab's current figures as PNG, SVG and standalone HTML into the visitor's scratch folder
+    (the previous export of that tab replaced); returns the files for a gr.File."""
+    import shutil
+
+    from scdviz import figures
+
+    if not isinstance(figs, dict) or not figs:
+        raise service.UserError("no figures to download yet: run this tab first")
+    if not str(tab).isidentifier():
+        raise service.UserError(f"unknown tab {tab!r}")
+    sess = _session(sess, page)
+    folder = sess.scratch() / f"figures-{tab}"
+    shutil.rmtree(folder, ignore_errors=True)
+    return [str(p) for p in figures.export({f"{tab}_{name}": fig for name, fig in figs.items()}, folder)]
 
 
 def _windows(n: int = 3, tokens: int = 288) -> list[str]:
@@ -199,7 +234,8 @@ def build_demo() -> gr.Blocks:
         pair_state = gr.State("")
         # one Session per open page: this visitor's calibrations, policies and folder (deleted with the page)
         sess = gr.State(session.open_session, time_to_live=settings.session_ttl(), delete_callback=session.Session.close)
-        with gr.Tab("Pair"):
+        with gr.Tab("Pair") as tab:
+            redraw_on_select(tab)
             pair_tab.build(
                 pair_tab.PairTabFns(
                     producer_choices=[producer],
@@ -216,20 +252,26 @@ def build_demo() -> gr.Blocks:
                 demo,
             )
         windows = _windows()
-        with gr.Tab("SCD transfer"):
-            scd_tab.build(scd_run, windows, pair_state, sess, settings.max_prompt_chars())
-        with gr.Tab("DistillCache eviction"):
-            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, settings.max_prompt_chars())
-        with gr.Tab("Calibrate / train"):
-            train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state, sess)
-        with gr.Tab("Results"):
-            shipped = {f"assets/{p.relative_to(settings.ASSETS_DIR)}": p for p in service.shipped_results()}
+        with gr.Tab("SCD transfer") as tab:
+            redraw_on_select(tab)
+            scd_tab.build(scd_run, windows, pair_state, sess, settings.max_prompt_chars(), export=export_figures)
+        with gr.Tab("DistillCache eviction") as tab:
+            redraw_on_select(tab)
+            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, settings.max_prompt_chars(),
+                            export=export_figures)
+        with gr.Tab("Calibrate / train") as tab:
+            redraw_on_select(tab)
+            train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state, sess, export=export_figures)
+        with gr.Tab("Results") as tab:
+            redraw_on_select(tab)
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
 
-            def open_record(path, s, page=None):  # a shipped record by its name, else an uploaded file
-                return load_results(shipped.get(path, path), s, uploads, page)
+            def open_records(shipped, files, local, s, page=None):
+                return compare_results(shipped, files, local, s, uploads, page)
 
-            results_tab.build(open_record, list(shipped), sess)
+            results_tab.build(open_records, list(service.shipped_records()), sess, export_figures,
+                              local_runs=None if settings.hosted() else lambda: list(service.local_records()),
+                              runs_folder=service.runs_root_shown())
         demo.unload(_on_page_closed)
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
@@ -244,7 +286,9 @@ def _on_page_closed(request: gr.Request):
 
 def launch_kwargs() -> dict:
     """launch() settings: GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are honoured (gradio reads them)."""
-    return {"max_file_size": f"{settings.max_upload_mb()}mb", "show_error": True}
+    # the visitors' session folders (scratch: CSV and figure exports) may be served as downloads
+    return {"max_file_size": f"{settings.max_upload_mb()}mb", "show_error": True,
+            "allowed_paths": [str(session.sessions_root())]}
 
 
 def main() -> None:

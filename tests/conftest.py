@@ -76,3 +76,34 @@ def builtin_pair():
     from scdviz.models.pair import load_pair
 
     return load_pair("builtin:smollm2-135m", "builtin:jargon")
+
+
+def user_text(n: int = 60, seed: int = 0) -> str:
+    """A person's own text, made up here: blank-line separated passages of a small seaside vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    words = ("the river ship harbour north wind sail rope lantern keeper storm tide island light rock gull net "
+             "fisher morning evening").split()
+    return "\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(40, 70))).capitalize() + "."
+                       for _ in range(n))
+
+
+def tiny_folder(root, text: str):
+    """A tiny random Llama saved as a model folder with a byte-level BPE tokenizer trained on ``text``:
+    a local model source for CLI and notebook tests (no hub, no built-in pair)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(root)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text.split("\n\n"), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>", unk_token="<unk>")
+    tiny_model("llama", vocab_size=len(fast), max_position_embeddings=512).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder

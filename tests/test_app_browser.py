@@ -1,12 +1,14 @@
 """Browser tier: start the app, drive it in headless Chromium as a person would.
 
-Needs Debian's chromium (.ci/run installs it) and the built-in pair. Screenshots go to
-SCDVIZ_SCREENSHOTS when set (assets/screenshots/ holds the committed ones), else tmp.
+Needs Debian's chromium (.ci/run installs it) and the built-in pair. Screenshots (JPEG) of
+every tab go to SCDVIZ_SCREENSHOTS when set (assets/screenshots/ holds the committed ones,
+``COMMITTED``), the others, and all of them when it is unset, to tmp.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -52,12 +54,51 @@ def page(browser, app_url):
     pg.close()
 
 
+COMMITTED = ("pair", "scd", "scd-budget", "evict", "train", "results")  # assets/screenshots/<name>.jpg
+LONG_FLOAT = re.compile(r"\d\.\d{7,}")  # a number printed with 7+ decimals: unrounded
+
+
 def _shot(page, name: str, tmp_path_factory) -> Path:
-    folder = Path(os.environ.get("SCDVIZ_SCREENSHOTS") or tmp_path_factory.mktemp("shots"))
+    wanted = os.environ.get("SCDVIZ_SCREENSHOTS")
+    folder = Path(wanted) if wanted and name in COMMITTED else tmp_path_factory.mktemp("shots")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    path = folder / f"{name}.jpg"
+    page.wait_for_timeout(1000)  # plots finish their transitions
+    page.screenshot(path=str(path), full_page=True, type="jpeg", quality=60)
     return path
+
+
+def _choose(page, dropdown: str, option: str) -> None:
+    """Pick ``option`` in a multi-select dropdown (it stays open for the next pick)."""
+    page.locator(f"{dropdown} input").click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def _legend_groups(page, elem: str) -> set[str]:
+    """The legend groups of the traces drawn in a plot (read from plotly's own data in the page)."""
+    groups = page.evaluate(f"() => document.querySelector('#{elem} .js-plotly-plot').data.map(t => t.legendgroup)")
+    return {g for g in groups if g}
+
+
+MAGIC = {"png": b"\x89PNG", "svg": b"<svg", "html": b"<html"}
+
+
+def _downloads_work(page, prefix: str, tab: str, names) -> None:
+    """The tab's download button offers PNG, SVG and HTML of every figure, each non-empty and of its type."""
+    page.locator(f"#{prefix}-figs-btn").click()
+    expected = {f"{tab}_{name}.{ext}" for name in names for ext in MAGIC}
+    links = page.locator(f"#{prefix}-figs a[download]")
+    links.nth(len(expected) - 1).wait_for(state="attached", timeout=240_000)
+    offered = {a.get_attribute("download"): a.get_attribute("href") for a in links.all()}
+    assert set(offered) == expected
+    for name, href in offered.items():
+        body = page.request.get(href).body()
+        assert len(body) > 1000 and MAGIC[name.rsplit(".", 1)[1]] in body[:300], name
+    links.first.scroll_into_view_if_needed()
+    with page.expect_download() as download:  # a person's click saves the file
+        links.first.click()
+    assert download.value.suggested_filename in expected
+    assert Path(download.value.path()).stat().st_size > 1000
 
 
 def test_pair_tab_loads_pair_and_generates(page, builtin_pair, tmp_path_factory):
@@ -78,15 +119,26 @@ def test_pair_tab_loads_pair_and_generates(page, builtin_pair, tmp_path_factory)
     _shot(page, "pair", tmp_path_factory)
 
 
+FITS = """el => { const p = el.querySelector('.js-plotly-plot');
+                 return p._fullLayout.width <= el.getBoundingClientRect().width + 1; }"""
+
+
 def _plots_drawn(page, prefix: str, names: tuple[str, ...]) -> None:
+    """Each plot is drawn and fits its box (a plot updated in a hidden tab is redrawn when the tab opens)."""
     for name in names:
         plot = page.locator(f"#{prefix}-{name} .js-plotly-plot")
         plot.first.wait_for(timeout=60_000)
         assert plot.count() >= 1, name
+        for _ in range(30):
+            if page.locator(f"#{prefix}-{name}").evaluate(FITS):
+                break
+            page.wait_for_timeout(100)
+        else:
+            pytest.fail(f"{prefix}-{name} is wider than its box")
 
 
 def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
-    from scdviz.ui.scd_tab import FIGURES
+    from scdviz.ui.scd_tab import FIGURES, GROUPS
 
     page.get_by_role("tab", name="SCD transfer").click()
     page.locator("#scd-run").click()
@@ -94,16 +146,26 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
     table = page.locator("#scd-table").inner_text()
     for method in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only", "SCD full"):
         assert method in table
+    assert not LONG_FLOAT.search(table), table
     texts = page.locator("#scd-texts").inner_text()
     assert "oracle:" in texts and "SCD full:" in texts
-    _plots_drawn(page, "scd", FIGURES)
+    assert sorted(n for names in GROUPS.values() for n in names) == sorted(FIGURES)
+    for title, names in reversed(GROUPS.items()):  # every sub-tab's plots; the first one stays open
+        page.get_by_role("tab", name=title).click()
+        _plots_drawn(page, "scd", names)
+        if title == "Drift and error":
+            assert page.locator("#scd-drift_k").get_by_text("patched / recomputed").count() == 1  # one legend entry
     _shot(page, "scd", tmp_path_factory)
+    _downloads_work(page, "scd", "scd", FIGURES)
     page.locator("#scd-budget input").fill("2304")  # the rate-distortion planner
     page.locator("#scd-run").click()
     page.locator("#scd-info").get_by_text("rate-distortion plan for 2304 B/token").wait_for(timeout=300_000)
+    page.get_by_role("tab", name="Compression").click()
     _plots_drawn(page, "scd", ("plan",))
     assert "rank K" in page.locator("#scd-plan").inner_text()
     _shot(page, "scd-budget", tmp_path_factory)
+    page.get_by_role("tab", name="Drift and error").click()
+    _shot(page, "scd-drift", tmp_path_factory)
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
@@ -120,18 +182,60 @@ def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
     assert len(page.locator("#ev-versus").inner_text().split()) > 50  # and where it differs from H2O's choice
     assert "jaccard_vs_h2o" in table
     assert "distillcache-head" in page.locator("#ev-texts").inner_text()
+    assert not LONG_FLOAT.search(table), table
     _plots_drawn(page, "ev", FIGURES)
     _shot(page, "evict", tmp_path_factory)
+    _downloads_work(page, "ev", "evict", FIGURES)
 
 
-def test_results_tab_opens_shipped_records(page, tmp_path_factory):
+def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, app_url):
+    """Two shipped SCD records in one plot, two uploaded eviction records and a run from the runs
+    folder in another; the settings that differ, every row rounded, the CSV and the figures offered."""
+    from scdviz import records, settings
+
     page.get_by_role("tab", name="Results").click()
-    page.locator("#res-shipped input").click()
-    page.get_by_text("assets/scd/jargon/bench.json").first.click()
-    page.locator("#res-info").get_by_text("scd records from").wait_for(timeout=60_000)
-    assert "SCD full" in page.locator("#res-table").inner_text()
-    _plots_drawn(page, "res", ("plot",))
+    for name in ("assets/scd/jargon/bench.json", "assets/scd/bible-qkv/bench.json"):
+        _choose(page, "#res-shipped", name)
+    page.keyboard.press("Escape")
+    page.locator("#res-info").get_by_text("2 records (scd)").wait_for(timeout=60_000)
+    _plots_drawn(page, "res", ("payload_vs_kl",))
+    assert _legend_groups(page, "res-payload_vs_kl") == {"scd/jargon/bench", "scd/bible-qkv/bench"}
+    legend = page.locator("#res-payload_vs_kl .legend").text_content()
+    assert "scd/jargon/bench" in legend and "scd/bible-qkv/bench" in legend
+    modes = page.evaluate("() => document.querySelector('#res-payload_vs_kl .js-plotly-plot').data.map(t => t.mode)")
+    assert modes and not any("text" in m for m in modes)  # no labels on the clustered points
+    assert not page.locator("#res-kl_vs_budget").is_visible()  # no eviction record yet: no eviction plot
+    rows = page.locator("#res-table").inner_text()  # the rows in view (the table scrolls)
+    assert "scd/jargon/bench" in rows and "SCD full" in rows
+    assert "0.08944" in rows and not LONG_FLOAT.search(rows)  # 0.089438647031784, rounded for display
+    differ = page.locator("#res-settings").inner_text()  # the settings that differ, a column per record
+    assert "consumers" in differ and "scd/jargon/bench" in differ and "scd/bible-qkv/bench" in differ
     assert "KB" in page.locator("#res-export").inner_text()  # the exported CSV is offered
+    _downloads_work(page, "res", "res", ("payload_vs_kl",))
+
+    folder = tmp_path_factory.mktemp("uploads")
+    uploads = []
+    for name in ("decode", "qa"):
+        uploads.append(folder / f"{name}.json")
+        shutil.copy(settings.ASSETS_DIR / "policy" / "bench" / f"{name}.json", uploads[-1])
+    page.locator("#res-upload input[type=file]").set_input_files([str(p) for p in uploads])
+    page.locator("#res-info").get_by_text("4 records (evict, scd)").wait_for(timeout=60_000)
+    assert page.locator("#res-figs a[download]").count() == 0  # the files of the earlier figures are withdrawn
+    _plots_drawn(page, "res", ("payload_vs_kl", "kl_vs_budget"))
+    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "qa"}
+    assert "plotted separately" in page.locator("#res-info").inner_text()
+
+    run = Path(app_url_work[app_url]) / "runs" / "bench" / "my-sweep"  # a bench run of this machine
+    run.mkdir(parents=True)
+    mine = records.read(settings.ASSETS_DIR / "policy" / "bench" / "agnostic.json")
+    records.write(mine, run / "record.json")
+    page.locator("#res-runs-refresh").click()
+    page.wait_for_timeout(1000)
+    _choose(page, "#res-runs", "my-sweep")
+    page.keyboard.press("Escape")
+    page.locator("#res-info").get_by_text("5 records").wait_for(timeout=60_000)
+    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "qa", "my-sweep"}
+    assert "my-sweep" in page.locator("#res-settings").inner_text()
     _shot(page, "results", tmp_path_factory)
 
 
@@ -142,6 +246,7 @@ def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
     page.locator("#train-info").get_by_text("Done:").wait_for(timeout=600_000)
     _plots_drawn(page, "train", ("plot",))
     _shot(page, "train", tmp_path_factory)
+    _downloads_work(page, "train", "train", ("policy_training",))
     # the trained policy is this visitor's own eviction method from now on
     assert "yours:my-policy" in page.locator("#train-info").inner_text()
     page.get_by_role("tab", name="DistillCache eviction").click()
@@ -170,6 +275,7 @@ def test_bad_input_shows_a_message_not_a_traceback(page):
 def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, builtin_pair, tmp_path_factory):
     """One page runs SCD while another generates and then evicts; both show their own, correct results."""
     from scdviz import data, service
+    from scdviz.plots import round_sig  # the tables show 4 significant digits
 
     tok = builtin_pair.tokenizer
     context = tok.decode(next(iter(data.token_windows(tok, data.load_split("bible", "eval"), 100, 1))))
@@ -201,11 +307,11 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     assert alone["info"].split(" SCD full")[0] in one.locator("#scd-info").inner_text()
     scd_shown = one.locator("#scd-table").inner_text()
     for row in alone["table"].itertuples():
-        assert row.method in scd_shown and f"{row.kl:g}"[:5] in scd_shown, row.method
+        assert row.method in scd_shown and f"{round_sig(float(row.kl)):g}" in scd_shown, row.method
     ev = service.evict_run(builtin_pair, context, "", False, "% kept", 25, "producer", "distillcache-head")
     shown = two.locator("#ev-table").inner_text()
     for row in ev["table"].itertuples():
-        assert row.method in shown and f"{row.kl:g}"[:5] in shown, row.method
+        assert row.method in shown and f"{round_sig(float(row.kl)):g}" in shown, row.method
     _shot(one, "two-visitors-scd", tmp_path_factory)
     _shot(two, "two-visitors-evict", tmp_path_factory)
     for pg in pages:
@@ -223,9 +329,8 @@ def test_closing_a_page_removes_its_session_folder(browser, app_url, tmp_path_fa
     pg = ctx.new_page()
     pg.goto(app_url)
     pg.get_by_role("tab", name="Results").click()
-    pg.locator("#res-shipped input").click()
-    pg.get_by_text("assets/scd/jargon/bench.json").first.click()
-    pg.locator("#res-info").get_by_text("scd records from").wait_for(timeout=60_000)
+    _choose(pg, "#res-shipped", "assets/scd/jargon/bench.json")
+    pg.locator("#res-info").get_by_text("1 record (scd)").wait_for(timeout=60_000)
     (mine,) = set(work.iterdir()) - before
     assert (mine / "scratch" / "results.csv").is_file()
     ctx.close()

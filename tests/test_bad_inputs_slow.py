@@ -156,13 +156,17 @@ ROWS = [
     ("local", ("/load_calibration", ("{calib_other_pair}",)), "was made for"),
     # ---- results tab
     ("both", ("/open_shipped", ("/etc/passwd",)), "/etc/passwd"),
-    ("both", ("/open_upload", ("@notjson.json",)), "is not a JSON file"),
-    ("both", ("/open_upload", ("@dict.json",)), "is not a scdviz benchmark record"),
-    ("both", ("/open_upload", ("@empty.json",)), "is not a scdviz benchmark record"),
-    ("both", ("/open_upload", ("@norows.json",)), "the record has no rows"),
-    ("both", ("/open_upload", ("@otherkind.json",)), "unknown bench kind 'speed'"),
-    ("both", ("/open_upload", ("@garbage.csv",)), "needs one bench_kind"),
-    ("both", ("/open_upload", ("@binary.csv",)), "not a readable CSV"),
+    ("both", ("/open_upload", (["@notjson.json"],)), "is not a JSON file"),
+    ("both", ("/open_upload", (["@dict.json"],)), "is not a scdviz benchmark record"),
+    ("both", ("/open_upload", (["@empty.json"],)), "is not a scdviz benchmark record"),
+    ("both", ("/open_upload", (["@norows.json"],)), "the record has no rows"),
+    ("both", ("/open_upload", (["@otherkind.json"],)), "unknown bench kind 'speed'"),
+    ("both", ("/open_upload", (["@garbage.csv"],)), "needs one bench_kind"),
+    ("both", ("/open_upload", (["@binary.csv"],)), "not a readable CSV"),
+    ("both", ("/open_upload", (["@garbage.csv", "@notjson.json"],)), "needs one bench_kind"),
+    ("both", ("/open_shipped", ("{thirteen_shipped}",)), "open at most 12 records at once"),
+    ("both", ("/res_figures", ()), "no figures to download yet"),
+    ("both", ("/scd_figures", ()), "no figures to download yet"),
 ]
 
 
@@ -226,6 +230,9 @@ def files(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(builtin.producer_dir())
     window = next(iter(data.token_windows(tok, data.load_split("jargon", "eval"), 160, 1)))
     out["window"] = tok.decode(window)
+    from scdviz import service
+
+    out["thirteen_shipped"] = list(service.shipped_records())[:13]  # one more than the Results tab opens at once
     return out
 
 
@@ -234,10 +241,13 @@ def _resolve(args, files):
 
     resolved = []
     for a in args:
-        if isinstance(a, str) and a.startswith("@"):
+        if isinstance(a, list):  # several files (the Results tab's upload)
+            resolved.append(_resolve(a, files))
+        elif isinstance(a, str) and a.startswith("@"):
             resolved.append(handle_file(str(files[a])))
         elif isinstance(a, str) and a.startswith("{") and a.endswith("}") and a[1:-1] in files:
-            resolved.append(str(files[a[1:-1]]))
+            value = files[a[1:-1]]
+            resolved.append(value if isinstance(value, list) else str(value))
         else:
             resolved.append(a)
     return resolved

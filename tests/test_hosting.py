@@ -125,22 +125,22 @@ def test_sessions_are_separate_unique_and_bounded(monkeypatch, tmp_path):
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")
     monkeypatch.setenv("SCDVIZ_MAX_SESSION_RUNS", "2")
     a, b = session.Session(), session.Session()
-    ra, rb = a.new_run("run"), b.new_run("run")  # the same name in two sessions: two folders
+    ra, rb = a.new_run("run", "policies"), b.new_run("run", "policies")  # the same name in two sessions: two folders
     assert ra != rb and ra.is_relative_to(a.folder) and rb.is_relative_to(b.folder)
     with pytest.raises(UserError, match="already exists"):
-        a.new_run("run")
-    a.new_run("second")
+        a.new_run("run", "policies")
+    a.new_run("second", "calibrations")
     with pytest.raises(UserError, match="at most 2 runs"):
-        a.new_run("third")
+        a.new_run("third", "policies")
     (a.scratch() / "x.csv").write_text("1")
     a.close()
     assert not a.folder.exists() and rb.is_dir()
     assert session.clean_stale() == 1 and not b.folder.exists()
     monkeypatch.setenv("SCDVIZ_HOSTED", "0")
-    local = session.Session().new_run("kept")
-    assert local == settings.cache_dir() / "runs" / "kept"
+    local = session.Session().new_run("kept", "calibrations")
+    assert local == settings.cache_dir() / "runs" / "calibrations" / "kept"
     with pytest.raises(UserError, match="already exists"):
-        session.Session().new_run("kept")  # another session, same folder: refused, not overwritten
+        session.Session().new_run("kept", "calibrations")  # another session, same folder: refused, not overwritten
 
 
 def test_space_front_matter_matches_requirements():

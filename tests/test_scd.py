@@ -320,7 +320,9 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
         if r["group"] == "DroidSpeak sweep":
             assert r["modes"].count("recompute") == int(r["method"].split("k=")[1])
     proj = [r for r in recs if r.get("row") == "projection"]
-    assert {r["model"] for r in proj} == {"Mistral-7B", "Llama-3-8B", "Qwen-32B"}
+    own = [r for r in proj if r["model"].startswith("this pair")]  # the loaded pair's own shape comes first
+    assert proj[0]["model"] == own[0]["model"] and f"{tiny_pair.consumer_facts.params / 1e6:.3g}M" in own[0]["model"]
+    assert {r["model"] for r in proj} - {own[0]["model"]} == {"Mistral-7B", "Llama-3-8B", "Qwen-32B"}
     assert all(r["label"].startswith("analytic projection") for r in proj)
     assert len(report.table()) == len(measured)
 

@@ -59,7 +59,7 @@ class EvalConfig:
     """One benchmark run."""
 
     policies: tuple[str, ...] = opt((), 'policy files; empty: the shipped ones')
-    texts: str | None = opt(None, '.txt / .jsonl passages; None: shipped eval splits of ``corpora``')
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split replaces the shipped eval splits of corpora")
     corpora: tuple[str, ...] = opt(("austen", "bible", "gcide", "handbook", "jargon", "manpages"),
                                    'shipped corpora whose eval splits are used when texts is None (contexts spread evenly)')
     limit: int = opt(66, 'contexts in all')
@@ -178,7 +178,7 @@ def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
     bos = [tokenizer.bos_token_id] if cfg.bos and getattr(tokenizer, "bos_token_id", None) is not None else []
     length -= len(bos)
     if cfg.texts:
-        windows = [("texts", bos + w) for w in data.token_windows(tokenizer, data.read_passages(cfg.texts), length, cfg.limit)]
+        windows = [("texts", bos + w) for w in data.token_windows(tokenizer, data.text_split(cfg.texts, "eval"), length, cfg.limit)]
     else:
         per = -(-cfg.limit // len(cfg.corpora))
         by = [[(c, bos + w) for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)]
@@ -538,6 +538,12 @@ def _qa_fields(rows: list[dict]) -> dict:
             "qa_f1": round(sum(r["qa_f1"] for r in rows) / len(rows), 4)}
 
 
+def _short(model: str, width: int = 18) -> str:
+    """A model source as a table cell: builtin:NAME -> NAME, a path -> its folder name."""
+    name = model.split(":", 1)[1] if model.startswith("builtin:") else Path(model.rstrip("/")).name or model
+    return name[:width]
+
+
 def table(records: list[dict]) -> str:
     """A plain-text table of the records; the policy chosen on validation is marked *."""
     head = (f"{'model':18} {'mode':8} {'method':25} {'keep':>6} {'KL':>15} {'top1':>6} {'PPL':>7} "
@@ -545,12 +551,12 @@ def table(records: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in records:
         if "cannot_run" in r:
-            lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} cannot run: {r['cannot_run']}")
+            lines.append(f"{_short(r['model']):18} {r['mode']:8} {r['method']:25} cannot run: {r['cannot_run']}")
             continue
         if "kl" not in r:  # the full-cache row: the reference's perplexity and QA accuracy
             qa_text = f"  QA acc {r['qa_acc']:.3f}" if "qa_acc" in r else ""
             ppl = f"{r['ppl']:7.2f}" if "ppl" in r else ""
-            lines.append(f"{r['model'][-18:]:18} {r['mode']:8} {r['method']:25} {'1':>6} {'':15} {'':6} {ppl:>7}{qa_text}")
+            lines.append(f"{_short(r['model']):18} {r['mode']:8} {r['method']:25} {'1':>6} {'':15} {'':6} {ppl:>7}{qa_text}")
             continue
         qa_text = f" QA {r['qa_acc']:.3f}" if "qa_acc" in r else ""
         wins = "best" if r["wins_vs_best_baseline"] is None else f"{r['wins_vs_best_baseline']:.2f}"
@@ -561,7 +567,7 @@ def table(records: list[dict]) -> str:
         ovh = "" if r["overhead_frac"] is None else f"{r['overhead_frac']:.3f}"
         name = r["method"] + ("*" if r.get("chosen_on_validation") else "")
         lines.append(
-            f"{r['model'][-18:]:18} {r['mode']:8} {name:25} {r['keep']:>6} {r['kl']:7.4f}±{r['kl_se']:.4f} "
+            f"{_short(r['model']):18} {r['mode']:8} {name:25} {r['keep']:>6} {r['kl']:7.4f}±{r['kl_se']:.4f} "
             f"{r['top1']:6.3f} {r['ppl']:7.2f} {diff:>28} {wins:>5} {ctx:>5} {ovh:>6} {speed:>6}{qa_text}"
         )
     return "\n".join(lines)
@@ -573,6 +579,6 @@ def domain_text(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         ci = "" if r["ci95"] is None else f"{r['minus_best']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]"
-        lines.append(f"{r['model'][-18:]:18} {r['keep']:>6} {r['domain']:10} {r['n']:3d} {r['method']:22} {r['kl']:7.4f} "
+        lines.append(f"{_short(r['model']):18} {r['keep']:>6} {r['domain']:10} {r['n']:3d} {r['method']:22} {r['kl']:7.4f} "
                      f"{r['best_baseline']:22} {r['best_kl']:7.4f} {ci:>28} {r['wins']:5.2f}")
     return "\n".join(lines)

@@ -88,8 +88,9 @@ def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_co
 class TrainConfig:
     """A training run; the run folder holds checkpoints and the log."""
 
-    out: str = opt(help='folder for policy.safetensors, optimizer.pt, log.json')
-    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora (train split) to draw contexts from')
+    out: str = opt("", "folder for policy.safetensors, optimizer.pt, log.json (set by the CLI: a runs folder by default)")
+    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora to draw contexts from (train split; validation: calib split)')
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): one more source of contexts, beside --corpora (give --corpora with no name for your text alone)")
     contexts: int = opt(32, 'training contexts (prefilled once each)')
     context_len: int = opt(512, 'T, tokens per context')
     cont_len: int = opt(24, 'teacher-forced continuation tokens for the reward')
@@ -143,12 +144,15 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     """Prefill ``count`` contexts of one split of each corpus, once."""
     from scdviz import data
 
-    per = -(-count // len(cfg.corpora))
+    sources = (["texts"] if cfg.texts else []) + list(cfg.corpora)  # "texts": the user's text
+    if not sources:
+        raise ValueError("no text to train on: give --texts or at least one of --corpora")
+    per = -(-count // len(sources))
     length = cfg.context_len + cfg.cont_len
     foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
-    windows = [w for c in cfg.corpora for w in data.token_windows(tokenizer, data.load_split(c, split), length, per)]
+    windows = [w for c in sources for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
     if len(windows) < count:
-        raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
+        raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(sources)}")
     out = []
     for w in tqdm(windows[:count], desc=f"prefill {split} contexts", disable=not progress):
         ids = hf.ids_tensor(w)

@@ -31,7 +31,7 @@ from scdviz.scd.plan import SINKS, Plan
 class ScdBenchConfig:
     """One SCD benchmark run on held-out text."""
 
-    texts: str | None = opt(None, ".txt or .jsonl evaluation text instead of shipped eval splits")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split is measured instead of the shipped ones")
     domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the specialist's own training corpus, else every calibration domain)")
     lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain, calibrate again without it (same settings) and measure on its eval split")
     limit: int = opt(16, "prompts per domain")
@@ -95,13 +95,22 @@ def hf_hidden(calib: cal.Calibration) -> int:
     return int(calib.identity["facts"]["hidden"])
 
 
-def projection(report: BenchReport, calib: cal.Calibration, small_d_kv: int) -> list[dict]:
-    """Projected TTFT speed-up of every method on each named large model, GPU, 10 and 100 Gbit/s."""
+def pair_shape(pair: Pair) -> links.ModelShape:
+    """The loaded consumer's own shape, named after it: the projection's first model."""
+    f = pair.consumer_facts
+    return links.ModelShape(f"this pair ({cal.specialist_name(pair.consumer_source)}, {f.params / 1e6:.3g}M)",
+                            f.layers, f.kv_heads, f.head_dim, f.hidden, float(f.params))
+
+
+def projection(report: BenchReport, calib: cal.Calibration, small_d_kv: int,
+               own: links.ModelShape | None = None) -> list[dict]:
+    """Projected TTFT speed-up of every method on the pair's own shape (``own``) and each named preset
+    (Mistral-7B, Llama-3-8B, Qwen-32B), each GPU, 10 and 100 Gbit/s."""
     rows = []
     for res in report.methods:
         if res.method == "oracle":
             continue
-        for big in links.LARGE_MODELS:
+        for big in ([own] if own else []) + list(links.LARGE_MODELS):
             flops = consumer_flops_per_token(report.plans[res.method], calib, small_d_kv, big)
             for gpu in links.GPUS:
                 for link in (links.Link(10), links.Link(100)):
@@ -164,7 +173,7 @@ def bench(
             swept += [rd, coded, *plans.rank_sweep(calib, [b])]
         report.sweeps += measure.run_methods(pair, calib, cases, swept, "budget sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
-    report.projection = projection(report, calib, d_kv)
+    report.projection = projection(report, calib, d_kv, pair_shape(pair))
     return report
 
 
@@ -179,8 +188,8 @@ def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: cal.Calibration) -
     return [own] if own in data.corpora() else list(calib.stats.get("domains") or data.corpora())
 
 
-def _eval_windows(cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
-    passages = data.read_passages(cfg.texts) if domain == "texts" else data.load_split(domain, "eval")
+def _eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
+    passages = data.passages(domain, "eval", texts)
     windows = data.token_windows(pair.tokenizer, passages, cfg.prompt_len + cfg.cont_len, cfg.limit)
     if not windows:
         raise ValueError(f"the evaluation text of {domain!r} has no window of {cfg.prompt_len + cfg.cont_len} tokens")
@@ -206,9 +215,10 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
         if cfg.lodo:
             others = [d for d in domains if d != domain]
             rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
-            used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=others, texts=None, rate_windows=rate_windows),
-                                 progress)
-        report = bench(pair, used, _eval_windows(cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
+            texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
+            used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
+                                                           texts=texts, rate_windows=rate_windows), progress)
+        report = bench(pair, used, _eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
                        tuple(cfg.budgets), name, progress, budget=cfg.budget, sink=cfg.sink, sent_rows=cfg.sent_rows,
                        kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy, rank_claim=cfg.rank_claim)
         report.domain = domain

@@ -43,7 +43,7 @@ class CalibConfig:
     """Knobs of one calibration run."""
 
     domains: list[str] = opt([], "shipped corpora whose calib splits are mixed, windows spread evenly (default: every shipped corpus)")
-    texts: str | None = opt(None, "a .txt / .jsonl passage file instead of the shipped splits (one domain, split in 2 folds)")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): its calib split is one more domain, mixed with --domains when given (alone it is split in 2 folds)")
     n_fit: int = opt(32, "windows for the fits, spread over the domains")
     n_select: int = opt(16, "further windows for patch selection (continuation KL), spread over the domains")
     prompt_len: int = opt(256, 'prompt tokens per window')
@@ -142,20 +142,19 @@ def check_identity(saved: dict, pair: Pair, where: str) -> None:
 
 
 def domains_of(cfg: CalibConfig) -> list[str]:
-    """The domains a calibration mixes: the user's file, the given corpora, or every shipped corpus."""
-    if cfg.texts:
-        return ["texts"]
-    names = list(cfg.domains) or data.corpora()
+    """The domains a calibration mixes: the user's text (with the given corpora, if any), the given
+    corpora, or every shipped corpus."""
+    names = list(cfg.domains) or ([] if cfg.texts else data.corpora())
     unknown = sorted(set(names) - set(data.corpora()))
     if unknown:
         raise ValueError(f"no shipped corpus named {', '.join(unknown)}; shipped: {', '.join(data.corpora())}")
-    return names
+    return ["texts", *names] if cfg.texts else names
 
 
 def _windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """(fit windows, their fold index, selection windows), spread evenly over the domains.
 
-    Folds are the domains; a single domain (a user's file) is split into two folds of
+    Folds are the domains; a single domain (e.g. a user's text alone) is split into two folds of
     alternating windows, so the shrinkage is still chosen on windows it was not fitted on.
     """
     names = domains_of(cfg)
@@ -163,7 +162,7 @@ def _windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], 
     per_fit, per_sel = -(-cfg.n_fit // len(names)), -(-cfg.n_select // len(names))
     fit, folds, select = [], [], []
     for i, name in enumerate(names):
-        passages = data.read_passages(cfg.texts) if cfg.texts else data.load_split(name, "calib")
+        passages = data.passages(name, "calib", cfg.texts)
         got = data.token_windows(pair.tokenizer, passages, length, per_fit + per_sel)
         if len(got) < per_fit + per_sel:
             raise ValueError(f"calibration text {name!r} gives {len(got)} windows of {length} tokens; need {per_fit + per_sel}")

@@ -44,6 +44,7 @@ class TtftConfig:
     """One TTFT measurement run."""
 
     domain: str | None = opt(None, "shipped corpus whose eval split gives the prompts (default: the specialist's own)")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split gives the prompts instead")
     limit: int = opt(3, "prompts")
     prompt_len: int = opt(1024, "prompt tokens per window")
     warmup: int = opt(1, "untimed rounds first")
@@ -77,9 +78,9 @@ def run(cfg: TtftConfig, pair: Pair, calib: cal.Calibration, progress: bool = Tr
         raise ValueError("--reps and --limit must be at least 1")
     name = cal.specialist_name(pair.consumer_source)
     domain = cfg.domain or builtin.training_corpus(name) or (calib.stats.get("domains") or data.corpora())[0]
-    windows = data.token_windows(pair.tokenizer, data.load_split(domain, "eval"), cfg.prompt_len + 1, cfg.limit)
+    windows = data.token_windows(pair.tokenizer, data.passages(data.USER if cfg.texts else domain, "eval", cfg.texts), cfg.prompt_len + 1, cfg.limit)
     if not windows:
-        raise ValueError(f"the eval split of {domain!r} has no window of {cfg.prompt_len + 1} tokens")
+        raise ValueError(f"the eval split of {cfg.texts or domain!r} has no window of {cfg.prompt_len + 1} tokens")
     rng = random.Random(cfg.seed)
     samples: dict[tuple[str, str], list[float]] = {}
     sizes: dict[str, float] = {}

@@ -5,10 +5,20 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 
 import gradio as gr
 
 log = logging.getLogger("scdviz.ui")
+
+# Plots drawn while their tab was hidden keep the width they were drawn at; gradio's plotly plots
+# follow window resizes, so a tab that opens sends one.
+RESIZE_JS = "() => { setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }"
+
+
+def redraw_on_select(tab) -> None:
+    """Fit the plots of ``tab`` (a gr.Tab) to their width whenever it is opened (client side only)."""
+    tab.select(None, None, None, js=RESIZE_JS, queue=False, api_name=False)
 
 
 def guard(fn):
@@ -50,3 +60,22 @@ def guard(fn):
 def diff_tokens(tokens: list[str], reference: list[str], label: str = "differs") -> list[tuple[str, str | None]]:
     """(text, label) pairs for gr.HighlightedText: tokens that differ from the reference at the same position."""
     return [(tok, None if i < len(reference) and reference[i] == tok else label) for i, tok in enumerate(tokens)]
+
+
+def figure_downloads(prefix: str, figs: gr.State, session: gr.State, export: Callable, name: str | None = None) -> gr.File:
+    """A "Download figures" button for a tab (element ids ``<prefix>-figs-btn``, ``<prefix>-figs``; files
+    named ``<name>_<figure>.<ext>``): ``export(figures, session, name, page)`` writes the tab's
+    current figures (held in ``figs``, so no model work runs again) as PNG, SVG and standalone HTML
+    into the visitor's session folder; the files are offered below the button."""
+    with gr.Row():
+        with gr.Column(scale=1, min_width=260):
+            button = gr.Button("Download these figures (PNG, SVG, HTML)", elem_id=f"{prefix}-figs-btn")
+            gr.Markdown("Written for you on the server; HTML files open offline (plotly.js inside).")
+        files = gr.File(label="Figures", file_count="multiple", interactive=False, elem_id=f"{prefix}-figs", scale=3,
+                        height=200)
+
+    def download_figures(current, sess, request: gr.Request):
+        return export(current, sess, name or prefix, request.session_hash if request else None)
+
+    button.click(guard(download_figures), [figs, session], [files], api_name=f"{prefix}_figures", concurrency_limit=1)
+    return files

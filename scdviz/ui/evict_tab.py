@@ -10,13 +10,16 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.ui.common import guard
+from scdviz.plots import rounded
+from scdviz.ui.common import figure_downloads, guard
 
 FIGURES = ("kl_steps", "sweep", "heatmap", "features")
 
 
-def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384) -> None:
-    """Add the eviction tab's widgets; ``run(pair_key, session, context, question, ...)`` checks and does the work."""
+def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384,
+          export: Callable | None = None) -> None:
+    """Add the eviction tab's widgets; ``run(pair_key, session, context, question, ...)`` checks and does the work;
+    ``export`` (see ``common.figure_downloads``) offers the figures as files."""
     gr.Markdown(
         "Prune the producer's cache of the context to a budget with the learned DistillCache policies and "
         "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
@@ -47,20 +50,23 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                          interactive=False, elem_id="ev-table")
     texts = gr.Dataframe(headers=["method", "generated from the pruned cache"], label="Generated text",
                          interactive=False, wrap=True, elem_id="ev-texts")
+    figs = gr.State({})
     plots = {}
     for row in (FIGURES[:2], FIGURES[2:]):
         with gr.Row():
             for name in row:
                 plots[name] = gr.Plot(elem_id=f"ev-{name}", label=name)
+    downloads = [figure_downloads("ev", figs, session, export, name="evict")] if export is not None else []
 
     def on_run(key, sess, ctx, q, aw, u, b, m, method, progress=gr.Progress()):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="one eager prefill, then every method")
         out = run(key, sess, ctx, q, aw, u, b, m, method)
-        return [out["info"], out["kept"], out["versus"], out["table"], out["texts"],
-                gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES]
+        return ([out["info"], out["kept"], out["versus"], rounded(out["table"]), out["texts"],
+                gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES] + [out["figures"]]
+                + [None] * len(downloads))  # a new run: the previous figure files go
 
     go_btn.click(guard(on_run), [pair_state, session, context, question, aware, unit, budget, model, show],
-                 [info, kept, versus, table, texts, show] + [plots[n] for n in FIGURES], concurrency_limit=1,
-                 api_name="evict")
+                 [info, kept, versus, table, texts, show] + [plots[n] for n in FIGURES] + [figs] + downloads,
+                 concurrency_limit=1, api_name="evict")

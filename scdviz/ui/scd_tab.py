@@ -10,15 +10,20 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.ui.common import diff_tokens, guard
+from scdviz.plots import rounded
+from scdviz.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select
 
 FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
            "ttft", "plan")
+# the plots' sub-tabs (every figure in one), so the text, table and controls stay in view
+GROUPS = {"Quality": ("pareto",), "Drift and error": ("drift_k", "drift_v", "accumulation", "amplification"),
+          "Compression": ("plan", "placement", "spectra_k", "spectra_v"), "Timing": ("ttft",)}
 
 
 def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384,
-          max_rank: int = 192) -> None:
-    """Add the SCD tab's widgets; ``run(pair_key, session, text, controls...)`` checks the controls and does the work."""
+          max_rank: int = 192, export: Callable | None = None) -> None:
+    """Add the SCD tab's widgets; ``run(pair_key, session, text, controls...)`` checks the controls and does the work;
+    ``export`` (see ``common.figure_downloads``) offers the figures as files."""
     gr.Markdown(
         "The producer prefills the text; each method moves its cache to the consumer, which scores the last "
         "*continuation* tokens teacher-forced and generates greedily. KL is KL(oracle ‖ method) per token; "
@@ -50,11 +55,18 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     texts = gr.HighlightedText(label="Generated text per method (tokens that differ from the oracle's are marked)",
                                combine_adjacent=False, show_inline_category=False, show_legend=True,
                                color_map={"differs": "orange"}, elem_id="scd-texts")
+    figs = gr.State({})
     plots = {}
-    for row in (FIGURES[0:2], FIGURES[2:4], FIGURES[4:6], FIGURES[6:8], FIGURES[8:10]):
-        with gr.Row():
-            for name in row:
-                plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
+    with gr.Tabs(elem_id="scd-plot-tabs"):
+        for title, names in GROUPS.items():
+            with gr.Tab(title, elem_id=f"scd-tab-{title.split()[0].lower()}") as tab:
+                redraw_on_select(tab)
+                for i in range(0, len(names), 2):
+                    with gr.Row():
+                        for name in names[i : i + 2]:
+                            plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
+    assert set(plots) == set(FIGURES)
+    downloads = [figure_downloads("scd", figs, session, export)] if export is not None else []
 
     def on_run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud, progress=gr.Progress()):  # noqa: B008
         if not key:
@@ -66,8 +78,10 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         for method, tokens in out["texts"]:
             segments.append((f"\n{method}: ", None))
             segments += diff_tokens(tokens, oracle)
-        return [out["info"], out["table"], segments] + [out["figures"][n] for n in FIGURES]
+        return ([out["info"], rounded(out["table"]), segments] + [out["figures"][n] for n in FIGURES]
+                + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
 
     go_btn.click(guard(on_run), [pair_state, session, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers,
-                                 gbps, latency, fan_out, budget], [info, table, texts] + [plots[n] for n in FIGURES],
+                                 gbps, latency, fan_out, budget],
+                 [info, table, texts] + [plots[n] for n in FIGURES] + [figs] + downloads,
                  concurrency_limit=1, api_name="scd")

@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.ui.common import guard
+from scdviz.ui.common import figure_downloads, guard
 
 
 def build(calibrate: Callable, load_calibration: Callable, train: Callable, corpora: list[str],
-          pair_state: gr.State, session: gr.State) -> None:
-    """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure, session); ``train`` yields them.
+          pair_state: gr.State, session: gr.State, export: Callable | None = None) -> None:
+    """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure, session); ``train`` yields them;
+    ``export`` (see ``common.figure_downloads``) offers the tab's two figures as files.
 
     What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
     gr.Markdown("### SCD calibration for the loaded pair\nFits REUSE codes, aligners and the patch order on the "
@@ -48,26 +49,36 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
         train_btn = gr.Button("Train", variant="primary", elem_id="train-run")
     train_info = gr.Markdown(elem_id="train-info")
     train_plot = gr.Plot(elem_id="train-plot")
+    figs = gr.State({})  # this visitor's figures of the tab, for the download button
+    downloads = [figure_downloads("train", figs, session, export)] if export is not None else []
 
-    def on_calibrate(key, sess, c, n, k, b, nm, request: gr.Request, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+    def with_figure(out, figures, name):
+        md, fig, sess = out
+        return md, fig, sess, {**(figures or {}), name: fig}, *[None] * len(downloads)  # earlier files go
+
+    def on_calibrate(key, sess, figures, c, n, k, b, nm, request: gr.Request,
+                     progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        return calibrate(key, sess, c, n, k, b, nm, page=request.session_hash if request else None)
+        out = calibrate(key, sess, c, n, k, b, nm, page=request.session_hash if request else None)
+        return with_figure(out, figures, "patch_selection")
 
-    def on_load(key, sess, path):
+    def on_load(key, sess, figures, path):
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        return load_calibration(key, sess, path)
+        return with_figure(load_calibration(key, sess, path), figures, "patch_selection")
 
-    def on_train(key, sess, n, ctx, ph, nm, request: gr.Request, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+    def on_train(key, sess, figures, n, ctx, ph, nm, request: gr.Request,
+                 progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        yield from train(key, sess, n, ctx, ph, nm, page=request.session_hash if request else None)
+        for out in train(key, sess, n, ctx, ph, nm, page=request.session_hash if request else None):
+            yield with_figure(out, figures, "policy_training")
 
-    cal_btn.click(guard(on_calibrate), [pair_state, session, corpus, n_fit, op_k, bits, name],
-                  [cal_info, cal_plot, session], concurrency_limit=1, api_name="calibrate")
-    load_btn.click(guard(on_load), [pair_state, session, folder], [cal_info, cal_plot, session], concurrency_limit=1,
-                   api_name="load_calibration")
-    train_btn.click(guard(on_train), [pair_state, session, steps, contexts, per_head, run_name],
-                    [train_info, train_plot, session], concurrency_limit=1, api_name="train")
+    cal_btn.click(guard(on_calibrate), [pair_state, session, figs, corpus, n_fit, op_k, bits, name],
+                  [cal_info, cal_plot, session, figs, *downloads], concurrency_limit=1, api_name="calibrate")
+    load_btn.click(guard(on_load), [pair_state, session, figs, folder], [cal_info, cal_plot, session, figs, *downloads],
+                   concurrency_limit=1, api_name="load_calibration")
+    train_btn.click(guard(on_train), [pair_state, session, figs, steps, contexts, per_head, run_name],
+                    [train_info, train_plot, session, figs, *downloads], concurrency_limit=1, api_name="train")
 

@@ -1,0 +1,57 @@
+"""The runs folder: where every artefact a user makes goes, from the CLI and from the app.
+
+    <work dir>/runs/<kind>/<name>/     work dir: SCDVIZ_WORK, else SCDVIZ_CACHE, else the platform cache
+
+Kinds: ``calibrations`` (SCD), ``policies`` (DistillCache), ``specialists`` (LoRA adapters from
+``finetune``) and ``bench`` (a record, its config and its figures). The repository's
+``assets/`` is written only when a maintainer asks for it by name (``--maintainer``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from scdviz import settings
+from scdviz.inputs import UserError, run_name
+
+KINDS = ("calibrations", "policies", "specialists", "bench")
+
+
+def root() -> Path:
+    """Parent of every run of local use (hosted visitors' runs live in their session folders)."""
+    return settings.work_dir() / "runs"
+
+
+def auto_name(prefix: str) -> str:
+    """``prefix-YYYYmmdd-HHMMSS`` (UTC), for runs the user did not name."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
+def folder(kind: str, name: str | None, parent: Path | None = None) -> Path:
+    """``<runs>/<kind>/<name>`` (not created); the name is checked to be one plain folder name."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown run kind {kind!r}; use one of {', '.join(KINDS)}")
+    return (parent or root()) / kind / run_name(name)
+
+
+def new(kind: str, name: str | None, parent: Path | None = None, exist_ok: bool = False) -> Path:
+    """Create and return a run folder; UserError when one of that name exists (unless ``exist_ok``)."""
+    path = folder(kind, name, parent)
+    if path.exists() and not exist_ok and any(path.iterdir()):
+        raise UserError(f"a {kind[:-1]} run named {path.name!r} already exists ({path}); choose another name")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def bench_records(parent: Path | None = None) -> list[Path]:
+    """Bench records saved in the runs folder, newest first."""
+    base = (parent or root()) / "bench"
+    found = base.glob("*/record.json") if base.is_dir() else []
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def listing(kind: str, parent: Path | None = None) -> list[Path]:
+    """Run folders of one kind, by name."""
+    base = (parent or root()) / kind
+    return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []

@@ -1,0 +1,228 @@
+"""Figures and tables people can read: several records overlaid, no text piles, rounded display,
+raw exports. Pure functions on small made-up records plus the shipped ones; no models."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from scdviz import plots, records, service, settings
+from scdviz.inputs import UserError
+
+
+def scd_record(scale: float = 1.0, prompt_len: int = 256) -> records.BenchRecord:
+    rows = [{"row": "measured", "group": "method", "method": "oracle", "payload_bytes_per_token": 0.0, "kl": 0.0}]
+    for i, method in enumerate(("raw KV", "4-bit KV", "SCD reuse-only", "SCD full")):
+        rows.append({"row": "measured", "group": "method", "method": method, "payload_bytes_per_token": 7000.0 + i,
+                     "kl": scale * (0.03 + 0.001 * i), "kl_se": 0.005, "top1": 0.9, "kl_per_prompt": [0.1, 0.2]})
+    rows += [{"row": "measured", "group": "patch sweep", "method": f"SCD k={k} (greedy)",
+              "payload_bytes_per_token": 6824.76 + 113.6 * k, "kl": scale * 0.0313} for k in range(7)]
+    rows.append({"row": "projection", "method": "raw KV", "label": "analytic projection, not a measurement"})
+    settings_ = {"producer": "builtin:smollm2-135m", "bench": {"prompt_len": prompt_len, "cont_len": 32}}
+    return records.BenchRecord("scd", settings_, 0, rows, {"torch": "2.5"}, "2026-01-01T00:00:00Z")
+
+
+def evict_record(scale: float = 1.0) -> records.BenchRecord:
+    rows = [{"model": "builtin:smollm2-135m", "mode": "agnostic", "method": m, "keep": keep, "tokens_kept": 512 * keep,
+             "kl": scale * (i + 1) / keep / 100, "top1": 0.8} for i, m in enumerate(("distillcache-head", "SnapKV", "TOVA"))
+            for keep in (0.5, 0.125, 0.25)]
+    rows.append({"model": "builtin:smollm2-135m", "mode": "agnostic", "method": "full cache", "keep": 1, "kl": None})
+    return records.BenchRecord("evict", {"eval": {"limit": 12, "keeps": [0.25, 0.125]}}, 0, rows)
+
+
+def ttft_record() -> records.BenchRecord:
+    rows = [{"method": "oracle", "oracle_ms": 4156.4}]
+    rows += [{"method": m, "oracle_ms": 4156.4, "bytes_per_token": b, **{f"ttft_{g}gbps_ms": t / g ** 0.1 for g in (1, 10, 100)},
+              **{f"ttft_with_prefill_{g}gbps_ms": 4000 + t for g in (1, 10, 100)}}
+             for m, b, t in (("raw KV", 23018.3, 362.6), ("SCD full", 6969.9, 870.3))]
+    return records.BenchRecord("ttft", {"ttft": {"repeats": 2}}, 0, rows)
+
+
+def groups(fig) -> set[str]:
+    return {t.legendgroup for t in fig.data if t.legendgroup}
+
+
+def test_two_records_of_one_kind_share_one_plot_with_a_legend_group_each():
+    figs = plots.record_figures([("run A", scd_record()), ("run B", scd_record(2.0, 512))])
+    assert list(figs) == ["payload_vs_kl"]  # only the kind present
+    fig = figs["payload_vs_kl"]
+    assert groups(fig) == {"run A", "run B"}
+    for label in ("run A", "run B"):
+        mine = [t for t in fig.data if t.legendgroup == label]
+        assert [t.legendgrouptitle.text for t in mine if t.legendgrouptitle.text] == [label]  # one title per record
+        assert len({t.marker.symbol for t in mine}) == 1  # a record keeps its marker...
+    assert len({t.marker.symbol for t in fig.data}) == 2  # ...and records differ
+    colors = {(t.legendgroup, t.name): t.marker.color for t in fig.data}
+    assert colors[("run A", "SCD full")] == colors[("run B", "SCD full")]  # a method keeps its colour
+    # the oracle (0 bytes) and the analytic projection (no KL) are not points
+    names = {t.name for t in fig.data}
+    assert "oracle" not in names and {"raw KV", "SCD full", "patch sweep"} <= names
+    sweep = next(t for t in fig.data if t.legendgroup == "run B" and t.name == "patch sweep")
+    assert len(sweep.x) == 7 and "SCD k=3 (greedy)" in sweep.hovertext[3] and "record: run B" in sweep.hovertext[3]
+
+
+def test_no_record_figure_writes_text_on_points():
+    """Points cluster (seven patch-sweep points within 800 B/token): labels go to the legend and the hover."""
+    labelled = [(p.stem, records.read(p)) for p in service.shipped_results()]
+    figs = plots.record_figures(labelled)
+    assert set(figs) == {"payload_vs_kl", "kl_vs_budget", "ttft"}
+    for name, fig in figs.items():
+        assert fig.data, name
+        for trace in fig.data:
+            assert "text" not in (trace.mode or ""), (name, trace.name, trace.mode)
+            assert not fig.layout.annotations, name
+        assert all(t.hovertext or t.hovertemplate for t in fig.data), name
+        assert fig.layout.legend.orientation == "v" and fig.layout.height >= 480  # every entry shown
+    assert len(groups(figs["payload_vs_kl"])) == sum(rec.kind == "scd" for _, rec in labelled)
+
+
+def test_record_figures_take_one_record_and_mixed_kinds():
+    one = plots.record_figures([("solo", evict_record())])
+    assert list(one) == ["kl_vs_budget"]
+    lines = one["kl_vs_budget"].data
+    assert {t.name for t in lines} == {"distillcache-head", "SnapKV", "TOVA"}  # the full cache has no KL
+    assert all(list(t.x) == sorted(t.x) == [12.5, 25.0, 50.0] for t in lines)  # sorted by budget
+    assert len({t.marker.symbol for t in lines}) == 3  # one record: a marker per method
+    mixed = plots.record_figures([("s", scd_record()), ("e", evict_record()), ("t", ttft_record())])
+    assert list(mixed) == ["payload_vs_kl", "kl_vs_budget", "ttft"]
+    ttft = mixed["ttft"]
+    assert {t.name for t in ttft.data} == {"raw KV", "SCD full", "oracle prefill"}
+    assert list(ttft.data[0].x) == [1, 10, 100]
+    assert plots.record_figures([]) == {}
+
+
+def test_repeated_labels_become_unique():
+    figs = plots.record_figures([("bench", scd_record()), ("bench", scd_record(2.0))])
+    assert groups(figs["payload_vs_kl"]) == {"bench", "bench (2)"}
+    assert plots.unique_labels(["a", "a", "a (2)", "a"]) == ["a", "a (2)", "a (2) (2)", "a (3)"]
+
+
+def test_settings_diff_lists_only_what_differs_flattened():
+    a, b = scd_record(), scd_record(prompt_len=512)
+    diff = plots.settings_diff([("A", a), ("B", b)])
+    assert list(diff.columns) == ["setting", "A", "B"]
+    assert diff["setting"].tolist() == ["bench.prompt_len"]
+    assert diff.iloc[0].tolist() == ["bench.prompt_len", "256", "512"]
+    b.versions = {"torch": "2.6", "hardware": {"cpu_count": 16}}
+    diff = plots.settings_diff([("A", a), ("B", b)])
+    assert diff["setting"].tolist() == ["bench.prompt_len", "versions.torch", "versions.hardware.cpu_count"]
+    assert diff.set_index("setting").loc["versions.hardware.cpu_count"].tolist() == ["—", "16"]
+    alone = plots.settings_diff([("A", a)]).set_index("setting")["A"]  # one record: every setting
+    assert alone["bench.cont_len"] == "32" and alone["producer"] == "builtin:smollm2-135m" and alone["record.kind"] == "scd"
+
+
+def test_rounding_for_display_only():
+    assert plots.round_sig(0.089438647031784) == 0.08944
+    assert plots.round_sig(22952.760784313727) == 22953.0  # digits before the point are kept
+    assert plots.round_sig(1.0038008157931) == 1.004
+    assert plots.round_sig(3) == 3 and plots.round_sig("x") == "x" and math.isnan(plots.round_sig(float("nan")))
+    df = pd.DataFrame({"kl": [0.089438647031784, None], "n": [16, 3], "method": ["a", "b"], "mixed": [1.23456789, "t"]})
+    shown = plots.rounded(df)
+    assert shown["kl"].iloc[0] == 0.08944 and shown["n"].tolist() == [16, 3] and shown["mixed"].tolist() == [1.235, "t"]
+    assert df["kl"].iloc[0] == 0.089438647031784  # the original is untouched
+
+
+def test_results_view_rounds_the_table_and_exports_raw_values(monkeypatch, tmp_path):
+    from scdviz import session, webapp
+
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    records.write(scd_record(), a)
+    records.write(evict_record(), b)
+    out = webapp.compare_results(["assets/scd/jargon/bench.json"], [str(a), str(b)], [], session.Session())
+    assert set(out["figures"]) == {"payload_vs_kl", "kl_vs_budget"}
+    assert groups(out["figures"]["payload_vs_kl"]) == {"scd/jargon/bench", "a"}
+    shown, raw = out["table"], pd.read_csv(out["csv"])
+    assert shown.columns[0] == "record" and set(shown["record"]) == {"scd/jargon/bench", "a", "b"}
+    assert "kl_per_prompt" not in shown and "kl_per_prompt" in raw  # lists: in the CSV only
+    kl_raw = raw[(raw["record"] == "scd/jargon/bench") & (raw["method"] == "raw KV")]["kl"].iloc[0]
+    kl_shown = shown[(shown["record"] == "scd/jargon/bench") & (shown["method"] == "raw KV")]["kl"].iloc[0]
+    assert kl_raw == pytest.approx(0.089438647031784, abs=1e-15) and kl_shown == 0.08944
+    assert set(raw["bench_kind"]) == {"scd", "evict"}
+    assert "3 records" in out["info"] and "plotted separately" in out["info"]
+    # the export reads back as the same records, split by record and kind
+    back = service.read_records(out["csv"])
+    assert [(label, rec.kind, len(rec.rows)) for label, rec in back] == [
+        ("results:scd/jargon/bench", "scd", 93), ("results:a", "scd", 13), ("results:b", "evict", 10)]
+    with pytest.raises(UserError, match="this one holds evict, scd"):
+        service.load_results(out["csv"])  # one frame of one kind: the old single-file reader refuses it
+    empty = webapp.compare_results([], None, [], session.Session())
+    assert empty["figures"] == {} and "Choose" in empty["info"]
+
+
+def test_open_records_refuses_bad_choices_with_a_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path))
+    with pytest.raises(UserError, match="'nope.json' is not a shipped record"):
+        service.open_records(["nope.json"])
+    with pytest.raises(UserError, match="no bench run named 'ghost'"):
+        service.open_records(local=["ghost"])
+    with pytest.raises(UserError, match="open at most 12 records"):
+        service.open_records(list(service.shipped_records()) * 2)
+    with pytest.raises(UserError, match="expected a list of names"):
+        service.open_records([1, 2])
+    folder = tmp_path / "runs" / "bench" / "mine"
+    folder.mkdir(parents=True)
+    records.write(evict_record(), folder / "record.json")
+    assert list(service.local_records()) == ["mine"]
+    ((label, rec),) = service.open_records(local=["mine"])
+    assert label == "mine" and rec.kind == "evict"
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    assert service.local_records() == {}  # hosted visitors never see the machine's runs
+    with pytest.raises(UserError, match="does not read the runs folder"):
+        service.open_records(local=["mine"])
+    with pytest.raises(UserError, match="does not read local paths"):
+        service.open_records(uploads=[str(folder / "record.json")])
+
+
+def test_single_file_reader_keeps_its_behaviour(tmp_path):
+    (path,) = settings.ASSETS_DIR.glob("scd/jargon/bench.json")
+    df, kind = service.load_results(path)
+    assert kind == "scd" and len(df) == len(json.loads(path.read_text())["rows"])
+    csv = tmp_path / "x.csv"
+    df.assign(bench_kind=kind).to_csv(csv, index=False)
+    again, kind = service.load_results(csv)
+    assert kind == "scd" and list(again.columns) == list(df.columns)
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(UserError, match="needs one bench_kind"):
+        service.load_results(tmp_path / "bad.csv")
+
+
+def _result(method, modes, drift):
+    return SimpleNamespace(method=method, modes=modes, drift_k=drift, drift_v=drift, divergence=drift)
+
+
+def test_patched_layers_get_one_legend_entry_and_no_overlapping_labels():
+    modes = ["code"] * 30
+    for layer in (23, 24, 27):
+        modes[layer] = "patch"
+    fig = plots.layer_drift([_result("SCD full", modes, [0.01] * 30), _result("raw KV", ["code"] * 30, [0.02] * 30)])
+    assert not fig.layout.annotations  # no text on the plot
+    assert [(s.x0, s.x1) for s in fig.layout.shapes] == [(22.5, 24.5), (26.5, 27.5)]  # neighbours merged
+    marks = [t for t in fig.data if t.name.startswith("patched")]
+    assert len(marks) == 1 and "23, 24, 27" in marks[0].name
+    assert fig.layout.legend.yanchor == "top"  # the legend grows downwards, away from the axis title
+
+
+def test_scd_tab_pareto_has_no_text_and_groups_specialists():
+    table = pd.DataFrame({"group": ["method"] * 4, "method": ["oracle", "raw KV", "SCD full", "SCD full"],
+                          "bytes_per_token": [0, 22952.8, 7052.0, 7052.0], "kl": [0, 0.1, 0.03, 0.04],
+                          "specialist": ["jargon", "jargon", "jargon", "bible"]})
+    fig = plots.pareto(table)
+    assert all("text" not in t.mode for t in fig.data)
+    assert {(t.legendgroup, t.name) for t in fig.data} == {("jargon", "raw KV"), ("jargon", "SCD full"),
+                                                          ("bible", "SCD full")}
+    single = plots.pareto(table[table["specialist"] == "jargon"])
+    assert {t.name for t in single.data} == {"raw KV", "SCD full"} and not any(t.legendgroup for t in single.data)
+    assert "method: SCD full" in single.data[1].hovertext[0]
+
+
+def test_many_methods_get_distinct_colours():
+    sweep = {f"method {i}": {0.25: 0.1 * (i + 1), 0.5: 0.05 * (i + 1)} for i in range(13)}
+    fig = plots.budget_sweep(sweep)
+    palette = fig.layout.colorway
+    assert len(set(palette[:13])) == 13
+    assert len({t.marker.symbol for t in fig.data}) == 13
