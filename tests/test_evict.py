@@ -312,6 +312,32 @@ def test_reinforce_step_on_a_tiny_model_gives_gradients(eager_tiny):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
 
 
+def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_tiny):
+    """The seed's per-step formulation: one prefill decision plus one sampled eviction per layer at
+    every cut while decoding, each with a log-probability that carries gradient to the policy; a
+    cut made while decoding a token changes only the steps after it."""
+    from scdviz.evict.trainer import reinforce_sequential_step
+
+    ids = _ids(40)
+    obs = observe(eager_tiny, ids[:, :24], 16)
+    ref = hf.continue_logits(eager_tiny, hf.make_cache(eager_tiny, obs.keys, obs.values), ids[:, 24:], 24)[0]
+    sample = Sample(obs, ids[:, 24:], ref)
+    policy = _policy(True).train()
+    cfg = TrainConfig(samples=3, reward="sequential", decode_interval=4, policy=policy.config)
+    stats = reinforce_sequential_step(eager_tiny, policy, sample, 8, cfg, torch.Generator().manual_seed(0))
+    n_layers = eager_tiny.config.num_hidden_layers
+    # cache 8 + 16 continuation tokens, cut whenever it reaches 8 + 4: at 4 decode steps, every layer
+    assert stats["decisions"] == 1 + n_layers * 4 and stats["kl"] > 0
+    stats["loss"].backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+    # the whole prefill kept: the first cut comes while decoding the 4th token (cache 24 + 4), so the
+    # first 4 steps' logits are the full cache's and only later steps can differ
+    whole = reinforce_sequential_step(eager_tiny, policy, sample, 24, cfg, torch.Generator().manual_seed(0))
+    assert whole["kl_steps"][:, :4].abs().max() < 1e-5 and whole["kl_steps"][:, 4:].max() > 1e-4
+    with pytest.raises(ValueError, match="per-head"):
+        reinforce_sequential_step(eager_tiny, _policy(False), sample, 8, cfg, torch.Generator().manual_seed(0))
+
+
 def test_cli_rejects_bad_input(capsys, tmp_path):
     from scdviz.__main__ import main
 

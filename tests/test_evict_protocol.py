@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +229,33 @@ def test_a_scorer_that_raises_on_the_model_is_reported_and_left_out():
                                 failed=failed)
     assert failed == {"Broken": "AttributeError: no rotary embedding for this layer type"}
     assert {m for m, _ in out["results"]} == {"distillcache-head", "Knorm", "full cache"}
+
+
+def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, monkeypatch):
+    """--lodo: the chosen policy's recipe (its log's settings) is trained again once per training
+    domain without it, saved in the runs folder, and scored on that domain alone, beside the
+    shipped policy and the baselines; the per-domain table says the domain was held out of it."""
+    from scdviz.evict import trainer
+
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
+    model = tiny_model("llama")
+    recipe = trainer.TrainConfig(out=str(tmp_path / "recipe"), corpora=("austen", "gcide"), contexts=2, context_len=40,
+                                 cont_len=6, steps=2, warm_steps=2, checkpoint_every=1, val_contexts=2, samples=2,
+                                 policy=PolicyConfig(hidden=4, per_head=True, window=8))
+    trainer.train(recipe, model, _Words(), "tiny", progress=False)
+    cfg = compare.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
+                             "jargon"), limit=6, context_len=40, cont_len=6, question_len=0, keeps=(0.25,),
+                             token_budgets=(), throughput_contexts=0, natives=False, lodo=True, lodo_steps=1)
+    rows = compare.run(cfg, {"tiny": (model, _Words())})
+    for domain, other in (("austen", "gcide"), ("gcide", "austen")):
+        mine = [r for r in rows if r["mode"] == f"agnostic lodo-{domain}" and r.get("method") == f"lodo-{domain}"]
+        assert len(mine) == 1 and mine[0]["trained_on"] == [other] and mine[0]["chosen_on_validation"]
+        assert set(mine[0]["domains"]) == {domain} and mine[0]["n_contexts"] == 2
+        log = json.loads((Path(mine[0]["policy_folder"]) / "log.json").read_text())
+        assert log["config"]["corpora"] == [other] and len(log["steps"]) == 1
+        assert Path(mine[0]["policy_folder"]).is_relative_to(tmp_path / "work" / "runs" / "policies")
+    table = compare.domain_table(rows)
+    lodo_rows = [r for r in table if "lodo" in r["mode"]]
+    assert {(r["domain"], r["held_out"]) for r in lodo_rows} == {("austen", True), ("gcide", True)}
+    main = {r["domain"]: r["held_out"] for r in table if r["mode"] == "agnostic"}
+    assert main == {"austen": False, "gcide": False, "jargon": True}  # the recipe's own policy trained on two

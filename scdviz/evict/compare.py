@@ -30,6 +30,7 @@ This module does not train (trainer.py) and draws no figures.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -77,6 +78,8 @@ class EvalConfig:
     bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use none)")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline")
+    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (compare.lodo)")
+    lodo_steps: int | None = opt(None, "REINFORCE steps of each --lodo retraining (default: the recipe's)")
 
 
 def baselines(seed: int = 0) -> dict:
@@ -131,18 +134,21 @@ def native_baselines() -> dict:
     }
 
 
-def validation_kl(path: str | Path) -> float | None:
-    """The lowest validation KL a policy's training log records (``log.json`` beside it), or None."""
+def training_log(path: str | Path) -> dict | None:
+    """A policy's training log (``log.json`` beside it), or None."""
     log = Path(path).with_name("log.json")
-    if not log.is_file():
-        return None
-    vals = [v["kl"] for v in json.loads(log.read_text()).get("val", [])]
+    return json.loads(log.read_text()) if log.is_file() else None
+
+
+def validation_kl(path: str | Path) -> float | None:
+    """The lowest validation KL a policy's training log records, or None."""
+    vals = [v["kl"] for v in (training_log(path) or {}).get("val", [])]
     return min(vals) if vals else None
 
 
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
     """Policies by method name (distillcache-head / distillcache-global[-wW])."""
-    return {name: policy for name, (policy, _) in _load(paths).items()}
+    return {name: policy for name, (policy, _, _) in _load(paths).items()}
 
 
 def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
@@ -151,19 +157,28 @@ def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
     return _lowest_validation(_load(paths))
 
 
-def _lowest_validation(loaded: dict[str, tuple[Policy, float | None]]) -> str | None:
-    vals = {name: val for name, (_, val) in loaded.items() if val is not None}
+def _lowest_validation(loaded: dict[str, tuple]) -> str | None:
+    vals = {name: val for name, (_, val, _) in loaded.items() if val is not None}
     return min(vals, key=vals.get) if vals else None
 
 
-def _load(paths: tuple[str, ...]) -> dict[str, tuple[Policy, float | None]]:
+def _load(paths: tuple[str, ...]) -> dict[str, tuple[Policy, float | None, str]]:
+    """Method name -> (policy, lowest validation KL or None, file)."""
     paths = paths or tuple(str(p) for p in SHIPPED_POLICIES if p.is_file())
     out = {}
     for path in paths:
         policy = Policy.load(path)
         name = "distillcache-head" if policy.config.per_head else "distillcache-global"
-        out[name if name not in out else f"{name}-w{policy.config.window}"] = (policy, validation_kl(path))
+        out[name if name not in out else f"{name}-w{policy.config.window}"] = (policy, validation_kl(path), str(path))
     return out
+
+
+def _trained_on(path: str) -> list[str] | None:
+    """The domains a policy's training contexts came from (its log's settings), or None when unknown."""
+    cfg = (training_log(path) or {}).get("config") or {}
+    if "corpora" not in cfg:
+        return None
+    return (["texts"] if cfg.get("texts") else []) + list(cfg["corpora"])
 
 
 def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
@@ -381,10 +396,12 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
     loaded = _load(cfg.policies)  # each policy file read once
-    policies = {name: policy for name, (policy, _) in loaded.items()}
+    policies = {name: policy for name, (policy, _, _) in loaded.items()}
     if not policies:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
     chosen = _lowest_validation(loaded)
+    if cfg.lodo and chosen is None:
+        raise ValueError("--lodo retrains the policy chosen on validation with its recipe: no policy has a training log")
     records = []
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
@@ -393,6 +410,52 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
             with hf.eager(model):
                 records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None,
                                      chosen)
+    if cfg.lodo:
+        source = next(iter(models))
+        records += lodo(cfg, *models[source], source, loaded[chosen][2], chosen)
+    trained = {name: _trained_on(path) for name, (_, _, path) in loaded.items()}
+    for r in records:
+        if r.get("method") in trained and "trained_on" not in r:
+            r["trained_on"] = trained[r["method"]]
+    return records
+
+
+def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: str, chosen: str) -> list[dict]:
+    """Leave-one-domain-out for the policy: for each domain the chosen policy was trained on,
+    train its recipe (the settings in its training log) again on the other domains, choose the
+    checkpoint on those domains' validation contexts (best.safetensors), and score it on the
+    left-out domain's eval contexts beside every baseline and the shipped policy (mode
+    ``agnostic lodo-<domain>``; the new policy is ``lodo-<domain>``, flagged as chosen). The
+    shipped corpora a policy never trained on are held out of it already (``trained_on``)."""
+    from scdviz import config, runs
+    from scdviz.evict import trainer
+
+    log = training_log(recipe) or {}
+    saved, _ = config.from_dict(trainer.TrainConfig, log.get("config") or {}, f"{recipe}'s training log")
+    domains = [d for d in saved.corpora if d in cfg.corpora]
+    if len(saved.corpora) < 2 or saved.texts or not domains:
+        raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "
+                         f"trained on {list(saved.corpora)}")
+    per_domain = max(1, -(-cfg.limit // len(cfg.corpora)))
+    records = []
+    for domain in domains:
+        train_cfg = dataclasses.replace(
+            saved, corpora=tuple(d for d in saved.corpora if d != domain),
+            steps=saved.steps if cfg.lodo_steps is None else cfg.lodo_steps,
+            out=str(runs.new("policies", runs.auto_name(f"lodo-{domain}"))))
+        trainer.train(train_cfg, model, tokenizer, source)
+        policy = Policy.load(Path(train_cfg.out) / "best.safetensors")
+        name = f"lodo-{domain}"
+        dcfg = dataclasses.replace(cfg, corpora=(domain,), texts=None, limit=per_domain, lodo=False, qa=False,
+                                   decode_tokens=0, throughput_contexts=0)
+        with hf.eager(model):
+            rows = _run_mode(model, source, f"agnostic lodo-{domain}", contexts(dcfg, tokenizer), dcfg,
+                             {name: policy, chosen: Policy.load(recipe)}, None, name)
+        for r in rows:
+            if r.get("method") == name:
+                r["trained_on"] = list(train_cfg.corpora)
+                r["policy_folder"] = train_cfg.out
+        records += rows
     return records
 
 
@@ -505,28 +568,31 @@ TIMED = ("decode_overhead_frac", "policy_ms_per_token", "decode_ms_per_token")  
 
 
 def domain_table(records: list[dict], method: str | None = None) -> list[dict]:
-    """Per domain and budget: ``method`` (default: the policy chosen on validation) against the
-    best baseline *on that domain's contexts*, with the paired-bootstrap 95% interval of the
-    KL difference over those contexts."""
+    """Per domain and budget: ``method`` (default: the policy chosen on validation, per mode)
+    against the best baseline *on that domain's contexts*, with the paired-bootstrap 95%
+    interval of the KL difference over those contexts; ``held_out``: the policy never trained
+    on that domain (None when its training log is unknown)."""
     rows = [r for r in records if "kl_per_context" in r and r.get("domains")]
-    method = method or next((r["method"] for r in rows if r.get("chosen_on_validation")), None)
     out = []
     for (model, mode, keep) in dict.fromkeys((r["model"], r["mode"], r["keep"]) for r in rows):
         group = {r["method"]: r for r in rows if (r["model"], r["mode"], r["keep"]) == (model, mode, keep)}
-        if method not in group:
+        method_ = method or next((m for m, r in group.items() if r.get("chosen_on_validation")), None)
+        if method_ not in group:
             continue
-        doms = group[method]["domains"]
+        trained = group[method_].get("trained_on")
+        doms = group[method_]["domains"]
         for dom in dict.fromkeys(doms):
             at = [i for i, d in enumerate(doms) if d == dom]
             kl = {m: [r["kl_per_context"][i] for i in at] for m, r in group.items()}
             best = min((m for m, r in group.items() if r["baseline"]), key=lambda m: sum(kl[m]))
-            boot = metrics.paired_bootstrap(kl[best], kl[method]) if len(at) > 1 else None
-            out.append({"model": model, "mode": mode, "keep": keep, "domain": dom, "n": len(at), "method": method,
-                        "kl": round(sum(kl[method]) / len(at), 4), "best_baseline": best,
+            boot = metrics.paired_bootstrap(kl[best], kl[method_]) if len(at) > 1 else None
+            out.append({"model": model, "mode": mode, "keep": keep, "domain": dom, "n": len(at), "method": method_,
+                        "held_out": None if trained is None else dom not in trained,
+                        "kl": round(sum(kl[method_]) / len(at), 4), "best_baseline": best,
                         "best_kl": round(sum(kl[best]) / len(at), 4),
                         "minus_best": round(boot["diff"], 4) if boot else None,
                         "ci95": [round(v, 4) for v in boot["diff_ci"]] if boot else None,
-                        "wins": sum(a < b for a, b in zip(kl[method], kl[best], strict=True)) / len(at)})
+                        "wins": sum(a < b for a, b in zip(kl[method_], kl[best], strict=True)) / len(at)})
     return out
 
 
@@ -575,10 +641,13 @@ def table(records: list[dict]) -> str:
 
 def domain_text(rows: list[dict]) -> str:
     """``domain_table`` rows as plain text."""
-    head = f"{'model':18} {'keep':>6} {'domain':10} {'n':>3} {'method':22} {'KL':>7} {'best baseline':22} {'KL':>7} {'diff [95% CI]':>28} {'wins':>5}"
+    head = (f"{'model':18} {'mode':22} {'keep':>6} {'domain':10} {'held out':8} {'n':>3} {'method':22} {'KL':>7} "
+            f"{'best baseline':22} {'KL':>7} {'diff [95% CI]':>28} {'wins':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ci = "" if r["ci95"] is None else f"{r['minus_best']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]"
-        lines.append(f"{_short(r['model']):18} {r['keep']:>6} {r['domain']:10} {r['n']:3d} {r['method']:22} {r['kl']:7.4f} "
+        held = {True: "yes", False: "no", None: "?"}[r.get("held_out")]
+        lines.append(f"{_short(r['model']):18} {r['mode'][:22]:22} {r['keep']:>6} {r['domain']:10} {held:8} {r['n']:3d} "
+                     f"{r['method']:22} {r['kl']:7.4f} "
                      f"{r['best_baseline']:22} {r['best_kl']:7.4f} {ci:>28} {r['wins']:5.2f}")
     return "\n".join(lines)

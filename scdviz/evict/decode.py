@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from scdviz.evict import features as F
+from scdviz.evict.policy import gumbel_top_b, plackett_luce_logprob
 from scdviz.evict.press import DistillCachePress
 from scdviz.models import hf
 
@@ -65,6 +66,11 @@ class DecodeEvictor:
     states: dict[int, _LayerState] = field(default_factory=dict)  # layer -> state
     evictions: int = 0  # layer-evictions performed
     score_seconds: float = 0.0  # time spent scoring (policy overhead)
+    # training (DistillCache only): sample each kept set from the policy (Gumbel top-B, a Plackett-Luce
+    # draw) instead of taking its top-B, and record every eviction's (position of the token being
+    # decoded, log-probability of the draw with its graph) for the sequential REINFORCE estimator
+    sampler: torch.Generator | None = None
+    decisions: list[tuple[int, Tensor]] = field(default_factory=list)
 
     @contextlib.contextmanager
     def __call__(self, model):
@@ -72,6 +78,9 @@ class DecodeEvictor:
         if self.budget < 1 or self.interval < 1:
             raise ValueError(f"budget and interval must be at least 1, got {self.budget} and {self.interval}")
         self.states.clear()
+        self.decisions.clear()
+        if self.sampler is not None and not isinstance(self.press, DistillCachePress):
+            raise ValueError("sampled eviction (training) needs a DistillCache policy")
         if isinstance(self.press, DistillCachePress):
             if not self.press.policy.config.per_head:
                 raise ValueError(
@@ -86,9 +95,15 @@ class DecodeEvictor:
         if keys.shape[-2] < self.budget + self.interval:
             return None
         t0 = time.perf_counter()
-        scores = self._scores(module, state, keys, values, kwargs)  # (B, Hkv, Tk)
+        with torch.set_grad_enabled(self.sampler is not None):  # a sampled decision keeps its graph
+            scores = self._scores(module, state, keys, values, kwargs)  # (B, Hkv, Tk)
         self.score_seconds += time.perf_counter() - t0
-        idx = scores.topk(self.budget, dim=-1).indices.sort(-1).values  # (B, Hkv, budget)
+        if self.sampler is None:
+            idx = scores.topk(self.budget, dim=-1).indices
+        else:
+            idx = gumbel_top_b(scores, self.budget, self.sampler)
+            self.decisions.append((int(kwargs["position_ids"].max()), plackett_luce_logprob(scores, idx).sum()))
+        idx = idx.sort(-1).values  # (B, Hkv, budget)
         self._keep(state, idx)
         self.evictions += 1
         full = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
@@ -131,8 +146,7 @@ class DecodeEvictor:
             n_kv, group = keys.shape[1], state.rows.shape[1] // keys.shape[1]
             n_vis = state.seen.repeat_interleave(group, dim=1)  # (B, H, Tk)
             pos = state.positions.float() / state.positions.max().clamp_min(1)
-            with torch.no_grad():
-                return self.press.policy(F.layer_features(state.rows, values, n_vis, pos, n_kv))
+            return self.press.policy(F.layer_features(state.rows, values.detach(), n_vis, pos, n_kv))
         self.press.compression_ratio = 1.0 - self.budget / keys.shape[-2]
         return self.press.score(module, state.hidden, keys, values, state.rows, kwargs)
 

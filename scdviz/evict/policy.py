@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
 from scdviz import artefact, config
@@ -104,3 +105,26 @@ def compression_ratio(keep: float) -> float:
 def top_b(scores: Tensor, n_keep: int) -> Tensor:
     """Indices of the ``n_keep`` highest scores per row, in position order: (..., T) -> (..., n_keep)."""
     return scores.topk(n_keep, dim=-1).indices.sort(dim=-1).values
+
+
+# ----------------------------------------------------------------------------- sampling kept sets
+
+
+def plackett_luce_logprob(scores: Tensor, ranking: Tensor) -> Tensor:
+    """Exact log-probability of drawing ``ranking`` (..., B) first-to-last from scores (..., T).
+
+    P = prod_k exp(s_(k)) / sum_{j not in ranking[:k]} exp(s_j). Computed stably as
+    logaddexp(logsumexp over never-chosen tokens, reverse logcumsumexp of the chosen).
+    """
+    chosen = scores.gather(-1, ranking)  # (..., B)
+    mask = torch.ones_like(scores, dtype=torch.bool).scatter(-1, ranking, False)
+    rest = scores.masked_fill(~mask, float("-inf")).logsumexp(-1, keepdim=True)  # (..., 1)
+    tail = chosen.flip(-1).logcumsumexp(-1).flip(-1)  # logsumexp of chosen[k:]
+    return (chosen - torch.logaddexp(tail, rest)).sum(-1)
+
+
+def gumbel_top_b(scores: Tensor, n_keep: int, generator: torch.Generator | None = None) -> Tensor:
+    """A Plackett-Luce sample of the first ``n_keep`` of a ranking: (..., T) -> (..., B), best first."""
+    u = torch.rand(scores.shape, generator=generator, device=scores.device).clamp(1e-10, 1 - 1e-10)
+    gumbel = -(-u.log()).log()
+    return (scores.detach() + gumbel).topk(n_keep, dim=-1).indices

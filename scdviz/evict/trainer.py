@@ -8,6 +8,9 @@ Algorithm, per training context:
      sum_k [s_(k) - logsumexp(s over tokens not yet chosen)];
   3. M samples per context; reward R = -mean KL(P_full || P_pruned) over the
      continuation; advantage R_m - mean of the other M-1 rewards (leave-one-out);
+     or, with ``reward="sequential"`` (the seed's formulation), per-step rewards while the
+     continuation is decoded with the cache held at the budget by sampled evictions
+     (``reinforce_sequential_step``);
   4. loss = -mean_m advantage_m * log P(ranking_m) - beta * entropy, with the entropy of
      softmax(scores) per row (the first-choice distribution) as the bonus.
 Optional warm start: maximise the Plackett-Luce likelihood of a target's top-B ranking:
@@ -35,30 +38,10 @@ from scdviz import artefact, metrics
 from scdviz.config import opt
 from scdviz.evict import features as F
 from scdviz.evict.context import Observed, observe, prune
-from scdviz.evict.policy import Policy, PolicyConfig, keep_count
+from scdviz.evict.policy import Policy, PolicyConfig, gumbel_top_b, keep_count, plackett_luce_logprob
 from scdviz.models import hf
 
 # ----------------------------------------------------------------------------- estimator maths
-
-
-def plackett_luce_logprob(scores: Tensor, ranking: Tensor) -> Tensor:
-    """Exact log-probability of drawing ``ranking`` (..., B) first-to-last from scores (..., T).
-
-    P = prod_k exp(s_(k)) / sum_{j not in ranking[:k]} exp(s_j). Computed stably as
-    logaddexp(logsumexp over never-chosen tokens, reverse logcumsumexp of the chosen).
-    """
-    chosen = scores.gather(-1, ranking)  # (..., B)
-    mask = torch.ones_like(scores, dtype=torch.bool).scatter(-1, ranking, False)
-    rest = scores.masked_fill(~mask, float("-inf")).logsumexp(-1, keepdim=True)  # (..., 1)
-    tail = chosen.flip(-1).logcumsumexp(-1).flip(-1)  # logsumexp of chosen[k:]
-    return (chosen - torch.logaddexp(tail, rest)).sum(-1)
-
-
-def gumbel_top_b(scores: Tensor, n_keep: int, generator: torch.Generator | None = None) -> Tensor:
-    """A Plackett-Luce sample of the first ``n_keep`` of a ranking: (..., T) -> (..., B), best first."""
-    u = torch.rand(scores.shape, generator=generator, device=scores.device).clamp(1e-10, 1 - 1e-10)
-    gumbel = -(-u.log()).log()
-    return (scores.detach() + gumbel).topk(n_keep, dim=-1).indices
 
 
 def loo_baseline(rewards: Tensor) -> Tensor:
@@ -96,6 +79,8 @@ class TrainConfig:
     cont_len: int = opt(24, 'teacher-forced continuation tokens for the reward')
     keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
     samples: int = opt(4, 'M, Gumbel samples per context and step')
+    reward: str = opt("subset", "subset: one reward per sampled kept set, -mean KL over the continuation (a one-shot bandit); sequential: the seed's per-step formulation, the continuation decoded with the cache held at the budget and every eviction sampled from the policy, each decision credited with -KL of the steps after it (per-head policies)", choices=("subset", "sequential"))
+    decode_interval: int = opt(4, "sequential reward: evict every this many decoded tokens")
     steps: int = opt(300, 'REINFORCE steps (one context each)')
     warm_steps: int = opt(100, 'imitation steps on the warm-start ranking before REINFORCE (0: none)')
     warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight (attention the continuation pays to each token over the full cache)", choices=("alpha", "foresight"))
@@ -199,6 +184,51 @@ def rows_of_feature(obs: Observed, per_head: bool, idx: int) -> Tensor:
     return obs.global_features[..., idx]
 
 
+def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
+    """The seed's sequential formulation for one context: M episodes, each a sampled prefill
+    selection followed by the teacher-forced continuation decoded one token at a time with
+    every layer held at ``n_keep`` tokens per KV head by sampled evictions (DecodeEvictor).
+
+    Reward R_t = -KL(P_t || P^_t) at each continuation step. A decision made while decoding
+    position p changes the logits from p + 1 on, so it is credited with G = sum over those
+    steps of R_t / n (the prefill selection with all n steps); its advantage is G minus the
+    mean G of the same decision in the other M-1 episodes (leave-one-out; every episode
+    evicts at the same steps). Loss: -mean over decisions of advantage * log-probability,
+    minus the entropy bonus of the prefill scores.
+    """
+    from scdviz.evict.decode import DecodeEvictor
+    from scdviz.evict.press import DistillCachePress
+
+    if not policy.config.per_head:
+        raise ValueError("the sequential reward holds a kept set per layer and KV head: use a per-head policy")
+    scores = rows(policy, sample.obs)
+    prefix, n = sample.obs.n_tokens, sample.cont.shape[1]
+    episodes = []  # per episode: (prefill log-prob, [(position, log-prob)], per-step KL)
+    for _ in range(cfg.samples):
+        ranking = gumbel_top_b(scores, n_keep, gen)
+        cache = prune(model, sample.obs, indices_from_rows(ranking, sample.obs, True))
+        evictor = DecodeEvictor(DistillCachePress(policy=policy), budget=n_keep, window=cfg.policy.window,
+                                interval=cfg.decode_interval, sampler=gen)
+        with hf.eager(model), evictor(model):
+            logits = hf.continue_logits(model, cache, sample.cont, prefix, one_at_a_time=True)[0]
+        kl = metrics.kl_per_token(sample.ref, logits).detach()
+        episodes.append((plackett_luce_logprob(scores, ranking).sum(), list(evictor.decisions), kl))
+    tail = torch.stack([e[2].flip(0).cumsum(0).flip(0) for e in episodes]) / n  # (M, n): sum of KL from step j on
+    returns = [[-t[0]] + [-t[p - prefix + 1] if p - prefix + 1 < n else t.new_zeros(()) for p, _ in e[1]]
+               for t, e in zip(tail, episodes)]
+    if len({len(r) for r in returns}) != 1:
+        raise RuntimeError("episodes evicted at different steps; the leave-one-out baseline needs the same schedule")
+    g = torch.tensor([[float(x) for x in r] for r in returns], device=scores.device)  # (M, decisions)
+    advantage = g - (g.sum(0, keepdim=True) - g) / (g.shape[0] - 1)
+    logp = torch.stack([torch.stack([e[0], *[lp for _, lp in e[1]]]) for e in episodes])  # (M, decisions)
+    probs = torch.softmax(scores, -1)
+    entropy = -(probs * torch.log_softmax(scores, -1)).sum(-1).mean()
+    loss = -(advantage * logp).mean() - cfg.entropy_coef * entropy
+    mean_kl = float(torch.stack([e[2].mean() for e in episodes]).mean())
+    return {"loss": loss, "kl": mean_kl, "entropy": float(entropy.detach()), "decisions": logp.shape[1],
+            "kl_steps": torch.stack([e[2] for e in episodes])}
+
+
 def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
     """Sample M subsets for one context and return the loss and its statistics."""
     scores = rows(policy, sample.obs)
@@ -216,6 +246,10 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
 
     on_step(log): optional callback after every REINFORCE step (the app's live plot).
     """
+    if cfg.reward == "sequential" and not cfg.policy.per_head:
+        raise ValueError("the sequential reward holds a kept set per layer and KV head: use a per-head policy")
+    if cfg.samples < 2:
+        raise ValueError(f"--samples must be at least 2 (the leave-one-out baseline), got {cfg.samples}")
     out = run_folder(cfg, resume)
     torch.manual_seed(cfg.seed)
     policy = Policy(cfg.policy).to(hf.device_of(model))
@@ -253,7 +287,8 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
     for step in bar:
         sample = samples[order.randrange(len(samples))]
         keep = cfg.keeps[step % len(cfg.keeps)]
-        stats = reinforce_step(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
+        step_fn = reinforce_sequential_step if cfg.reward == "sequential" else reinforce_step
+        stats = step_fn(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
         opt.zero_grad()
         stats.pop("loss").backward()
         opt.step()
@@ -297,9 +332,9 @@ def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[
 
 def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], keeps) -> None:
     """Validate, save the current policy and optimizer, and keep the best policy so far."""
-    val = validate(model, lambda s: rows(policy, s.obs), policy.config.per_head, held_out, keeps)
-    log["val"].append({"step": len(log["steps"]), "kl": round(val, 5)})
-    if val <= min(v["kl"] for v in log["val"]):
+    val = round(validate(model, lambda s: rows(policy, s.obs), policy.config.per_head, held_out, keeps), 5)
+    log["val"].append({"step": len(log["steps"]), "kl": val})
+    if val <= min(v["kl"] for v in log["val"]):  # compared as logged (an unrounded value could miss its own entry)
         policy.save(out / "best.safetensors", meta={"steps": len(log["steps"]), "val_kl": val})
     log["seconds"] = round(time.time() - log["started"], 1)
     _save_checkpoint(out, policy, opt, log)
