@@ -327,37 +327,6 @@ def selection_curve(selection_kl: list[float], order: list[int]) -> go.Figure:
     return _layout(fig, "Greedy patch selection on calibration data", "patch layers added", "continuation KL")
 
 
-def results_overview(df: pd.DataFrame, kind: str) -> go.Figure:
-    """A saved benchmark: payload vs KL (SCD) or KL vs kept fraction (eviction)."""
-    if kind == "scd":
-        rows = df[df["row"] == "measured"] if "row" in df else df
-        rows = rows[rows["payload_bytes_per_token"] > 0]
-        fig = go.Figure()
-        keys = [c for c in ("specialist", "domain") if c in rows and rows[c].notna().any()] or ["method"]
-        for name, part in rows.groupby(keys):
-            label = " / ".join(str(x) for x in (name if isinstance(name, tuple) else (name,)))
-            fig.add_scatter(x=part["payload_bytes_per_token"], y=part["kl"], mode="markers+text", text=part["method"],
-                            textposition="top center", name=label)
-        return _layout(fig, "Saved SCD benchmark: payload vs KL", "payload bytes per prompt token", "KL", log_y=True)
-    if kind == "ttft":
-        rows = df[df["method"] != "oracle"]
-        fig = go.Figure()
-        for col, label in (("ttft_10gbps_ms", "without producer prefill"), ("ttft_with_prefill_10gbps_ms", "with it")):
-            if col in rows:
-                fig.add_bar(x=rows["method"], y=rows[col], name=label)
-        if "oracle_ms" in df:
-            fig.add_hline(y=float(df["oracle_ms"].iloc[0]), line_dash="dash", annotation_text="oracle prefill")
-        return _layout(fig, "Saved TTFT benchmark at 10 Gbit/s (medians)", "method", "TTFT (ms)")
-    fig = go.Figure()
-    rows = df[pd.to_numeric(df["keep"], errors="coerce").notna() & df["kl"].notna()]
-    keys = [c for c in ("model", "mode", "method") if c in rows]
-    for name, part in rows.groupby(keys):
-        part = part.assign(keep=part["keep"].astype(float)).sort_values("keep")
-        label = " / ".join(str(x) for x in (name if isinstance(name, tuple) else (name,)))
-        fig.add_scatter(x=100 * part["keep"], y=part["kl"], mode="lines+markers", name=label)
-    return _layout(fig, "Saved eviction benchmark: KL vs budget", "% kept", "KL", log_y=True)
-
-
 # ----------------------------------------------------------------------------- several saved records
 
 

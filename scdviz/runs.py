@@ -35,10 +35,10 @@ def folder(kind: str, name: str | None, parent: Path | None = None) -> Path:
     return (parent or root()) / kind / run_name(name)
 
 
-def new(kind: str, name: str | None, parent: Path | None = None, exist_ok: bool = False) -> Path:
-    """Create and return a run folder; UserError when one of that name exists (unless ``exist_ok``)."""
+def new(kind: str, name: str | None, parent: Path | None = None) -> Path:
+    """Create and return a run folder; UserError when one of that name exists and holds anything."""
     path = folder(kind, name, parent)
-    if path.exists() and not exist_ok and any(path.iterdir()):
+    if path.exists() and any(path.iterdir()):
         raise UserError(f"a {kind[:-1]} run named {path.name!r} already exists ({path}); choose another name")
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -49,9 +49,3 @@ def bench_records(parent: Path | None = None) -> list[Path]:
     base = (parent or root()) / "bench"
     found = base.glob("*/record.json") if base.is_dir() else []
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
-
-
-def listing(kind: str, parent: Path | None = None) -> list[Path]:
-    """Run folders of one kind, by name."""
-    base = (parent or root()) / kind
-    return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
