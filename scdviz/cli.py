@@ -53,6 +53,12 @@ class PairInfo:
 class ModelCard:
     name: str = opt(help="specialist folder under assets/adapters/", required=True)
     limit: int = opt(16, "held-out prompts per corpus")
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": the card is written into assets/adapters/<name> (required)")
+
+
+@dataclass
+class PrepareText:
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": assets/text is rebuilt (required)")
 
 
 @dataclass
@@ -141,10 +147,16 @@ def _download(_) -> None:
     print(builtin.producer_dir())
 
 
-def _prepare_text(_) -> None:
+def _prepare_text(cmd: PrepareText) -> None:
     from scdviz import prepare_text
 
+    _need_maintainer(cmd, "rebuilds assets/text")
     prepare_text.main()
+
+
+def _need_maintainer(cmd, what: str) -> None:
+    if not cmd.maintainer:
+        raise ValueError(f"this command {what}, in the repository's shipped assets/: add --maintainer to do so")
 
 
 def _finetune(cmd: Finetune) -> None:
@@ -187,6 +199,7 @@ def _pair_info(cmd: PairInfo) -> None:
 def _model_card(cmd: ModelCard) -> None:
     from scdviz.modelcard import write_card
 
+    _need_maintainer(cmd, f"writes assets/adapters/{cmd.name}/README.md")
     print(write_card(cmd.name, n_prompts=cmd.limit))
 
 
@@ -416,8 +429,8 @@ COMMANDS = [
     ("download", "fetch and convert the built-in producer (first use)", None, _download),
     ("pair-info", "print a pair's facts; --eval adds perplexity and drift", PairInfo, _pair_info),
     ("finetune", "train a LoRA specialist on your text (--texts) or a shipped corpus", Finetune, _finetune),
-    ("model-card", "measure a built-in specialist and write its model card", ModelCard, _model_card),
-    ("prepare-text", "rebuild assets/text from Debian's text packages", None, _prepare_text),
+    ("model-card", "measure a built-in specialist and write its model card (maintainers)", ModelCard, _model_card),
+    ("prepare-text", "rebuild assets/text from Debian's text packages (maintainers)", PrepareText, _prepare_text),
     ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
     ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),

@@ -1,6 +1,6 @@
 """Write the model card (README.md + eval.json) of a built-in LoRA specialist.
 
-    python -m scdviz model-card --name jargon
+    python -m scdviz model-card --name jargon --maintainer
 
 Reads the adapter's ``train_log.json`` (written by ``python -m scdviz finetune``), measures
 held-out perplexity and raw-reuse drift with ``scdviz.drift.evaluate_pair`` on every
@@ -89,5 +89,5 @@ def render(name: str, log: dict, report: dict) -> str:
             f"{r['top1_producer']:.3f} | {r['n_prompts']} |" if "top1_producer" in r else
             f"— | {r['n_prompts']} |"
         )
-    lines += ["", f"Reproduce every number in this table: `{eval_cmd}`", "(written by `python -m scdviz model-card --name " + name + "`)", ""]
+    lines += ["", f"Reproduce every number in this table: `{eval_cmd}`", "(written by `python -m scdviz model-card --name " + name + " --maintainer`)", ""]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Rebuild assets/text/ from freely licensed English text in Debian packages.
 
     apt-get install jargon-text bible-kjv dict-gcide r-cran-janeaustenr debian-handbook manpages-dev
-    python -m scdviz prepare-text
+    python -m scdviz prepare-text --maintainer
 
 Six corpora of different registers (provenance and licences in assets/text/README.md):
 
