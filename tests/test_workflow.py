@@ -110,3 +110,31 @@ def test_writing_into_the_shipped_assets_needs_the_maintainer_flag(flow, capsys)
     bad.write_text("[eval]\nlimit = 3\nnot_a_setting = 1\n")
     assert cli.main(["bench", "evict", "--config", str(bad)]) == 2
     assert "unknown settings eval.not_a_setting" in capsys.readouterr().err
+
+
+def test_rate_on_a_shipped_calibration_saves_a_new_run_and_leaves_the_shipped_one(flow, monkeypatch, tmp_path):
+    """rate updates a calibration in place, except a shipped one (read-only): there the measured
+    calibration is saved as a new run; --maintainer updates the shipped file."""
+    root, tiny, text = flow
+    fake_assets = tmp_path / "assets"
+    monkeypatch.setattr(settings, "ASSETS_DIR", fake_assets)
+    shipped = fake_assets / "scd" / "tiny"
+    assert cli.main(["calibrate", "--producer", tiny, "--consumer", tiny, "--texts", text, "--n-fit", "4",
+                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8", "--aligner-steps", "5",
+                     "--n-candidates", "2", "--patch-k", "1", "--op-patch-k", "1", "--rate-windows", "0",
+                     "--out", str(shipped)]) == 2  # inside assets/ without the flag: refused
+    assert cli.main(["calibrate", "--producer", tiny, "--consumer", tiny, "--texts", text, "--n-fit", "4",
+                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8", "--aligner-steps", "5",
+                     "--n-candidates", "2", "--patch-k", "1", "--op-patch-k", "1", "--rate-windows", "0",
+                     "--out", str(shipped), "--maintainer"]) == 0
+    before = (shipped / "calibration.safetensors").read_bytes()
+    assert cli.main(["rate", "--producer", tiny, "--consumer", tiny, "--calib", str(shipped), "--windows", "1"]) == 0
+    assert (shipped / "calibration.safetensors").read_bytes() == before
+    (made,) = [p for p in (runs.root() / "calibrations").iterdir() if p.name.startswith("tiny-rate-")]
+    from scdviz.models.pair import load_pair
+    from scdviz.scd import calibrate as cal
+
+    assert cal.load(made, load_pair(tiny, tiny)).rate is not None
+    assert cli.main(["rate", "--producer", tiny, "--consumer", tiny, "--calib", str(shipped), "--windows", "1",
+                     "--maintainer"]) == 0
+    assert (shipped / "calibration.safetensors").read_bytes() != before
