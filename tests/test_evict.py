@@ -24,6 +24,7 @@ from scdviz.evict.trainer import (
     plackett_luce_logprob,
     reinforce_loss,
     reinforce_step,
+    rows,
 )
 from scdviz.models import hf
 
@@ -336,6 +337,41 @@ def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_t
     assert whole["kl_steps"][:, :4].abs().max() < 1e-5 and whole["kl_steps"][:, 4:].max() > 1e-4
     with pytest.raises(ValueError, match="per-head"):
         reinforce_sequential_step(eager_tiny, _policy(False), sample, 8, cfg, torch.Generator().manual_seed(0))
+
+
+def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs_when_cuts_do(eager_tiny):
+    from scdviz.evict.trainer import validate
+
+    ids = _ids(40)
+    obs = observe(eager_tiny, ids[:, :24], 16)
+    ref = hf.continue_logits(eager_tiny, hf.make_cache(eager_tiny, obs.keys, obs.values), ids[:, 24:], 24)[0]
+    samples = [Sample(obs, ids[:, 24:], ref)]
+    policy = _policy(True)
+    scorer = lambda s: rows(policy, s.obs)  # noqa: E731
+    prefill = validate(eager_tiny, scorer, True, samples, (0.25,))
+    never = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=17, window=16)
+    assert abs(never - prefill) < 1e-5  # 16 continuation tokens never reach budget + 17: the same cache throughout
+    cut = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=2, window=16)
+    assert abs(cut - prefill) > 1e-5
+
+
+def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path):
+    from scdviz.evict.trainer import train
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [sum(map(ord, w)) % 97 for w in text.split()]}
+
+    model = tiny_model("llama")
+    cfg = TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=40, cont_len=8, steps=1,
+                      warm_steps=1, checkpoint_every=1, val_contexts=1, samples=2, val_decode=True, decode_interval=2,
+                      policy=PolicyConfig(hidden=4, per_head=True, window=8))
+    log = train(cfg, model, Words(), "tiny", progress=False)
+    assert log["val_heuristic_decode"] > 0 and log["val_heuristic"] > 0 and len(log["val"]) == 2
+    assert (tmp_path / "best.safetensors").is_file()
+    with pytest.raises(ValueError, match="per-head"):
+        train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}), model, Words(), "tiny",
+              progress=False)
 
 
 def test_cli_rejects_bad_input(capsys, tmp_path):

@@ -80,7 +80,8 @@ class TrainConfig:
     keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
     samples: int = opt(4, 'M, Gumbel samples per context and step')
     reward: str = opt("subset", "subset: one reward per sampled kept set, -mean KL over the continuation (a one-shot bandit); sequential: the seed's per-step formulation, the continuation decoded with the cache held at the budget and every eviction sampled from the policy, each decision credited with -KL of the steps after it (per-head policies)", choices=("subset", "sequential"))
-    decode_interval: int = opt(4, "sequential reward: evict every this many decoded tokens")
+    decode_interval: int = opt(4, "sequential reward and --val-decode: evict every this many decoded tokens")
+    val_decode: bool = opt(False, "validate at decode time (per-head policies): the held-out continuation decoded one token at a time with the cache held at the budget by the policy's own cuts; the best checkpoint is chosen on that, and the heuristic line is H2O's scores held the same way (val_heuristic_decode)")
     steps: int = opt(300, 'REINFORCE steps (one context each)')
     warm_steps: int = opt(100, 'imitation steps on the warm-start ranking before REINFORCE (0: none)')
     warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight (attention the continuation pays to each token over the full cache)", choices=("alpha", "foresight"))
@@ -246,8 +247,9 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
 
     on_step(log): optional callback after every REINFORCE step (the app's live plot).
     """
-    if cfg.reward == "sequential" and not cfg.policy.per_head:
-        raise ValueError("the sequential reward holds a kept set per layer and KV head: use a per-head policy")
+    if (cfg.reward == "sequential" or cfg.val_decode) and not cfg.policy.per_head:
+        raise ValueError("the sequential reward and decode-time validation hold a kept set per layer and KV head: "
+                         "use a per-head policy")
     if cfg.samples < 2:
         raise ValueError(f"--samples must be at least 2 (the leave-one-out baseline), got {cfg.samples}")
     out = run_folder(cfg, resume)
@@ -274,13 +276,19 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
             ),
             5,
         )
+    if cfg.val_decode and "val_heuristic_decode" not in log:  # H2O's scores, at prefill and while decoding
+        from kvpress import ObservedAttentionPress
+
+        log["val_heuristic_decode"] = round(validate(
+            model, lambda s: rows_of_feature(s.obs, True, 0), True, held_out, cfg.keeps, ObservedAttentionPress(),
+            cfg.decode_interval, cfg.policy.window), 5)
     if cfg.warm_target == "foresight" and "val_foresight_oracle" not in log:  # top-B of the true future: a bound
         log["val_foresight_oracle"] = round(
             validate(model, lambda s: warm_rows(s, cfg.policy.per_head, "foresight"), cfg.policy.per_head, held_out,
                      cfg.keeps), 5)
     if not log["warm"] and cfg.warm_steps:
         warm_start(policy, samples, cfg, opt, log)
-        _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
+        _checkpoint(model, out, policy, opt, log, held_out, cfg)
     order = random.Random(cfg.seed + len(log["steps"]))
     gen = torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed + len(log["steps"]))
     bar = tqdm(range(len(log["steps"]), cfg.steps), desc="reinforce", disable=not progress)
@@ -303,7 +311,7 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
         )
         bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            _checkpoint(model, out, policy, opt, log, held_out, cfg.keeps)
+            _checkpoint(model, out, policy, opt, log, held_out, cfg)
         if on_step is not None:
             on_step(log)
     return log
@@ -318,21 +326,42 @@ def run_folder(cfg: TrainConfig, resume: bool) -> Path:
     return out
 
 
-def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...]) -> float:
-    """Mean KL of deterministic top-B of ``scorer(sample) -> rows`` over samples and kept fractions."""
+def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...], press=None,
+             interval: int = 4, window: int = 64) -> float:
+    """Mean KL of deterministic top-B of ``scorer(sample) -> rows`` over samples and kept fractions.
+
+    With ``press`` (a DistillCachePress or a kvpress scorer), at decode time: the continuation is
+    decoded one token at a time with every layer held at the same budget by ``press``'s top-B
+    every ``interval`` tokens (DecodeEvictor, ``window`` query rows), as ``bench evict --decode-tokens``
+    does; an interval longer than the continuation makes no cut and gives the prefill-time value.
+    """
+    from scdviz.evict.decode import DecodeEvictor
+
     kls = []
     with torch.no_grad():
         for sample in samples:
             scores = scorer(sample)
             for keep in keeps:
-                idx = scores.topk(keep_count(sample.obs.n_tokens, keep), dim=-1).indices
-                kls.append(rollout_kl(model, sample, indices_from_rows(idx, sample.obs, per_head)))
+                n_keep = keep_count(sample.obs.n_tokens, keep)
+                idx = indices_from_rows(scores.topk(n_keep, dim=-1).indices, sample.obs, per_head)
+                if press is None:
+                    kls.append(rollout_kl(model, sample, idx))
+                    continue
+                evictor = DecodeEvictor(press, budget=n_keep, window=window, interval=interval)
+                with hf.eager(model), evictor(model):
+                    logits = hf.continue_logits(model, prune(model, sample.obs, idx), sample.cont,
+                                                sample.obs.n_tokens, one_at_a_time=True)[0]
+                kls.append(float(metrics.kl_per_token(sample.ref, logits).mean()))
     return sum(kls) / len(kls)
 
 
-def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], keeps) -> None:
+def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], cfg: TrainConfig) -> None:
     """Validate, save the current policy and optimizer, and keep the best policy so far."""
-    val = round(validate(model, lambda s: rows(policy, s.obs), policy.config.per_head, held_out, keeps), 5)
+    from scdviz.evict.press import DistillCachePress
+
+    press = DistillCachePress(policy=policy) if cfg.val_decode else None
+    val = round(validate(model, lambda s: rows(policy, s.obs), policy.config.per_head, held_out, cfg.keeps, press,
+                         cfg.decode_interval, cfg.policy.window), 5)
     log["val"].append({"step": len(log["steps"]), "kl": val})
     if val <= min(v["kl"] for v in log["val"]):  # compared as logged (an unrounded value could miss its own entry)
         policy.save(out / "best.safetensors", meta={"steps": len(log["steps"]), "val_kl": val})
