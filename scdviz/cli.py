@@ -238,13 +238,13 @@ def _rate(cmd: Rate) -> None:
     if cmd.windows < 1:
         raise ValueError(f"--windows must be at least 1, got {cmd.windows}")
     folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
-    out = folder
-    if _in_assets(folder) and not cmd.maintainer:  # shipped artefacts are read-only: the result is a new run
-        out = runs.new("calibrations", runs.auto_name(f"{folder.name}-rate"))
     pair = load_pair(cmd.producer, cmd.consumer)
     calib = cal.load(folder, pair)
     calib.rate = rate.measure(pair, calib, cmd.windows)
     calib.stats["seconds_rate"] = round(calib.rate.seconds, 1)
+    out = folder
+    if _in_assets(folder) and not cmd.maintainer:  # shipped artefacts are read-only: the result is a new run
+        out = runs.new("calibrations", runs.auto_name(f"{folder.name}-rate"))
     cal.save(calib, out)
     print(f"rate curves of {len(calib.rate.bits)} code precisions x ranks 0..{calib.rate.err_k.shape[2] - 1}, "
           f"{len(calib.rate.patch_layers)} patch layers, measured on {calib.rate.n_windows} windows in "
@@ -395,10 +395,17 @@ def _out_folder(out: str | None, kind: str, name: str, maintainer: bool, shipped
     return runs.new(kind, name)
 
 
+def _save_config(settings_: dict, path: Path, command: str) -> str:
+    """``config.toml`` of a run, headed by the command that reruns it (returned)."""
+    rerun = f"python -m scdviz {command} --config {path}"
+    path.write_text(config.to_toml(settings_, rerun))
+    return rerun
+
+
 def _save_run(cmd, folder: Path, command: str, seed: int | None, device: str, seconds: float) -> None:
     """The run's config (rerun it with --config) and provenance beside its results."""
     settings_ = config.to_dict(cmd)
-    (folder / "config.toml").write_text(config.to_toml(settings_, f"python -m scdviz {command} --config {folder / 'config.toml'}"))
+    _save_config(settings_, folder / "config.toml", command)
     (folder / "run.json").write_text(json.dumps(records.run_info(settings_, seed, device, seconds, command), indent=1))
 
 
@@ -413,8 +420,8 @@ def _write(cmd, kind: str, seed: int, rows: list[dict], device: str, seconds: fl
         folder = runs.new("bench", cmd.name or runs.auto_name(kind))
         path, toml = folder / "record.json", folder / "config.toml"
     records.write(record, path)
-    toml.write_text(config.to_toml(record.settings, f"python -m scdviz bench {kind} --config {toml}"))
-    print(f"wrote {len(rows)} rows to {path} (rerun: python -m scdviz bench {kind} --config {toml})")
+    rerun = _save_config(record.settings, toml, f"bench {kind}")
+    print(f"wrote {len(rows)} rows to {path} (rerun: {rerun})")
     if cmd.figures:
         from scdviz import figures, plots
 

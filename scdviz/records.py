@@ -92,7 +92,7 @@ def run_info(settings_: dict, seed: int | None, device: str, seconds: float, com
     """What a calibrate / train / finetune run writes beside its results (run.json): the same
     provenance a BenchRecord carries."""
     return finite({"command": command, "settings": settings_, "seed": seed, "versions": versions(device),
-                   "seconds": round(seconds, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                   "seconds": round(seconds, 1), "created": _now()})
 
 
 def finite(obj):
@@ -109,8 +109,13 @@ def finite(obj):
 def make(kind: str, settings: dict, seed: int, rows: list[dict], device: str = "",
          seconds: float | None = None) -> BenchRecord:
     """A record of a run just made (versions, time and wall time filled in)."""
-    return BenchRecord(kind, settings, seed, rows, versions(device), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return BenchRecord(kind, settings, seed, rows, versions(device), _now(),
                        seconds=None if seconds is None else round(seconds, 1))
+
+
+def _now() -> str:
+    """UTC time as the records write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def write(record: BenchRecord, path: str | Path) -> Path:

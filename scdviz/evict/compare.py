@@ -140,15 +140,38 @@ def training_log(path: str | Path) -> dict | None:
     return json.loads(log.read_text()) if log.is_file() else None
 
 
+@dataclass
+class LoadedPolicy:
+    """A policy file read once, with its training log."""
+
+    policy: Policy
+    log: dict | None  # log.json beside the file, None when absent
+
+    @property
+    def validation_kl(self) -> float | None:
+        """The lowest validation KL the log records, or None."""
+        return _lowest_logged(self.log)
+
+    @property
+    def trained_on(self) -> list[str] | None:
+        """The domains its training contexts came from (the log's settings), or None when unknown."""
+        cfg = (self.log or {}).get("config") or {}
+        return None if "corpora" not in cfg else (["texts"] if cfg.get("texts") else []) + list(cfg["corpora"])
+
+
+def _lowest_logged(log: dict | None) -> float | None:
+    vals = [v["kl"] for v in (log or {}).get("val", [])]
+    return min(vals) if vals else None
+
+
 def validation_kl(path: str | Path) -> float | None:
     """The lowest validation KL a policy's training log records, or None."""
-    vals = [v["kl"] for v in (training_log(path) or {}).get("val", [])]
-    return min(vals) if vals else None
+    return _lowest_logged(training_log(path))
 
 
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
     """Policies by method name (distillcache-head / distillcache-global[-wW])."""
-    return {name: policy for name, (policy, _, _) in _load(paths).items()}
+    return {name: loaded.policy for name, loaded in _load(paths).items()}
 
 
 def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
@@ -157,28 +180,20 @@ def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
     return _lowest_validation(_load(paths))
 
 
-def _lowest_validation(loaded: dict[str, tuple]) -> str | None:
-    vals = {name: val for name, (_, val, _) in loaded.items() if val is not None}
+def _lowest_validation(loaded: dict[str, LoadedPolicy]) -> str | None:
+    vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None}
     return min(vals, key=vals.get) if vals else None
 
 
-def _load(paths: tuple[str, ...]) -> dict[str, tuple[Policy, float | None, str]]:
-    """Method name -> (policy, lowest validation KL or None, file)."""
+def _load(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
+    """Method name -> the policy and its training log, each file read once."""
     paths = paths or tuple(str(p) for p in SHIPPED_POLICIES if p.is_file())
     out = {}
     for path in paths:
         policy = Policy.load(path)
         name = "distillcache-head" if policy.config.per_head else "distillcache-global"
-        out[name if name not in out else f"{name}-w{policy.config.window}"] = (policy, validation_kl(path), str(path))
+        out[name if name not in out else f"{name}-w{policy.config.window}"] = LoadedPolicy(policy, training_log(path))
     return out
-
-
-def _trained_on(path: str) -> list[str] | None:
-    """The domains a policy's training contexts came from (its log's settings), or None when unknown."""
-    cfg = (training_log(path) or {}).get("config") or {}
-    if "corpora" not in cfg:
-        return None
-    return (["texts"] if cfg.get("texts") else []) + list(cfg["corpora"])
 
 
 def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
@@ -396,7 +411,7 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
     loaded = _load(cfg.policies)  # each policy file read once
-    policies = {name: policy for name, (policy, _, _) in loaded.items()}
+    policies = {name: p.policy for name, p in loaded.items()}
     if not policies:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
     chosen = _lowest_validation(loaded)
@@ -412,15 +427,14 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
                                      chosen)
     if cfg.lodo:
         source = next(iter(models))
-        records += lodo(cfg, *models[source], source, loaded[chosen][2], chosen)
-    trained = {name: _trained_on(path) for name, (_, _, path) in loaded.items()}
+        records += lodo(cfg, *models[source], source, loaded[chosen], chosen)
     for r in records:
-        if r.get("method") in trained and "trained_on" not in r:
-            r["trained_on"] = trained[r["method"]]
+        if r.get("method") in loaded and "trained_on" not in r:
+            r["trained_on"] = loaded[r["method"]].trained_on
     return records
 
 
-def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: str, chosen: str) -> list[dict]:
+def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, chosen: str) -> list[dict]:
     """Leave-one-domain-out for the policy: for each domain the chosen policy was trained on,
     train its recipe (the settings in its training log) again on the other domains, choose the
     checkpoint on those domains' validation contexts (best.safetensors), and score it on the
@@ -430,8 +444,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: str, chosen: st
     from scdviz import config, runs
     from scdviz.evict import trainer
 
-    log = training_log(recipe) or {}
-    saved, _ = config.from_dict(trainer.TrainConfig, log.get("config") or {}, f"{recipe}'s training log")
+    saved, _ = config.from_dict(trainer.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
     domains = [d for d in saved.corpora if d in cfg.corpora]
     if len(saved.corpora) < 2 or saved.texts or not domains:
         raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "
@@ -450,7 +463,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: str, chosen: st
                                    decode_tokens=0, throughput_contexts=0)
         with hf.eager(model):
             rows = _run_mode(model, source, f"agnostic lodo-{domain}", contexts(dcfg, tokenizer), dcfg,
-                             {name: policy, chosen: Policy.load(recipe)}, None, name)
+                             {name: policy, chosen: recipe.policy}, None, name)
         for r in rows:
             if r.get("method") == name:
                 r["trained_on"] = list(train_cfg.corpora)

@@ -45,11 +45,17 @@ from scdviz.models import hf
 
 
 def loo_baseline(rewards: Tensor) -> Tensor:
-    """Leave-one-out baseline (M,) -> (M,): the mean of the other M-1 rewards."""
+    """Leave-one-out baseline (M, ...) -> (M, ...): for each sample, the mean of the other M-1
+    samples' rewards (per column when each sample has several, e.g. one per decision)."""
     m = rewards.shape[0]
     if m < 2:
         raise ValueError("the leave-one-out baseline needs at least 2 samples per context")
-    return (rewards.sum() - rewards) / (m - 1)
+    return (rewards.sum(0, keepdim=True) - rewards) / (m - 1)
+
+
+def first_choice_entropy(scores: Tensor) -> Tensor:
+    """Mean entropy of softmax(scores) per row: the entropy bonus."""
+    return -(torch.softmax(scores, -1) * torch.log_softmax(scores, -1)).sum(-1).mean()
 
 
 def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_coef: float) -> tuple[Tensor, Tensor]:
@@ -59,8 +65,7 @@ def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_co
     """
     logp = plackett_luce_logprob(scores.unsqueeze(0).expand(rankings.shape[0], -1, -1), rankings).sum(-1)  # (M,)
     advantage = (rewards - loo_baseline(rewards)).detach()
-    probs = torch.softmax(scores, -1)
-    entropy = -(probs * torch.log_softmax(scores, -1)).sum(-1).mean()
+    entropy = first_choice_entropy(scores)
     return -(advantage * logp).mean() - entropy_coef * entropy, entropy.detach()
 
 
@@ -204,30 +209,36 @@ def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: T
         raise ValueError("the sequential reward holds a kept set per layer and KV head: use a per-head policy")
     scores = rows(policy, sample.obs)
     prefix, n = sample.obs.n_tokens, sample.cont.shape[1]
-    episodes = []  # per episode: (prefill log-prob, [(position, log-prob)], per-step KL)
+    logps, kls, schedule = [], [], None
     for _ in range(cfg.samples):
         ranking = gumbel_top_b(scores, n_keep, gen)
-        cache = prune(model, sample.obs, indices_from_rows(ranking, sample.obs, True))
         evictor = DecodeEvictor(DistillCachePress(policy=policy), budget=n_keep, window=cfg.policy.window,
                                 interval=cfg.decode_interval, sampler=gen)
-        with hf.eager(model), evictor(model):
-            logits = hf.continue_logits(model, cache, sample.cont, prefix, one_at_a_time=True)[0]
-        kl = metrics.kl_per_token(sample.ref, logits).detach()
-        episodes.append((plackett_luce_logprob(scores, ranking).sum(), list(evictor.decisions), kl))
-    tail = torch.stack([e[2].flip(0).cumsum(0).flip(0) for e in episodes]) / n  # (M, n): sum of KL from step j on
-    returns = [[-t[0]] + [-t[p - prefix + 1] if p - prefix + 1 < n else t.new_zeros(()) for p, _ in e[1]]
-               for t, e in zip(tail, episodes)]
-    if len({len(r) for r in returns}) != 1:
-        raise RuntimeError("episodes evicted at different steps; the leave-one-out baseline needs the same schedule")
-    g = torch.tensor([[float(x) for x in r] for r in returns], device=scores.device)  # (M, decisions)
-    advantage = g - (g.sum(0, keepdim=True) - g) / (g.shape[0] - 1)
-    logp = torch.stack([torch.stack([e[0], *[lp for _, lp in e[1]]]) for e in episodes])  # (M, decisions)
-    probs = torch.softmax(scores, -1)
-    entropy = -(probs * torch.log_softmax(scores, -1)).sum(-1).mean()
-    loss = -(advantage * logp).mean() - cfg.entropy_coef * entropy
-    mean_kl = float(torch.stack([e[2].mean() for e in episodes]).mean())
-    return {"loss": loss, "kl": mean_kl, "entropy": float(entropy.detach()), "decisions": logp.shape[1],
-            "kl_steps": torch.stack([e[2] for e in episodes])}
+        kls.append(held_kl(model, sample, indices_from_rows(ranking, sample.obs, True), evictor).detach())
+        positions = [p for p, _ in evictor.decisions]
+        if schedule not in (None, positions):
+            raise RuntimeError("episodes evicted at different steps; the leave-one-out baseline needs the same schedule")
+        schedule = positions
+        logps.append(torch.stack([plackett_luce_logprob(scores, ranking).sum(), *[lp for _, lp in evictor.decisions]]))
+    kl = torch.stack(kls)  # (M, n)
+    # G of a decision = -(sum of KL over the steps it changes) / n: the prefill selection changes all n steps,
+    # a cut while decoding position p the steps from p + 1 on (none when p is the last)
+    tail = torch.cat([kl.flip(1).cumsum(1).flip(1), kl.new_zeros(kl.shape[0], 1)], 1) / n  # (M, n + 1)
+    g = -tail[:, [0, *[min(p - prefix + 1, n) for p in schedule]]]  # (M, decisions)
+    logp = torch.stack(logps)  # (M, decisions)
+    entropy = first_choice_entropy(scores)
+    loss = -((g - loo_baseline(g)) * logp).mean() - cfg.entropy_coef * entropy
+    return {"loss": loss, "kl": float(kl.mean()), "entropy": float(entropy.detach()), "decisions": logp.shape[1],
+            "kl_steps": kl}
+
+
+def held_kl(model, sample: Sample, indices, evictor) -> Tensor:
+    """Per-step KL(full || pruned) over the sample's continuation decoded one token at a time from
+    the cache pruned to ``indices``, with ``evictor`` (a DecodeEvictor) holding it at its budget."""
+    with hf.eager(model), evictor(model):
+        logits = hf.continue_logits(model, prune(model, sample.obs, indices), sample.cont, sample.obs.n_tokens,
+                                    one_at_a_time=True)[0]
+    return metrics.kl_per_token(sample.ref, logits)
 
 
 def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
@@ -348,10 +359,7 @@ def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[
                     kls.append(rollout_kl(model, sample, idx))
                     continue
                 evictor = DecodeEvictor(press, budget=n_keep, window=window, interval=interval)
-                with hf.eager(model), evictor(model):
-                    logits = hf.continue_logits(model, prune(model, sample.obs, idx), sample.cont,
-                                                sample.obs.n_tokens, one_at_a_time=True)[0]
-                kls.append(float(metrics.kl_per_token(sample.ref, logits).mean()))
+                kls.append(float(held_kl(model, sample, idx, evictor).mean()))
     return sum(kls) / len(kls)
 
 
