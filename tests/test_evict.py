@@ -369,6 +369,15 @@ def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path
     log = train(cfg, model, Words(), "tiny", progress=False)
     assert log["val_heuristic_decode"] > 0 and log["val_heuristic"] > 0 and len(log["val"]) == 2
     assert (tmp_path / "best.safetensors").is_file()
+    # the logged value is the decode-time KL of the saved checkpoint, recomputed here
+    from scdviz.evict.press import DistillCachePress
+    from scdviz.evict.trainer import prepare, validate
+
+    final = Policy.load(tmp_path / "policy.safetensors")
+    held = prepare(model, Words(), cfg, "calib", cfg.val_contexts, progress=False)
+    again = validate(model, lambda s: rows(final, s.obs), True, held, cfg.keeps, DistillCachePress(policy=final), 2, 8)
+    assert round(again, 5) == log["val"][-1]["kl"]
+    assert round(validate(model, lambda s: rows(final, s.obs), True, held, cfg.keeps), 5) != log["val"][-1]["kl"]
     with pytest.raises(ValueError, match="per-head"):
         train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}), model, Words(), "tiny",
               progress=False)
