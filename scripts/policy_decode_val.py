@@ -24,6 +24,7 @@ DEFAULT = [settings.ASSETS_DIR / "policy" / "per_head_w64" / "best.safetensors",
 def main() -> None:
     from kvpress import ObservedAttentionPress
 
+    from scdviz import metrics
     from scdviz.evict import trainer
     from scdviz.evict.policy import Policy, PolicyConfig
     from scdviz.evict.press import DistillCachePress
@@ -36,14 +37,20 @@ def main() -> None:
     model, tokenizer = load_model("builtin:smollm2-135m")
     cfg = trainer.TrainConfig(val_contexts=6, policy=PolicyConfig(per_head=True, window=64))
     held_out = trainer.prepare(model, tokenizer, cfg, "calib", cfg.val_contexts)
-    h2o = trainer.validate(model, lambda s: trainer.rows_of_feature(s.obs, True, 0), True, held_out, cfg.keeps,
-                           ObservedAttentionPress(), cfg.decode_interval, cfg.policy.window)
-    print(f"{'H2O scores (alpha at prefill, ObservedAttention while decoding)':70} {h2o:.5f}")
+    h2o = trainer.validation_kls(model, lambda s: trainer.rows_of_feature(s.obs, True, 0), True, held_out, cfg.keeps,
+                                 ObservedAttentionPress(), cfg.decode_interval, cfg.policy.window)
+    k = len(cfg.keeps)
+    per_context = lambda kls: [sum(kls[i : i + k]) / k for i in range(0, len(kls), k)]  # noqa: E731 - both budgets
+    print(f"{'scorer':62} {'val KL':>8}   minus H2O [95% CI, paired bootstrap over the {len(h2o) // k} contexts]")
+    print(f"{'H2O scores (alpha at prefill, ObservedAttention while decoding)':62} {sum(h2o) / len(h2o):8.5f}")
     for path in args.policies:
         policy = Policy.load(path)
-        val = trainer.validate(model, lambda s, p=policy: trainer.rows(p, s.obs), True, held_out, cfg.keeps,
-                               DistillCachePress(policy=policy), cfg.decode_interval, policy.config.window)
-        print(f"{str(Path(path).relative_to(settings.REPO_DIR) if Path(path).is_relative_to(settings.REPO_DIR) else path):70} {val:.5f}")
+        kls = trainer.validation_kls(model, lambda s, p=policy: trainer.rows(p, s.obs), True, held_out, cfg.keeps,
+                                     DistillCachePress(policy=policy), cfg.decode_interval, policy.config.window)
+        boot = metrics.paired_bootstrap(per_context(h2o), per_context(kls))
+        shown = Path(path).relative_to(settings.REPO_DIR) if Path(path).is_relative_to(settings.REPO_DIR) else path
+        print(f"{str(shown):62} {sum(kls) / len(kls):8.5f}   {boot['diff']:+.5f} "
+              f"[{boot['diff_ci'][0]:+.5f}, {boot['diff_ci'][1]:+.5f}]")
 
 
 if __name__ == "__main__":

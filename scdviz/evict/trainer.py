@@ -339,7 +339,16 @@ def run_folder(cfg: TrainConfig, resume: bool) -> Path:
 
 def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...], press=None,
              interval: int = 4, window: int = 64) -> float:
-    """Mean KL of deterministic top-B of ``scorer(sample) -> rows`` over samples and kept fractions.
+    """Mean KL of deterministic top-B of ``scorer(sample) -> rows`` over samples and kept fractions
+    (``validation_kls``, averaged)."""
+    kls = validation_kls(model, scorer, per_head, samples, keeps, press, interval, window)
+    return sum(kls) / len(kls)
+
+
+def validation_kls(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...], press=None,
+                   interval: int = 4, window: int = 64) -> list[float]:
+    """KL of deterministic top-B of ``scorer(sample) -> rows``, one per sample and kept fraction
+    (sample-major), for paired comparisons.
 
     With ``press`` (a DistillCachePress or a kvpress scorer), at decode time: the continuation is
     decoded one token at a time with every layer held at the same budget by ``press``'s top-B
@@ -360,7 +369,7 @@ def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[
                     continue
                 evictor = DecodeEvictor(press, budget=n_keep, window=window, interval=interval)
                 kls.append(float(held_kl(model, sample, idx, evictor).mean()))
-    return sum(kls) / len(kls)
+    return kls
 
 
 def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], cfg: TrainConfig) -> None:
