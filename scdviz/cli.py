@@ -291,7 +291,7 @@ def _bench_scd(cmd: BenchScd) -> None:
               "reuse-only at full rank (ci95: paired bootstrap over prompts) ==")
         print(bench.rank_claim_table(reports).to_string(index=False))
     if cmd.bench.budgets:
-        print("\n== budget sweep: rate-distortion plans (a hard byte limit) and rank-only allocation, KL relative to raw "
+        print("\n== budget sweep: transform-coded and rate-distortion plans (both a hard byte limit) and rank-only allocation, KL relative to raw "
               "reuse (vs_raw_ci95: paired bootstrap over prompts) ==")
         print(bench.budget_table(reports).to_string(index=False))
     qa_rows = bench.qa_table(reports)

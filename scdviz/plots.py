@@ -185,19 +185,31 @@ def rank_spectra(spectra: pd.DataFrame, kind: str = "K", chosen: list[int] | Non
                    "energy captured")
 
 
-def plan_layers(plan) -> go.Figure:
+def plan_layers(plan, sent: dict[str, list[float]] | None = None) -> go.Figure:
     """A transfer plan per layer: rank of the key and value codes and the patch layers (orange) on
-    top, the bits of every code section (K, V, the patches' H_in) in a strip below; no labels on the bars."""
+    top, the bits of every code section (K, V, the patches' H_in) in a strip below; no labels on the bars.
+
+    sent: what the payloads really carried (``MethodResult.sent``): the ranks sent and the bits per
+    value spent (headers and scales included) replace the plan's, which a transform-coded plan
+    leaves to the data."""
     from plotly.subplots import make_subplots
 
     n = len(plan.modes)
     layers = list(range(n))
     code = [m == "code" for m in plan.modes]
     coded = [i for i in layers if code[i]]
+
+    def bits_of(i: int, kind: str) -> float:
+        if not sent:
+            return plan.bits_of(i, kind)
+        cols = sent[f"cols_{kind}"][i]
+        return round(8 * sent[f"bytes_{kind}"][i] / cols, 2) if cols else 0.0
+
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.06)
     for kind, ranks, color, symbol in (("k", plan.rank_k or [0] * n, "#4c78a8", "diamond"),
                                        ("v", plan.rank_v or [0] * n, "#72b7b2", "circle")):
-        bits = [plan.bits_of(i, kind) for i in layers]
+        ranks = [round(r, 1) for r in sent[f"cols_{kind}"]] if sent else ranks
+        bits = [bits_of(i, kind) for i in layers]
         fig.add_bar(x=layers, y=[r if c else 0 for r, c in zip(ranks, code)], name=f"rank {kind.upper()}",
                     marker_color=color, customdata=bits, row=1, col=1,
                     hovertemplate=f"layer %{{x}}: rank {kind.upper()} %{{y}} at %{{customdata}} bits<extra></extra>")
@@ -208,7 +220,7 @@ def plan_layers(plan) -> go.Figure:
     top = max([*(plan.rank_k or [0]), *(plan.rank_v or [0]), 1])
     patches = plan.layers_in("patch")
     if patches:
-        h_bits = [plan.bits_of(i, "h") for i in patches]
+        h_bits = [bits_of(i, "h") for i in patches]
         fig.add_bar(x=patches, y=[top] * len(patches), name="patch (H_in code)", marker_color=PATCH_COLOR,
                     marker_line=dict(color=PATCH_EDGE, width=1), customdata=h_bits, row=1, col=1,
                     hovertemplate="layer %{x}: patch, H_in code at %{customdata} bits<extra></extra>")
@@ -216,10 +228,13 @@ def plan_layers(plan) -> go.Figure:
                         marker=dict(symbol="square", size=8, color="#e67814", line=dict(color="black", width=1)),
                         hovertemplate="layer %{x}: H_in code at %{y} bits<extra></extra>")
     fig.update_layout(barmode="group")
-    _layout(fig, f"Plan per layer: {plan.name}", "", "code rank")
+    _layout(fig, f"Plan per layer{' as sent' if sent else ''}: {plan.name}", "", "code rank" + (" sent" if sent else ""))
     fig.update_xaxes(title_text="layer", row=2, col=1)
     shown = sorted({y for t in fig.data if t.type == "scatter" for y in t.y})
-    fig.update_yaxes(title_text="bits", row=2, col=1, tickvals=shown, range=[0, 1.25 * max(shown or [16])])
+    if sent:  # bits per value spent: any real number
+        fig.update_yaxes(title_text="bits / value", row=2, col=1, range=[0, 1.25 * max(shown or [16])])
+    else:
+        fig.update_yaxes(title_text="bits", row=2, col=1, tickvals=shown, range=[0, 1.25 * max(shown or [16])])
     return fig
 
 

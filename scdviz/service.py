@@ -193,7 +193,7 @@ def _parse_layers(text, n_layers: int) -> list[int]:
 
 def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, rank_k: int, rank_v: int,
             patch_k: int, placement: str, layers: str, gbps: float, latency_s: float, budget: float = 0.0,
-            session: Session | None = None) -> dict:
+            coder: str = "transform", session: Session | None = None) -> dict:
     """Every SCD method on one text, with tables, token texts and figures for the tab."""
     from scdviz import link, plots
     from scdviz.scd import bench, measure
@@ -216,13 +216,15 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     asked, patch_k = patch_k, min(patch_k, ordered)  # "up to k": a gated calibration may order fewer
     manual = _parse_layers(layers, calib.n_layers)
     budget = inputs.number(budget, "Byte budget (B/token)", 0, 100_000)
+    coder = inputs.choice(coder, "Budget coder", bench.CODERS)
     if budget and calib.rate is None:
-        raise UserError("this calibration has no rate-distortion curves for the budget planner: add them with "
+        raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: add them with "
                          "python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
     report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
-                              budget=budget or None)
+                              budget=budget or None, coder=coder)
     plan = report.plans["SCD full"]
+    full = next(r for r in report.methods if r.method == "SCD full")
     table = report.table()
     own = link.Link(gbps, latency_s)
     table["ttft_your_link_ms"] = [
@@ -239,12 +241,14 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
         "placement": plots.patch_placement(calib.ideal_gain, plan.layers_in("patch")),
         "spectra_k": plots.rank_spectra(spectra, "K", plan.rank_k), "spectra_v": plots.rank_spectra(spectra, "V", plan.rank_v),
         "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
-        "plan": plots.plan_layers(plan),
+        "plan": plots.plan_layers(plan, full.sent if plan.rate_target else None),
     }
     mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
     fewer = (f" (asked for {asked}; this calibration orders {ordered} patch layers for this placement)"
              if asked > patch_k and placement != "manual" else "")
-    how = (f"SCD full is the rate-distortion plan for {budget:g} B/token (ranks and bits per layer in the plan plot; "
+    how = (f"SCD full is the transform-coded plan for {budget:g} B/token ({full.payload_bytes_per_token:.0f} sent: one uniform "
+           f"step per section, entropy coded; the ranks sent and bits per value in the plan plot)" if budget and coder == "transform" else
+           f"SCD full is the rate-distortion plan for {budget:g} B/token (ranks and bits per layer in the plan plot; "
            f"patch layers {plan.layers_in('patch') or 'none'})" if budget else
            f"SCD full patches layers {plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes")
     info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. {how}. Consumer {pair.consumer_source}; "

@@ -77,12 +77,12 @@ def generate(key, prompt, max_new, chat):
 
 
 def scd_run(key, sess, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_ms,
-            fan_out=False, budget=0):
+            fan_out=False, budget=0, coder="transform"):
     """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
     from scdviz import inputs
 
     latency = inputs.number(latency_ms, "Link latency (ms)", 0, 10_000) / 1000
-    args = (text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency, budget)
+    args = (text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency, budget, coder)
     run = _scd_fan_out if inputs.flag(fan_out, "All built-in specialists") else _scd_one
     return run(key, _session(sess), args)
 

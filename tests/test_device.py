@@ -11,6 +11,7 @@ operation that meets real data fails. Select with ``pytest -k "bf16 or device"``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -77,11 +78,15 @@ def _scd_paths(pair, calib, dtype):
     cases = measure.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
     curves = rate.measure(pair, calib, 1, progress=False)
     rd = plans.rd_plan(curves, 30.0, cases[0].state.ids.shape[1])[0]
-    lineup = [*plans.lineup(calib, entropy=True), rd]
+    calib = dataclasses.replace(calib, rate=curves)
+    lineup = [*plans.lineup(calib, entropy=True), rd, plans.tc_plan(calib, 30.0)]
     oracle, gens = measure.oracle_result(pair, cases, 3)
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, calib)
-        assert len(blob) == payload.payload_len(payload.decode(blob).sections)
+        if plan.rate_target:  # transform coded: the length is the data's, under the target
+            assert len(blob) <= plan.rate_target * cases[0].state.ids.shape[1]
+        else:
+            assert len(blob) == payload.payload_len(payload.decode(blob).sections)
         got = transfer.receive(pair.consumer, blob, plan, calib)
         assert {k.dtype for k in hf.Trace(None, got.cache, None).keys} == {dtype}, plan.name
     results = measure.run_methods(pair, calib, cases, lineup, gen_tokens=3, oracle_gen=gens, progress=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pandas as pd
 import pytest
 import torch
@@ -138,6 +140,69 @@ def test_entropy_coded_sections_decode_to_the_same_values_and_are_never_longer()
     assert payload.decode(b).sections[0].coded and not payload.decode(a).sections[0].coded
     with pytest.raises(ValueError, match="truncated"):
         payload.decode(b[:-9])
+
+
+def test_transform_coded_sections_decode_within_half_a_step_and_drop_the_channels_they_zero():
+    from scdviz.scd import entropy
+
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(120, 32, generator=g) * torch.logspace(1, -3, 32)  # channel scales fall, like a code's spectrum
+    lengths, sent = [], []
+    for step in (2e-3, 0.01, 0.1, 1.0, 10.0, 1e3):
+        blob = payload.encode(121, 7, [payload.Section(2, "v_code", z, 0, step=step)])
+        got = payload.decode(blob).sections[0]
+        cols = got.data.shape[1]
+        assert (got.kind, got.bits, got.data.shape[0]) == ("v_code", 0, 120) and got.step == pytest.approx(step, rel=1e-6)
+        assert ((got.data - z[:, :cols]).abs() <= step / 2 * (1 + 1e-5)).all()  # a uniform quantiser
+        assert (z[:, cols:].abs() < step / 2).all()  # only channels that round to zero everywhere are left out
+        q = entropy.quantise_uniform(z, struct.unpack("<f", struct.pack("<f", step))[0])
+        assert 0 <= len(blob) - payload.HEADER.size - payload.SECTION.size - entropy.estimated_len(q) <= 64
+        lengths.append(len(blob))
+        sent.append(cols)
+    assert lengths == sorted(lengths, reverse=True) and sent == sorted(sent, reverse=True)  # coarser: fewer bytes, lower rank
+    assert sent[0] == 32 and sent[-1] == 0
+    blob = payload.encode(121, 7, [payload.Section(2, "v_code", z, 0, step=0.1)])
+    with pytest.raises(ValueError, match="truncated"):
+        payload.decode(blob[:-5])
+    with pytest.raises(ValueError, match="depends on its data"):
+        payload.payload_len([payload.Section(2, "v_code", z, 0, step=0.1)])
+
+
+def test_transform_coded_plan_is_a_hard_byte_limit_and_its_error_falls_as_the_budget_rises(tiny_pair, tiny_calib):
+    import dataclasses
+
+    assert tiny_calib.rate is not None
+
+    calib = tiny_calib  # calibrated with its rate curves (rate_windows)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(60), 8)
+    n_tokens = case.state.ids.shape[1]
+    full = plans.full_rank_plan(calib)
+    exact = dataclasses.replace(full, code_bits=16)  # what the codes give with no quantisation at all
+    ref_k, ref_v = hf.cache_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, exact, calib), exact, calib).cache)
+    errors = []
+    for budget in (8.0, 16.0, 32.0, 64.0):
+        plan = plans.tc_plan(calib, budget)
+        blob = transfer.build_payload(case.state, plan, calib)
+        assert budget * 0.97 <= len(blob) / n_tokens <= budget  # headers included; it spends what it is given
+        keys, values = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, plan, calib).cache)
+        errors.append(sum(float(((a - b) ** 2).sum()) for a, b in zip(keys + values, ref_k + ref_v)))
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.05 * errors[0]
+    with pytest.raises(ValueError, match="below the smallest transform-coded payload"):
+        transfer.build_payload(case.state, plans.tc_plan(calib, 0.5), calib)
+
+
+def test_transform_coding_gives_the_more_sensitive_layer_a_finer_step(tiny_calib):
+    import dataclasses
+
+    curves = tiny_calib.rate
+    loud = dataclasses.replace(curves, sens_k=curves.sens_k.clone())
+    loud.sens_k[1] *= 100
+    a = plans.tc_plan(dataclasses.replace(tiny_calib, rate=curves), 30.0)
+    b = plans.tc_plan(dataclasses.replace(tiny_calib, rate=loud), 30.0)
+    assert b.steps_k[1] == pytest.approx(a.steps_k[1] / 10)  # step ∝ 1/sqrt(KL per unit of squared error)
+    assert b.steps_k[0] == a.steps_k[0] and b.steps_v == a.steps_v
+    with pytest.raises(ValueError, match="needs the calibration's sensitivities"):
+        plans.tc_plan(dataclasses.replace(tiny_calib, rate=None), 30.0)
 
 
 def test_payload_length_equals_the_format_formula():
@@ -302,17 +367,27 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
             "ttft_s_1gbps", "ttft_s_10gbps", "ttft_s_100gbps", "speedup_vs_oracle_10gbps", "n_prompts", "n_tokens"}
     assert all(need <= set(r) for r in measured)
     assert {r["group"] for r in measured} == {"method", "token 0", "patch sweep", "DroidSpeak sweep", "budget sweep"}
+    n_tokens = report.methods[0].prompt_tokens  # one window: the tokens its payloads carry
+    for r in (r for r in measured if r["method"] != "oracle"):  # the per-layer account adds up to the real payload
+        per_layer = sum(sum(r["sent"][f"bytes_{kind}"]) for kind in "kvh")
+        assert per_layer + payload.HEADER.size / n_tokens == pytest.approx(r["payload_bytes_per_token"], rel=1e-9), r["method"]
+    tc = next(r for r in measured if r["method"].startswith("SCD transform-coded"))
+    assert max(tc["sent"]["cols_k"] + tc["sent"]["cols_v"]) <= max(tiny_calib.key_codes[0].max_rank, 1)
+    raw_row = next(r for r in measured if r["method"] == "raw KV")
+    assert set(raw_row["sent"]["cols_k"]) == {tiny_pair.consumer_facts.kv_heads * tiny_pair.consumer_facts.head_dim}
     claim = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=0, rank_claim=True, progress=False)
     table = bench.rank_claim_table([claim])
     assert sorted(set(table["reduced"])) == ["K", "V"] and len(table) == 2 * len(plans.RANK_CLAIM)
     for _, rows in table.groupby("reduced"):
         assert list(rows["bytes"]) == sorted(rows["bytes"])  # more rank, more bytes; the other side at full rank
     budget = bench.budget_table([report])
-    assert list(budget["method"]) == ["SCD RD @30 B/token", "SCD RD+entropy @30 B/token", "SCD rank-only @30 B/token"]
-    assert budget["bytes"].iloc[1] <= budget["bytes"].iloc[0] <= 30.0  # a hard limit; coding never adds bytes
-    assert budget["kl"].iloc[1] == budget["kl"].iloc[0]  # lossless: the same plan decodes to the same cache
+    assert list(budget["method"]) == ["SCD transform-coded @30 B/token", "SCD RD @30 B/token", "SCD RD+entropy @30 B/token",
+                                      "SCD rank-only @30 B/token"]
+    assert budget["bytes"].iloc[0] <= 30.0  # transform coding: a hard limit too
+    assert budget["bytes"].iloc[2] <= budget["bytes"].iloc[1] <= 30.0  # a hard limit; coding never adds bytes
+    assert budget["kl"].iloc[2] == budget["kl"].iloc[1]  # lossless: the same plan decodes to the same cache
     raw = next(r for r in report.methods if r.method == "raw KV")
-    assert budget["vs_raw"].iloc[0] == round(report.sweeps[-3].kl / raw.kl, 3)
+    assert budget["vs_raw"].iloc[1] == round(report.sweeps[-3].kl / raw.kl, 3)
     assert all(p.sink == "recompute" for p in report.plans.values())  # every method treats token 0 alike
     sent = [r for r in measured if r["group"] == "token 0"]
     assert len(sent) == len(report.plans) and all(r["method"].endswith(plans.SENT) for r in sent)

@@ -26,6 +26,8 @@ from scdviz.scd import measure, rate
 from scdviz.scd import plan as plans
 from scdviz.scd.plan import SINKS, Plan
 
+CODERS = ("transform", "rd")  # how a byte budget becomes a plan (budget_plan)
+
 
 @dataclass
 class ScdBenchConfig:
@@ -39,15 +41,25 @@ class ScdBenchConfig:
     cont_len: int = opt(32, "teacher-forced continuation tokens")
     gen_tokens: int = opt(32, "greedy tokens per method for token-F1 (0: skip)")
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
-    budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (rate-distortion plans, and rank-only allocation beside them)")
+    budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (transform-coded and rate-distortion plans, and rank-only allocation beside them)")
     rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the other way round (reuse-only)")
-    budget: float | None = opt(None, "SCD full = the rate-distortion plan at this many payload bytes/token, a hard limit (default: the calibration's operating point)")
+    budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit (default: the calibration's operating point)")
+    coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section scaled by its measured KL sensitivity, entropy coded; the rank follows from the step) or rd (ranks, bits and patches chosen on the rate-distortion curves)", choices=CODERS)
     sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent", choices=SINKS)
     sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
     kivi_window: int = opt(0, "the 4-bit KV baseline sends its last this-many tokens in fp16 (KIVI's recent window; 0: none)")
     entropy: bool = opt(False, "entropy-code the quantised sections of 4-bit KV and SCD alike (rANS with each section's histogram)")
     seed: int = opt(0, "torch seed set before the run")
+
+
+def budget_plan(calib: cal.Calibration, curves, budget: float, n_tokens: int, sink: str, coder: str, name: str | None = None) -> Plan:
+    """The SCD plan for a byte budget: transform coded or rate-distortion planned (both a hard limit)."""
+    if coder == "transform":
+        return plans.tc_plan(dataclasses.replace(calib, rate=curves), budget, sink, name)
+    if coder == "rd":
+        return plans.rd_plan(curves, budget, n_tokens, sink, name)[0]
+    raise ValueError(f"unknown coder {coder!r}; use one of {CODERS}")
 
 
 PROJECTION_TOKENS = 4096  # prompt length of the projection
@@ -131,6 +143,7 @@ def bench(
     progress: bool = True,
     scd_full: Plan | None = None,
     budget: float | None = None,
+    coder: str = "transform",
     sink: str = "recompute",
     sent_rows: bool = False,
     kivi_window: int = 0,
@@ -141,9 +154,10 @@ def bench(
     """Run the lineup (and sweeps) on ``windows``; see the module docstring.
 
     scd_full: the SCD plan in the lineup (default: the calibration's operating point).
-    budget: SCD full is instead the rate-distortion plan at this many bytes/token. budgets: the
-    rate-distortion plan and the rank-only allocation at each ("budget sweep"). Both use the
-    calibration's rate curves, measured now when it has none.
+    budget: SCD full is instead the ``coder`` plan at this many bytes/token (``budget_plan``). budgets:
+    the transform-coded plan, the rate-distortion plan (packed and entropy coded) and the rank-only
+    allocation at each ("budget sweep"). Both use the calibration's rate curves, measured now when
+    it has none.
     sink: token-0 handling of every method in the lineup; sent_rows: the lineup again with
     the other handling, as the "token 0" group.
     """
@@ -151,7 +165,7 @@ def bench(
     n_tokens = cases[0].state.ids.shape[1]
     curves = (calib.rate or rate.measure(pair, calib, progress=progress)) if budget or budgets else None
     if budget:
-        scd_full = plans.rd_plan(curves, budget, n_tokens, sink, name="SCD full")[0]
+        scd_full = budget_plan(calib, curves, budget, n_tokens, sink, coder, name="SCD full")
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
     lineup = plans.lineup(calib, scd_full, sink, kivi_window, entropy)
     results = measure.run_methods(pair, calib, cases, lineup, "method", gen_tokens, gens, progress)
@@ -170,7 +184,7 @@ def bench(
         for b in budgets:
             rd = plans.rd_plan(curves, b, n_tokens, sink)[0]
             coded = dataclasses.replace(rd, name=f"SCD RD+entropy @{b:g} B/token", entropy=True)  # the same plan, coded
-            swept += [rd, coded, *plans.rank_sweep(calib, [b])]
+            swept += [budget_plan(calib, curves, b, n_tokens, sink, "transform"), rd, coded, *plans.rank_sweep(calib, [b])]
         report.sweeps += measure.run_methods(pair, calib, cases, swept, "budget sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
     report.projection = projection(report, calib, d_kv, pair_shape(pair))
@@ -219,7 +233,7 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
             used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
                                                            texts=texts, rate_windows=rate_windows), progress)
         report = bench(pair, used, _eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
-                       tuple(cfg.budgets), name, progress, budget=cfg.budget, sink=cfg.sink, sent_rows=cfg.sent_rows,
+                       tuple(cfg.budgets), name, progress, budget=cfg.budget, coder=cfg.coder, sink=cfg.sink, sent_rows=cfg.sent_rows,
                        kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy, rank_claim=cfg.rank_claim)
         report.domain = domain
         reports.append(report)
@@ -357,6 +371,7 @@ def rows(report: BenchReport) -> list[dict]:
             "qa_f1": sum(r.qa_f1) / len(r.qa_f1) if r.qa_f1 else None,
             "qa_f1_items": r.qa_f1,
             "kl_per_prompt": r.kl_per_prompt,
+            "sent": r.sent,
         })
     out += [{"specialist": report.specialist, "domain": report.domain, "label": "analytic projection, not a measurement", **p}
             for p in report.projection]
@@ -377,13 +392,14 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
 
 
 def bench_text(pair: Pair, calib: cal.Calibration, text: str, plan: Plan | None, cont_len: int = 32,
-               gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024, budget: float | None = None) -> BenchReport:
+               gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024, budget: float | None = None,
+               coder: str = "transform") -> BenchReport:
     """The app's view: ``bench`` on the one window made from the user's text.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
-    (e.g. from ``plan.user_plan``), or with ``budget`` the rate-distortion plan for this text's length.
+    (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
     """
     window = window_of(pair, text, cont_len, max_tokens)
     return bench(pair, calib, [window], cont_len, gen_tokens, sweeps, (), pair.consumer_source,
-                 progress=False, scd_full=plan, budget=budget)
+                 progress=False, scd_full=plan, budget=budget, coder=coder)

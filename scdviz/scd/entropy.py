@@ -1,6 +1,6 @@
-"""Entropy coding of a section's quantised integers (rANS, the ``constriction`` library).
+"""Entropy coding of a payload section's integers (rANS, the ``constriction`` library), two ways.
 
-The model is the section's own histogram (order 0), sent with it: 2**bits frequencies as
+Packed sections coded losslessly (``encode`` / ``decode``): the model is the section's own histogram (order 0), sent with it: 2**bits frequencies as
 u16, then the rANS stream as u32 words. Layout of a coded body:
 
     n_words u32 | freq u16 × 2**bits | words u32 × n_words
@@ -8,10 +8,15 @@ u16, then the rANS stream as u32 words. Layout of a coded body:
 ``encode`` returns None when coding would not make the section smaller (tiny sections, flat
 histograms): the payload then stores the packed integers instead, so an entropy-coded
 payload is never larger than the same payload packed.
+
+Transform coding (``quantise_uniform``, ``encode_uniform``, ``decode_uniform``, ``fit_scale``):
+a code matrix quantised with one uniform step and coded under a Gaussian per channel; see the
+section below.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -71,3 +76,149 @@ def decode(body: bytes, bits: int, n: int) -> Tensor:
     words = np.frombuffer(body, dtype="<u4", count=n_words, offset=_LEN.size + table).astype(np.uint32)
     values = constriction.stream.stack.AnsCoder(words).decode(_model(freq), n)
     return torch.from_numpy(values.astype(np.uint8))
+
+
+# ----------------------------------------------------------------------------- transform coding
+#
+# A transform-coded section (payload bits 0): a code matrix Z (rows tokens, cols channels) is
+# quantised with one uniform step s for every channel, q = round(Z / s), and each channel's
+# integers are rANS-coded under a zero-mean Gaussian quantised to unit bins whose standard
+# deviation is that channel's, sent as one byte on a log scale (0: the channel is all zero and
+# costs no symbol). Channels past the last non-zero one are not sent, so the rank follows from
+# the step. With orthonormal decoder rows (REUSE codes, scdviz.scd.rrr) the squared error in
+# K/V space is the sum over channels, so one step per section, scaled by the section's
+# measured KL sensitivity, is the classic equal-slope allocation (reverse water-filling).
+# Layout of a transform-coded body:
+#
+#     step f32 | n_words u32 | scale u8 × cols | words u32 × n_words
+
+_TC = struct.Struct("<fI")
+LIMIT = 2**15 - 1  # integers are clamped to ±LIMIT (the model's alphabet)
+
+
+def _scale_codes(q: Tensor) -> Tensor:
+    """(..., rows, cols) integers -> (..., cols) uint8 log-scale code of each channel's RMS about
+    the model's zero mean (0: the channel is all zero)."""
+    sd = q.double().pow(2).mean(-2).sqrt().clamp_min(0.1)
+    code = (torch.log2(sd) * 8).round().add(128).clamp(1, 255)
+    return torch.where((q != 0).any(-2), code, torch.zeros_like(code)).to(torch.uint8)
+
+
+def _stds(codes: Tensor) -> Tensor:
+    """Standard deviations the coder uses, from their byte codes (same on both sides)."""
+    return torch.pow(2.0, (codes.double() - 128) / 8)
+
+
+def _rounded(z: Tensor, step) -> Tensor:
+    return torch.round(z.double() / step).clamp(-LIMIT, LIMIT).to(torch.int32)
+
+
+def quantise_uniform(z: Tensor, step: float) -> Tensor:
+    """(rows, cols) float -> integers (rows, cols_sent) int32, trailing all-zero channels dropped."""
+    q = _rounded(z, step)
+    live = (q != 0).any(0).nonzero()
+    return q[:, : int(live.max()) + 1] if live.numel() else q[:, :0]
+
+
+def _bits(q: Tensor) -> float:
+    """Code length in bits of integers q (rows, cols) under the section's model."""
+    codes = _scale_codes(q)
+    used = codes > 0
+    if not used.any():
+        return 0.0
+    x, sd = q[:, used].abs().float(), _stds(codes[used]).float()
+    p = torch.special.ndtr((0.5 - x) / sd) - torch.special.ndtr((-0.5 - x) / sd)  # the lower tail: exact in fp32
+    return float(-torch.log2(p.clamp_min(2.0**-24)).double().sum())
+
+
+def estimated_len(q: Tensor, bits: float | None = None) -> int:
+    """Bytes of the transform-coded body of integers q (rows, cols) from ``quantise_uniform``,
+    from the model's code length (``bits``, else measured; the real one differs by a few words)."""
+    bits = _bits(q) if bits is None else bits
+    return _TC.size + q.shape[1] + (4 * (int(bits / 32) + 2) if bits > 0 else 0)  # no symbol: no word
+
+
+def _gauss_model():
+    import constriction  # imported here: only coded payloads need it
+
+    return constriction.stream.model.QuantizedGaussian(-LIMIT, LIMIT)
+
+
+def encode_uniform(q: Tensor, step: float) -> bytes:
+    """Integers (rows, cols) from ``quantise_uniform`` -> transform-coded body."""
+    import constriction
+
+    codes = _scale_codes(q)
+    used = codes > 0
+    symbols = q[:, used].T.reshape(-1).numpy().astype(np.int32)  # channel by channel
+    stds = _stds(codes[used]).repeat_interleave(q.shape[0]).numpy()
+    coder = constriction.stream.stack.AnsCoder()
+    if symbols.size:
+        coder.encode_reverse(symbols, _gauss_model(), np.zeros_like(stds), stds)
+    words = coder.get_compressed()
+    return _TC.pack(step, len(words)) + codes.numpy().tobytes() + words.astype("<u4").tobytes()
+
+
+def uniform_len(body: bytes, cols: int) -> int:
+    """Length of the transform-coded body at the start of ``body``."""
+    return _TC.size + cols + 4 * _TC.unpack_from(body, 0)[1]
+
+
+def decode_uniform(body: bytes, rows: int, cols: int) -> Tensor:
+    """Transform-coded body -> the dequantised matrix (rows, cols) float32."""
+    import constriction
+
+    step, n_words = _TC.unpack_from(body, 0)
+    codes = torch.tensor(list(body[_TC.size : _TC.size + cols]), dtype=torch.uint8, device="cpu")
+    used = codes > 0
+    out = torch.zeros(rows, cols, dtype=torch.float64, device="cpu")  # payloads are host-side
+    if used.any():
+        words = np.frombuffer(body, dtype="<u4", count=n_words, offset=_TC.size + cols).astype(np.uint32)
+        stds = _stds(codes[used]).repeat_interleave(rows).numpy()
+        values = constriction.stream.stack.AnsCoder(words).decode(_gauss_model(), np.zeros_like(stds), stds)
+        out[:, used] = torch.from_numpy(values.astype(np.float64)).reshape(-1, rows).T
+    return (out * step).float()
+
+
+def fit_scale(codes: list[Tensor], rel_steps: list[float], allowed: int, extra: int, tol: float = 0.002,
+              rows_seen: int = 128) -> float:
+    """The global scale g (section i quantised with step g · rel_steps[i]) whose estimated
+    transform-coded bytes, plus ``extra`` bytes per section (its header), fit ``allowed`` with
+    at most ``tol`` of it left over (or the finest scale searched). The estimate codes about
+    ``rows_seen`` evenly spaced rows and scales their bits to all rows (the caller checks the
+    real length). Bytes fall monotonically as log g grows; the root is found by regula falsi
+    (Illinois) on log g. ValueError when not even all-zero sections fit."""
+    rows = max((z.shape[0] for z in codes), default=1)
+    stride = max(1, rows // rows_seen)
+    seen = [z[::stride] for z in codes]
+
+    def over(log_g: float) -> int:
+        total = 0
+        for z, part, s in zip(codes, seen, rel_steps):
+            q = quantise_uniform(part, 2**log_g * s)
+            total += estimated_len(q, _bits(q) * z.shape[0] / max(part.shape[0], 1)) + extra
+        return total - allowed
+
+    top = max((float(z.abs().max()) / s for z, s in zip(codes, rel_steps) if z.numel()), default=1.0)
+    hi = math.log2(max(top, 1e-30)) + 1  # every integer is 0
+    lo = hi - 15.5  # the finest scale: the largest integer stays inside ±LIMIT
+    f_hi, f_lo = over(hi), over(lo)
+    if f_hi > 0:
+        raise ValueError(f"the transform-coded sections need at least {f_hi + allowed} bytes; {allowed} allowed")
+    if f_lo <= 0:
+        return 2**lo
+    side = 0
+    for _ in range(40):
+        if -f_hi <= tol * allowed:
+            break
+        mid = hi - f_hi * (hi - lo) / (f_hi - f_lo)  # the secant's zero (f_lo > 0 >= f_hi)
+        f_mid = over(mid)
+        if f_mid <= 0:
+            hi, f_hi = mid, f_mid
+            f_lo = f_lo / 2 if side == 1 else f_lo  # Illinois: halve the stale end
+            side = 1
+        else:
+            lo, f_lo = mid, f_mid
+            f_hi = f_hi / 2 if side == -1 else f_hi
+            side = -1
+    return 2**hi

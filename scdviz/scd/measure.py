@@ -54,6 +54,7 @@ class MethodResult:
     generations: list[list[int]] = field(default_factory=list)  # greedy token ids per prompt (when generated)
     qa_f1: list[float] = field(default_factory=list)  # per prompt: token-F1 of the context-QA answer (when asked)
     kl_per_prompt: list[float] = field(default_factory=list)  # mean KL of each prompt (for paired comparisons)
+    sent: dict[str, list[float]] = field(default_factory=dict)  # what the payloads carried per layer (``sent_per_layer``)
 
     @property
     def speedup_10gbps(self) -> float:
@@ -107,6 +108,7 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
     kl_prompt, top1, nll, nll_o, f1, qa_f1 = [], [], [], [], [], []
     dk, dv, div, cons, enc, orc, pay, ttfts = [], [], [], [], [], [], [], {lk.label: [] for lk in links.PRESETS}
     gens: list[list[int]] = []
+    sent = []
     fp16 = pair.consumer_facts.kv_bytes_per_token_fp16
     for i, case in enumerate(cases):
         run = transfer.run_plan(pair.consumer, case, plan, calib)
@@ -124,6 +126,7 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
         enc.append(run.encode_seconds)
         orc.append(case.oracle_seconds)
         pay.append(run.payload_bytes / case.state.ids.shape[1])
+        sent.append(sent_per_layer(run.spans, len(plan.modes), case.state.ids.shape[1]))
         for lk in links.PRESETS:
             ttfts[lk.label].append(links.ttft(run.payload_bytes, run.consumer_seconds + run.encode_seconds, lk))
         if gen_tokens:
@@ -142,8 +145,25 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
         ttft={k: sum(v) / len(v) for k, v in ttfts.items()}, n_prompts=len(cases), n_tokens=len(top1),
         modes=list(plan.modes), drift_k=_mean(dk), drift_v=_mean(dv), divergence=_mean(div),
         prompt_tokens=sum(c.state.ids.shape[1] for c in cases) / len(cases), generations=gens, kl_per_prompt=kl_prompt,
-        qa_f1=qa_f1,
+        qa_f1=qa_f1, sent={key: _mean([s[key] for s in sent]) for key in sent[0]},
     )
+
+
+SENT_KINDS = {"k": "k", "k_code": "k", "k_recent": "k", "v": "v", "v_code": "v", "v_recent": "v", "h_code": "h", "resid": "h"}
+
+
+def sent_per_layer(spans, n_layers: int, n_tokens: int) -> dict[str, list[float]]:
+    """Per layer, from a payload's section headers: the columns sent of K, V and H (a code's rank,
+    d_kv for raw K/V, the patch's code width or d for a residual) as ``cols_k`` / ``cols_v`` /
+    ``cols_h``, and the bytes per prompt token of each, headers included, as ``bytes_k`` / ``bytes_v`` /
+    ``bytes_h``."""
+    out = {f"{what}_{kind}": [0.0] * n_layers for what in ("cols", "bytes") for kind in "kvh"}
+    for sp in spans:
+        kind = SENT_KINDS[sp.kind]
+        if sp.kind not in ("k_recent", "v_recent"):  # KIVI's window repeats the columns of its layer
+            out[f"cols_{kind}"][sp.layer] = float(sp.cols)
+        out[f"bytes_{kind}"][sp.layer] += sp.nbytes / n_tokens
+    return out
 
 
 def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tuple[MethodResult, list[list[int]]]:

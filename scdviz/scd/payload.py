@@ -11,9 +11,12 @@ Layout (little endian):
              an empty matrix (a rank-0 code) has no body
            axis byte | 0x80: the integers are entropy coded (scdviz.scd.entropy: its body
            replaces the packed integers; minima and steps follow as above)
+             bits 0:    transform coded (scdviz.scd.entropy): one uniform step for the whole
+                        matrix, each channel's integers rANS-coded under a Gaussian; cols is
+                        the channels sent (the trailing all-zero ones are dropped)
 
 ``payload_len`` is this formula for sections that are not entropy coded (a coded section is
-never longer); tests check it against real messages. Kinds say what a
+never longer; a transform-coded one has no formula: its length is the data's); tests check it against real messages. Kinds say what a
 section holds (KINDS); which rows (with or without token 0) and what the receiver does
 with them is the plan's business (scdviz.scd.plan). This module only (de)serialises.
 """
@@ -56,6 +59,7 @@ class Section:
     group: int = 32  # quantisation group size (ignored at 16 bits)
     axis: str = "channel"  # quantisation grouping, see scdviz.scd.quant
     coded: bool = False  # entropy-code the integers when that makes the section smaller
+    step: float = 0.0  # bits 0: the uniform quantiser's step (transform coding)
 
 
 @dataclass
@@ -68,7 +72,9 @@ class Message:
 
 
 def section_len(rows: int, cols: int, bits: int, group: int, axis: str) -> int:
-    """Bytes of one section, header included."""
+    """Bytes of one section, header included (not for transform-coded sections, bits 0)."""
+    if bits == 0:
+        raise ValueError("a transform-coded section's length depends on its data")
     if bits == 16:
         return SECTION.size + 2 * rows * cols
     return SECTION.size + quant.packed_len(rows * cols, bits) + 4 * quant.n_groups(rows, cols, group, axis)
@@ -84,6 +90,12 @@ def encode(n_tokens: int, token0: int, sections: list[Section]) -> bytes:
     parts = [HEADER.pack(MAGIC, n_tokens, token0, len(sections))]
     for s in sections:
         rows, cols = s.data.shape
+        if s.bits == 0:
+            step = struct.unpack("<f", struct.pack("<f", s.step))[0]  # the f32 the receiver reads
+            q = entropy.quantise_uniform(s.data.detach().cpu(), step)
+            parts.append(SECTION.pack(s.layer, KINDS[s.kind], 0, AXIS_CODES[s.axis], 0, rows, q.shape[1]))
+            parts.append(entropy.encode_uniform(q, step))
+            continue
         if s.bits == 16:
             parts.append(SECTION.pack(s.layer, KINDS[s.kind], s.bits, AXIS_CODES[s.axis], s.group, rows, cols))
             parts.append(s.data.detach().to(torch.float16).cpu().contiguous().numpy().tobytes())
@@ -97,28 +109,70 @@ def encode(n_tokens: int, token0: int, sections: list[Section]) -> bytes:
     return b"".join(parts)
 
 
-def decode(payload: bytes) -> Message:
-    """Parse a payload; ValueError on a foreign or truncated message."""
+@dataclass
+class Span:
+    """Where one section of a payload lies, from its header alone."""
+
+    layer: int
+    kind: str
+    bits: int
+    axis: str
+    group: int
+    rows: int
+    cols: int
+    coded: bool
+    start: int  # first byte of the body
+    end: int  # one past its last byte
+    ints: int  # bytes of the integers at the start of the body (quantised sections)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the section, its header included."""
+        return SECTION.size + self.end - self.start
+
+
+def spans(payload: bytes) -> tuple[int, int, list[Span]]:
+    """(n_tokens, token0, the sections' spans) of a payload, without decoding any body;
+    ValueError on a foreign or truncated message."""
     if len(payload) < HEADER.size or payload[:4] != MAGIC:
         raise ValueError("not an SCD payload (bad magic)")
     _, n_tokens, token0, n_sections = HEADER.unpack_from(payload, 0)
     kinds = {v: k for k, v in KINDS.items()}
     axes = {v: k for k, v in AXIS_CODES.items()}
-    pos, sections = HEADER.size, []
+    pos, out = HEADER.size, []
     for _ in range(n_sections):
+        if pos + SECTION.size > len(payload):
+            raise ValueError("truncated SCD payload")
         layer, kind, bits, axis, group, rows, cols = SECTION.unpack_from(payload, pos)
         coded, axis = bool(axis & CODED), axes[axis & ~CODED]
         start = pos + SECTION.size
-        if coded and start + 4 > len(payload):
+        if (bits == 0 or coded) and start + 8 > len(payload):
             raise ValueError("truncated SCD payload")
-        ints = _ints_len(payload[start:], rows, cols, bits, coded)  # bytes of the integers (0 at 16 bits)
-        n = quant.n_groups(rows, cols, group, axis) if bits < 16 else 0
-        end = start + (2 * rows * cols if bits == 16 else ints + 4 * n)
+        if bits == 0:
+            ints, end = 0, start + entropy.uniform_len(payload[start : start + 8], cols)
+        else:
+            ints = _ints_len(payload[start : start + 4], rows, cols, bits, coded)  # bytes of the integers (0 at 16 bits)
+            end = start + (2 * rows * cols if bits == 16 else ints + 4 * quant.n_groups(rows, cols, group, axis))
         if end > len(payload):
             raise ValueError("truncated SCD payload")
-        sections.append(Section(layer, kinds[kind], _body(payload[start:end], rows, cols, bits, group, axis, ints, n, coded),
-                                bits, group, axis, coded))
+        out.append(Span(layer, kinds[kind], bits, axis, group, rows, cols, coded, start, end, ints))
         pos = end
+    return n_tokens, token0, out
+
+
+def decode(payload: bytes) -> Message:
+    """Parse a payload; ValueError on a foreign or truncated message."""
+    n_tokens, token0, found = spans(payload)
+    sections = []
+    for sp in found:
+        body = payload[sp.start : sp.end]
+        if sp.bits == 0:
+            sections.append(Section(sp.layer, sp.kind, entropy.decode_uniform(body, sp.rows, sp.cols), 0, sp.group, sp.axis,
+                                    step=struct.unpack_from("<f", body, 0)[0]))
+            continue
+        n = quant.n_groups(sp.rows, sp.cols, sp.group, sp.axis) if sp.bits < 16 else 0
+        data = _body(body, sp.rows, sp.cols, sp.bits, sp.group, sp.axis, sp.ints, n, sp.coded)
+        sections.append(Section(sp.layer, sp.kind, data, sp.bits, sp.group, sp.axis, sp.coded))
     return Message(n_tokens, token0, sections)
 
 

@@ -3,7 +3,9 @@
 Layer modes:
   raw        producer's post-RoPE K and V, at ``raw_bits`` (16 = fp16; 4 or 8 = KIVI-style
              group-wise: keys per-channel, values per-token)
-  code       REUSE: rank-r codes of pre-RoPE K and of V (scdviz.scd.rrr), at ``code_bits``
+  code       REUSE: rank-r codes of pre-RoPE K and of V (scdviz.scd.rrr), at ``code_bits``,
+             or transform coded (bits 0: a uniform step per section, entropy coded; the
+             rank follows from the step, see scdviz.scd.entropy)
   patch      PATCH: a code of the normalised H_in; the consumer aligns it to its own H_in
              and regenerates K, V with its own projections (scdviz.scd.patch)
   recompute  DroidSpeak-style: the producer sends the residual stream entering each run
@@ -56,6 +58,9 @@ class Plan:
     bits_v: list[int] = field(default_factory=list)  # (L,) per-layer bits of value codes; empty: code_bits
     bits_h: list[int] = field(default_factory=list)  # (L,) per-layer bits of PATCH codes; empty: code_bits
     entropy: bool = False  # entropy-code every quantised section (scdviz.scd.entropy); never more bytes
+    steps_k: list[float] = field(default_factory=list)  # (L,) step of transform-coded key codes (bits 0)
+    steps_v: list[float] = field(default_factory=list)  # (L,) step of transform-coded value codes
+    rate_target: float = 0.0  # > 0: steps are relative; the producer scales them to this many payload bytes/token
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.modes) - set(MODES))
@@ -68,9 +73,13 @@ class Plan:
         for what, bits in (("bits_k", self.bits_k), ("bits_v", self.bits_v), ("bits_h", self.bits_h)):
             if bits and len(bits) != len(self.modes):
                 raise ValueError(f"{what} needs one entry per layer ({len(self.modes)}), got {len(bits)}")
-            bad = sorted(set(bits) - set(CODE_BITS))
+            bad = sorted(set(bits) - set(CODE_BITS) - ({0} if what != "bits_h" else set()))
             if bad:
-                raise ValueError(f"{what}: unsupported code bits {bad}; use {CODE_BITS}")
+                raise ValueError(f"{what}: unsupported code bits {bad}; use {CODE_BITS}"
+                                 + ("" if what == "bits_h" else " or 0 (transform coded)"))
+        for bits, steps, what in ((self.bits_k, self.steps_k, "steps_k"), (self.bits_v, self.steps_v, "steps_v")):
+            if 0 in bits and (len(steps) != len(self.modes) or any(s <= 0 for i, s in enumerate(steps) if bits[i] == 0)):
+                raise ValueError(f"transform-coded layers need a positive {what} entry for every layer")
 
     def bits_of(self, layer: int, kind: str) -> int:
         """Bits of a code section of ``layer``: kind "k", "v" or "h"."""
@@ -193,6 +202,33 @@ def operating_plan(
     else:
         rank_k, rank_v = budget_ranks(calib, budget, bits, cfg.code_group, chosen)
     return scd_plan(rank_k, rank_v, chosen, code_bits=bits, code_group=cfg.code_group, name=name)
+
+
+def tc_plan(calib: Calibration, budget_bytes: float, sink: str = "recompute", name: str | None = None) -> Plan:
+    """SCD transform coded at a byte budget: every layer a full-rank REUSE code for K and V,
+    quantised with one uniform step per section and entropy coded (scdviz.scd.entropy).
+
+    Steps are set for equal slope of the predicted KL: a section's KL per unit of squared
+    error in K/V space is its measured sensitivity (scdviz.scd.rate, KL per unit of relative
+    error) over its energy (the code's fitted energy Σ s², its rank spectrum), and the error
+    of a uniform step s is ∝ s², so the steps are ∝ 1 / sqrt(that). The producer scales them
+    all by one factor per prompt so that the real payload (headers included) is at most
+    ``budget_bytes`` per token (``transfer.build_payload``); channels whose integers are all
+    zero are not sent, so each section's rank follows from its step.
+    """
+    if calib.rate is None:
+        raise ValueError("transform coding needs the calibration's sensitivities: run `python -m scdviz rate` on it")
+    n = calib.n_layers
+    rank_k, rank_v = full_ranks(calib)
+
+    def steps(codes, sens) -> list[float]:
+        energy = torch.stack([(c.spectrum.double() ** 2).sum() for c in codes]).clamp_min(1e-30)
+        return (energy / sens.double().clamp_min(1e-12)).sqrt().tolist()
+
+    return Plan(name or f"SCD transform-coded @{budget_bytes:g} B/token", ["code"] * n, rank_k, rank_v,
+                code_group=calib.config.code_group, sink=sink, bits_k=[0] * n, bits_v=[0] * n, bits_h=[4] * n,
+                steps_k=steps(calib.key_codes, calib.rate.sens_k), steps_v=steps(calib.value_codes, calib.rate.sens_v),
+                rate_target=float(budget_bytes))
 
 
 def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute", kivi_window: int = 0,

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from scdviz import data
 from scdviz.models import hf
-from scdviz.scd import payload
+from scdviz.scd import entropy, payload
 from scdviz.scd.payload import Section
 from scdviz.scd.plan import Plan
 
@@ -77,6 +77,7 @@ class PlanRun:
     cache: object  # the consumer's DynamicCache over the prefix
     logits: Tensor  # (n, V) teacher-forced continuation logits
     resid: list[Tensor]  # (n, d) continuation residual stream per layer (L + 1)
+    spans: list = None  # scdviz.scd.payload.Span of every section of the payload
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -121,14 +122,40 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
         elif mode == "code":
             zk = calib.key_codes[layer].encode(state.keys_pre[layer][rows], plan.rank_k[layer])
             zv = calib.value_codes[layer].encode(state.values[layer][rows], plan.rank_v[layer])
-            sections.append(Section(layer, "k_code", zk, plan.bits_of(layer, "k"), plan.code_group, "channel", plan.entropy))
-            sections.append(Section(layer, "v_code", zv, plan.bits_of(layer, "v"), plan.code_group, "channel", plan.entropy))
+            for kind, z, steps in (("k", zk, plan.steps_k), ("v", zv, plan.steps_v)):
+                bits = plan.bits_of(layer, kind)
+                sections.append(Section(layer, f"{kind}_code", z, bits, plan.code_group, "channel", plan.entropy,
+                                        step=steps[layer] if bits == 0 else 0.0))
         elif mode == "patch":
             z = calib.patch_for(layer).encode(state.h_in[layer][rows])
             sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel", plan.entropy))
     for start, _ in plan.runs():
         sections.append(Section(start, "resid", state.resid[start]))
-    return payload.encode(state.ids.shape[1], int(state.ids[0, 0]), sections)
+    n_tokens = state.ids.shape[1]
+    if plan.rate_target:
+        return _rate_controlled(n_tokens, int(state.ids[0, 0]), sections, int(plan.rate_target * n_tokens))
+    return payload.encode(n_tokens, int(state.ids[0, 0]), sections)
+
+
+def _rate_controlled(n_tokens: int, token0: int, sections: list[Section], allowed: int) -> bytes:
+    """The payload with every transform-coded section's relative step scaled by one factor, the
+    finest whose real length is at most ``allowed`` bytes (bisection on the coder's estimate,
+    then coarser by 1% steps until the real message fits)."""
+    coded = [s for s in sections if s.bits == 0]
+    fixed = payload.payload_len([s for s in sections if s.bits != 0])
+    rel = [s.step for s in coded]
+    least = fixed + len(coded) * (payload.SECTION.size + entropy.estimated_len(torch.zeros(1, 0, dtype=torch.int32, device="cpu")))
+    if least > allowed:
+        raise ValueError(f"a budget of {allowed / n_tokens:g} B/token is below the smallest transform-coded payload "
+                         f"for {n_tokens} tokens ({least / n_tokens:.1f} B/token)")
+    scale = entropy.fit_scale([s.data for s in coded], rel, allowed - fixed, payload.SECTION.size)
+    while True:
+        for s, r in zip(coded, rel):
+            s.step = scale * r
+        blob = payload.encode(n_tokens, token0, sections)
+        if len(blob) <= allowed:
+            return blob
+        scale *= 1.01
 
 
 def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
@@ -215,4 +242,4 @@ def run_plan(consumer, case: Case, plan: Plan, calib=None) -> PlanRun:
     got = receive(consumer, blob, plan, calib)
     start = case.state.ids.shape[1]
     logits, resid = continuation(consumer, got.cache, case.fed, start)
-    return PlanRun(len(blob), encode, got.seconds + case.step_seconds, got.cache, logits, resid)
+    return PlanRun(len(blob), encode, got.seconds + case.step_seconds, got.cache, logits, resid, payload.spans(blob)[2])

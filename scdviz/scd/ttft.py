@@ -49,7 +49,7 @@ class TtftConfig:
     prompt_len: int = opt(1024, "prompt tokens per window")
     warmup: int = opt(1, "untimed rounds first")
     reps: int = opt(5, "timed rounds (each times every method once, in a shuffled order)")
-    budget: float = opt(3840.0, "also the rate-distortion plan at this many payload bytes/token (and entropy coded)")
+    budget: float = opt(3840.0, "also the transform-coded plan and the rate-distortion plan (packed and entropy coded) at this many payload bytes/token")
     fan_out: int = opt(4, "specialists sharing one producer prefill (the shared-prefix column)")
     seed: int = opt(0, "order of the methods in each round")
 
@@ -66,9 +66,10 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def methods(calib: cal.Calibration, budget: float, n_tokens: int) -> list[plans.Plan]:
-    """The lineup, and the rate-distortion plan at ``budget`` packed and entropy coded."""
+    """The lineup, and at ``budget`` the transform-coded plan and the rate-distortion plan packed and entropy coded."""
     rd = plans.rd_plan(calib.rate, budget, n_tokens)[0] if calib.rate is not None else None
-    extra = [] if rd is None else [rd, dataclasses.replace(rd, name=f"SCD RD+entropy @{budget:g} B/token", entropy=True)]
+    extra = [] if rd is None else [plans.tc_plan(calib, budget), rd,
+                                   dataclasses.replace(rd, name=f"SCD RD+entropy @{budget:g} B/token", entropy=True)]
     return [*plans.lineup(calib), *extra]
 
 

@@ -44,7 +44,10 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         placement = gr.Radio(["selected", "drift", "manual"], value="selected", label="Placement")
         layers = gr.Textbox(label="Manual patch layers (e.g. 14, 18)", value="")
         budget = gr.Number(value=0, minimum=0, maximum=100_000, label="Byte budget, B/token (0 = the controls; "
-                           "else the rate-distortion planner picks ranks, bits and patches)", elem_id="scd-budget")
+                           "else the budget coder decides)", elem_id="scd-budget")
+        coder = gr.Radio([("transform coding: one step per section, entropy coded", "transform"),
+                          ("rate-distortion plan: ranks, bits and patches", "rd")], value="transform",
+                         label="Budget coder", elem_id="scd-coder")
     with gr.Row():
         gbps = gr.Slider(0.5, 100, value=10, label="Link bandwidth (Gbit/s)")
         latency = gr.Slider(0.0, 20.0, value=0.5, step=0.5, label="Link latency (ms)")
@@ -68,11 +71,11 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     assert set(plots) == set(FIGURES)
     downloads = [figure_downloads("scd", figs, session, export)] if export is not None else []
 
-    def on_run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud, progress=gr.Progress()):  # noqa: B008
+    def on_run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud, cod, progress=gr.Progress()):  # noqa: B008
         if not key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="transferring with every method")
-        out = run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud)
+        out = run(key, sess, txt, c, g, b, rk, rv, k, place, lay, bw, lat, fan, bud, cod)
         segments = []
         oracle = out["texts"][0][1]
         for method, tokens in out["texts"]:
@@ -82,6 +85,6 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                 + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
 
     go_btn.click(guard(on_run), [pair_state, session, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers,
-                                 gbps, latency, fan_out, budget],
+                                 gbps, latency, fan_out, budget, coder],
                  [info, table, texts] + [plots[n] for n in FIGURES] + [figs] + downloads,
                  concurrency_limit=1, api_name="scd")
