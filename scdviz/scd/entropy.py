@@ -84,15 +84,17 @@ def decode(body: bytes, bits: int, n: int) -> Tensor:
 # quantised with one uniform step s for every channel, q = round(Z / s), and each channel's
 # integers are rANS-coded under a zero-mean Gaussian quantised to unit bins whose standard
 # deviation is that channel's, sent as one byte on a log scale (0: the channel is all zero and
-# costs no symbol). Channels past the last non-zero one are not sent, so the rank follows from
-# the step. With orthonormal decoder rows (REUSE codes, scdviz.scd.rrr) the squared error in
+# costs no symbol); channels sharing a scale share one model, a lookup table over ±peak (the
+# section's largest |integer|) when peak ≤ TABLE_R, else a parametric one. Channels past the
+# last non-zero one are not sent, so the rank follows from the step. With orthonormal decoder rows (REUSE codes, scdviz.scd.rrr) the squared error in
 # K/V space is the sum over channels, so one step per section, scaled by the section's
 # measured KL sensitivity, is the classic equal-slope allocation (reverse water-filling).
 # Layout of a transform-coded body:
 #
-#     step f32 | n_words u32 | scale u8 × cols | words u32 × n_words
+#     step f32 | n_words u32 | peak u16 | scale u8 × cols | words u32 × n_words
 
-_TC = struct.Struct("<fI")
+_TC = struct.Struct("<fIH")  # step, rANS words, largest |integer|
+HEAD_LEN = max(_TC.size, _LEN.size)  # bytes that give the length of either kind of coded body
 LIMIT = 2**15 - 1  # integers are clamped to ±LIMIT (the model's alphabet)
 
 
@@ -133,15 +135,35 @@ def _bits(q: Tensor) -> float:
 
 def estimated_len(q: Tensor, bits: float | None = None) -> int:
     """Bytes of the transform-coded body of integers q (rows, cols) from ``quantise_uniform``,
-    from the model's code length (``bits``, else measured; the real one differs by a few words)."""
+    from the model's code length (``bits``, else measured; the real one differs by a few words either way)."""
     bits = _bits(q) if bits is None else bits
     return _TC.size + q.shape[1] + (4 * (int(bits / 32) + 2) if bits > 0 else 0)  # no symbol: no word
 
 
-def _gauss_model():
-    import constriction  # imported here: only coded payloads need it
+TABLE_R = 1023  # up to this largest |integer| a section's models are lookup tables; beyond, parametric
 
-    return constriction.stream.model.QuantizedGaussian(-LIMIT, LIMIT)
+
+def _models(codes: Tensor, peak: int) -> dict[int, object]:
+    """The coder's model for each channel scale code present: a categorical table over
+    [-peak, peak] (symbols shifted by +peak) of the Gaussian quantised to unit bins, or beyond
+    TABLE_R a parametric quantised Gaussian over ±LIMIT. The same on both sides."""
+    import constriction
+
+    used = sorted({int(c) for c in codes.tolist() if c})
+    if not used:
+        return {}
+    sd = _stds(torch.tensor(used, dtype=torch.uint8, device="cpu"))
+    if peak > TABLE_R:
+        return {c: constriction.stream.model.QuantizedGaussian(-LIMIT, LIMIT, 0.0, float(s)) for c, s in zip(used, sd)}
+    x = torch.arange(-peak, peak + 1, dtype=torch.float64, device="cpu")
+    p = torch.special.ndtr((x + 0.5) / sd[:, None]) - torch.special.ndtr((x - 0.5) / sd[:, None])
+    p = (p.clamp_min(1e-12) / p.clamp_min(1e-12).sum(1, keepdim=True)).numpy()
+    return {c: constriction.stream.model.Categorical(row, perfect=False) for c, row in zip(used, p)}
+
+
+def _groups(codes: Tensor) -> list[tuple[int, Tensor]]:
+    """Channels sharing a scale code, in a fixed order: (code, channel indices)."""
+    return [(int(c), (codes == c).nonzero()[:, 0]) for c in sorted({int(c) for c in codes.tolist() if c})]
 
 
 def encode_uniform(q: Tensor, step: float) -> bytes:
@@ -149,14 +171,19 @@ def encode_uniform(q: Tensor, step: float) -> bytes:
     import constriction
 
     codes = _scale_codes(q)
-    used = codes > 0
-    symbols = q[:, used].T.reshape(-1).numpy().astype(np.int32)  # channel by channel
-    stds = _stds(codes[used]).repeat_interleave(q.shape[0]).numpy()
+    peak = int(q.abs().max()) if q.numel() else 0
+    models = _models(codes, peak)
+    shift = 0 if peak > TABLE_R else peak
     coder = constriction.stream.stack.AnsCoder()
-    if symbols.size:
-        coder.encode_reverse(symbols, _gauss_model(), np.zeros_like(stds), stds)
+    groups = _groups(codes)
+    if groups:
+        order = torch.cat([chans for _, chans in groups])
+        symbols = (q[:, order].T + shift).numpy().astype(np.int32)  # (channels in group order, rows)
+        ends = np.cumsum([len(chans) for _, chans in groups])
+        for (code, _), start, end in reversed(list(zip(groups, ends - [len(c) for _, c in groups], ends))):
+            coder.encode_reverse(symbols[start:end].reshape(-1), models[code])  # a stack: decoded first group first
     words = coder.get_compressed()
-    return _TC.pack(step, len(words)) + codes.numpy().tobytes() + words.astype("<u4").tobytes()
+    return _TC.pack(step, len(words), peak) + codes.numpy().tobytes() + words.astype("<u4").tobytes()
 
 
 def uniform_len(body: bytes, cols: int) -> int:
@@ -168,15 +195,18 @@ def decode_uniform(body: bytes, rows: int, cols: int) -> Tensor:
     """Transform-coded body -> the dequantised matrix (rows, cols) float32."""
     import constriction
 
-    step, n_words = _TC.unpack_from(body, 0)
+    step, n_words, peak = _TC.unpack_from(body, 0)
     codes = torch.tensor(list(body[_TC.size : _TC.size + cols]), dtype=torch.uint8, device="cpu")
-    used = codes > 0
     out = torch.zeros(rows, cols, dtype=torch.float64, device="cpu")  # payloads are host-side
-    if used.any():
+    groups = _groups(codes)
+    if groups:
+        models = _models(codes, peak)
+        shift = 0 if peak > TABLE_R else peak
         words = np.frombuffer(body, dtype="<u4", count=n_words, offset=_TC.size + cols).astype(np.uint32)
-        stds = _stds(codes[used]).repeat_interleave(rows).numpy()
-        values = constriction.stream.stack.AnsCoder(words).decode(_gauss_model(), np.zeros_like(stds), stds)
-        out[:, used] = torch.from_numpy(values.astype(np.float64)).reshape(-1, rows).T
+        coder = constriction.stream.stack.AnsCoder(words)
+        values = [coder.decode(models[code], rows * len(chans)) for code, chans in groups]
+        order = torch.cat([chans for _, chans in groups])
+        out[:, order] = torch.from_numpy(np.concatenate(values).astype(np.float64) - shift).reshape(len(order), rows).T
     return (out * step).float()
 
 

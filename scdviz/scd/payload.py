@@ -146,10 +146,10 @@ def spans(payload: bytes) -> tuple[int, int, list[Span]]:
         layer, kind, bits, axis, group, rows, cols = SECTION.unpack_from(payload, pos)
         coded, axis = bool(axis & CODED), axes[axis & ~CODED]
         start = pos + SECTION.size
-        if (bits == 0 or coded) and start + 8 > len(payload):
+        if (bits == 0 or coded) and start + entropy.HEAD_LEN > len(payload):
             raise ValueError("truncated SCD payload")
         if bits == 0:
-            ints, end = 0, start + entropy.uniform_len(payload[start : start + 8], cols)
+            ints, end = 0, start + entropy.uniform_len(payload[start : start + entropy.HEAD_LEN], cols)
         else:
             ints = _ints_len(payload[start : start + 4], rows, cols, bits, coded)  # bytes of the integers (0 at 16 bits)
             end = start + (2 * rows * cols if bits == 16 else ints + 4 * quant.n_groups(rows, cols, group, axis))
