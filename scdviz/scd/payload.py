@@ -16,9 +16,10 @@ Layout (little endian):
                         the channels sent (the trailing all-zero ones are dropped)
 
 ``payload_len`` is this formula for sections that are not entropy coded (a coded section is
-never longer; a transform-coded one has no formula: its length is the data's); tests check it against real messages. Kinds say what a
-section holds (KINDS); which rows (with or without token 0) and what the receiver does
-with them is the plan's business (scdviz.scd.plan). This module only (de)serialises.
+never longer; a transform-coded one has no formula: its length is the data's); tests check it
+against real messages. ``spans`` walks the section headers alone. Kinds say what a section
+holds (KINDS); which rows (with or without token 0) and what the receiver does with them is
+the plan's business (scdviz.scd.plan). This module only (de)serialises.
 """
 
 from __future__ import annotations

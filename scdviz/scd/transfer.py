@@ -14,7 +14,7 @@ h_in / resid (T, d).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -77,7 +77,7 @@ class PlanRun:
     cache: object  # the consumer's DynamicCache over the prefix
     logits: Tensor  # (n, V) teacher-forced continuation logits
     resid: list[Tensor]  # (n, d) continuation residual stream per layer (L + 1)
-    spans: list = None  # scdviz.scd.payload.Span of every section of the payload
+    spans: list = field(default_factory=list)  # scdviz.scd.payload.Span of every section of the payload
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -148,7 +148,7 @@ def _rate_controlled(n_tokens: int, token0: int, sections: list[Section], allowe
     if least > allowed:
         raise ValueError(f"a budget of {allowed / n_tokens:g} B/token is below the smallest transform-coded payload "
                          f"for {n_tokens} tokens ({least / n_tokens:.1f} B/token)")
-    target = int(allowed * 0.996) - fixed  # the estimate codes a sample of rows: aim a little low, rarely re-encode
+    target = max(int(allowed * 0.996), least) - fixed  # the estimate codes a sample of rows: aim a little low, rarely re-encode
     scale = entropy.fit_scale([s.data for s in coded], rel, target, payload.SECTION.size)
     while True:
         for s, r in zip(coded, rel):
