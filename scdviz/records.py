@@ -118,10 +118,26 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def dumps(obj: dict) -> str:
+    """Strict JSON (no NaN) of a record: one line per top-level field and one per row, so records
+    stay small and a rerun's diff shows which rows changed."""
+    def one(value) -> str:
+        return json.dumps(value, allow_nan=False)
+
+    fields = []
+    for key, value in obj.items():
+        if key == "rows" and isinstance(value, list):
+            body = "[\n" + ",\n".join("  " + one(row) for row in value) + "\n ]" if value else "[]"
+        else:
+            body = one(value)
+        fields.append(f" {one(key)}: {body}")
+    return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
 def write(record: BenchRecord, path: str | Path) -> Path:
-    """Write strict JSON (no NaN)."""
+    """Write strict JSON (no NaN), laid out by ``dumps``."""
     path = Path(path)
-    path.write_text(json.dumps(finite(asdict(record)), indent=1, allow_nan=False))
+    path.write_text(dumps(finite(asdict(record))))
     return path
 
 

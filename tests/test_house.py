@@ -138,6 +138,8 @@ def test_record_is_strict_json_with_settings_versions_and_seed(tmp_path):
     assert obj["rows"][0] == {"method": "m", "kl": None, "se": None, "steps": [1.0, None]}
     assert obj["kind"] == "evict" and obj["seed"] == 5 and obj["versions"]["device"] == "cpu"
     assert obj["versions"]["torch"] == torch.__version__ and obj["created"]
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(obj) + len(rows) + 3  # braces, a line per field and per row, the rows' closing bracket
     back = records.read(path)
     again, unknown = config.from_dict(cli.BenchEvict, back.settings)
     assert again == cmd and unknown == []  # the record says how to run it again
