@@ -235,11 +235,15 @@ def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, ra
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
     res = report.methods
     spectra = measure.spectra(calib)
+    if plan.rate_target:  # transform coded: the ranks the payload really carried
+        sent_k, sent_v = ([round(c) for c in full.sent[f"cols_{kind}"]] for kind in "kv")
+    else:
+        sent_k, sent_v = plan.rank_k, plan.rank_v
     figures = {
         "drift_k": plots.layer_drift(res[1:], "K"), "drift_v": plots.layer_drift(res[1:], "V"),
         "accumulation": plots.error_accumulation(res), "amplification": plots.amplification(res[1:]),
         "placement": plots.patch_placement(calib.ideal_gain, plan.layers_in("patch")),
-        "spectra_k": plots.rank_spectra(spectra, "K", plan.rank_k), "spectra_v": plots.rank_spectra(spectra, "V", plan.rank_v),
+        "spectra_k": plots.rank_spectra(spectra, "K", sent_k), "spectra_v": plots.rank_spectra(spectra, "V", sent_v),
         "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
         "plan": plots.plan_layers(plan, full.sent if plan.rate_target else None),
     }

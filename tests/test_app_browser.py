@@ -163,11 +163,12 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
     page.get_by_role("tab", name="Compression").click()
     _plots_drawn(page, "scd", ("plan",))
     assert "rank K" in page.locator("#scd-plan").inner_text() and "as sent" in page.locator("#scd-plan").inner_text()
+    _shot(page, "scd-budget", tmp_path_factory)
     page.get_by_label("rate-distortion plan: ranks, bits and patches").check()
     page.locator("#scd-run").click()
     page.locator("#scd-info").get_by_text("rate-distortion plan for 2304 B/token").wait_for(timeout=300_000)
     _plots_drawn(page, "scd", ("plan",))
-    _shot(page, "scd-budget", tmp_path_factory)
+    assert "as sent" not in page.locator("#scd-plan").inner_text()
     page.get_by_role("tab", name="Drift and error").click()
     _shot(page, "scd-drift", tmp_path_factory)
 

@@ -49,25 +49,31 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
         service.evict_run(builtin_pair, " ", "", False, "% kept", 25, "producer", "")
 
 
-def test_a_byte_budget_gets_the_rate_distortion_plan_within_it(builtin_pair, calib):
+def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
     import dataclasses
 
     from scdviz import data
 
     text = data.load_split("jargon", "eval")[5][:1400]
-    out = service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=2304)
-    full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
-    assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
-    assert "rate-distortion plan for 2304 B/token" in out["info"]
-    bars = {trace.name for trace in out["figures"]["plan"].data}
-    assert {"rank K", "rank V"} <= bars
-    with pytest.raises(ValueError, match="below the smallest SCD payload"):
-        service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=2)
+    args = (builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005)
+    kls = {}
+    for coder, said in (("transform", "transform-coded plan for 2304 B/token"), ("rd", "rate-distortion plan for 2304 B/token")):
+        out = service.scd_run(*args, budget=2304, coder=coder)
+        full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
+        assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
+        assert said in out["info"]
+        plan_fig = out["figures"]["plan"]
+        assert {"rank K", "rank V"} <= {trace.name for trace in plan_fig.data}
+        assert ("as sent" in plan_fig.layout.title.text) == (coder == "transform")  # ranks follow the data
+        kls[coder] = full["kl"]
+        with pytest.raises(ValueError, match="below the smallest"):
+            service.scd_run(*args, budget=2, coder=coder)
+    assert kls["transform"] < kls["rd"]  # the README's finding holds on this text too
     bare = dataclasses.replace(calib, rate=None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(service, "get_calibration", lambda pair, session=None: bare)
         with pytest.raises(service.UserError, match="no rate-distortion curves"):
-            service.scd_run(builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005, budget=3840)
+            service.scd_run(*args, budget=3840)
 
 
 def test_scd_fan_out_covers_every_specialist(builtin_pair):
