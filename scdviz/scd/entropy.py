@@ -1,7 +1,8 @@
 """Entropy coding of a payload section's integers (rANS, the ``constriction`` library), two ways.
 
-Packed sections coded losslessly (``encode`` / ``decode``): the model is the section's own histogram (order 0), sent with it: 2**bits frequencies as
-u16, then the rANS stream as u32 words. Layout of a coded body:
+Packed sections coded losslessly (``encode`` / ``decode``): the model is the section's own
+histogram (order 0), sent with it: 2**bits frequencies as u16, then the rANS stream as u32
+words. Layout of a coded body:
 
     n_words u32 | freq u16 × 2**bits | words u32 × n_words
 
@@ -86,9 +87,10 @@ def decode(body: bytes, bits: int, n: int) -> Tensor:
 # deviation is that channel's, sent as one byte on a log scale (0: the channel is all zero and
 # costs no symbol); channels sharing a scale share one model, a lookup table over ±peak (the
 # section's largest |integer|) when peak ≤ TABLE_R, else a parametric one. Channels past the
-# last non-zero one are not sent, so the rank follows from the step. With orthonormal decoder rows (REUSE codes, scdviz.scd.rrr) the squared error in
-# K/V space is the sum over channels, so one step per section, scaled by the section's
-# measured KL sensitivity, is the classic equal-slope allocation (reverse water-filling).
+# last non-zero one are not sent, so the rank follows from the step. With orthonormal decoder
+# rows (REUSE codes, scdviz.scd.rrr) the squared error in K/V space is the sum over channels,
+# so one step per section, scaled by the section's measured KL sensitivity, is the classic
+# equal-slope allocation (reverse water-filling).
 # Layout of a transform-coded body:
 #
 #     step f32 | n_words u32 | peak u16 | scale u8 × cols | words u32 × n_words
@@ -96,6 +98,7 @@ def decode(body: bytes, bits: int, n: int) -> Tensor:
 _TC = struct.Struct("<fIH")  # step, rANS words, largest |integer|
 HEAD_LEN = max(_TC.size, _LEN.size)  # bytes that give the length of either kind of coded body
 LIMIT = 2**15 - 1  # integers are clamped to ±LIMIT (the model's alphabet)
+EMPTY_LEN = _TC.size  # bytes of a transform-coded body whose integers are all zero (no channel sent)
 
 
 def _scale_codes(q: Tensor) -> Tensor:
@@ -111,13 +114,9 @@ def _stds(codes: Tensor) -> Tensor:
     return torch.pow(2.0, (codes.double() - 128) / 8)
 
 
-def _rounded(z: Tensor, step) -> Tensor:
-    return torch.round(z.double() / step).clamp(-LIMIT, LIMIT).to(torch.int32)
-
-
 def quantise_uniform(z: Tensor, step: float) -> Tensor:
     """(rows, cols) float -> integers (rows, cols_sent) int32, trailing all-zero channels dropped."""
-    q = _rounded(z, step)
+    q = torch.round(z.double() / step).clamp(-LIMIT, LIMIT).to(torch.int32)
     live = (q != 0).any(0).nonzero()
     return q[:, : int(live.max()) + 1] if live.numel() else q[:, :0]
 
@@ -143,15 +142,12 @@ def estimated_len(q: Tensor, bits: float | None = None) -> int:
 TABLE_R = 1023  # up to this largest |integer| a section's models are lookup tables; beyond, parametric
 
 
-def _models(codes: Tensor, peak: int) -> dict[int, object]:
-    """The coder's model for each channel scale code present: a categorical table over
+def _models(used: list[int], peak: int) -> dict[int, object]:
+    """The coder's model for each channel scale code in ``used``: a categorical table over
     [-peak, peak] (symbols shifted by +peak) of the Gaussian quantised to unit bins, or beyond
     TABLE_R a parametric quantised Gaussian over ±LIMIT. The same on both sides."""
     import constriction
 
-    used = sorted({int(c) for c in codes.tolist() if c})
-    if not used:
-        return {}
     sd = _stds(torch.tensor(used, dtype=torch.uint8, device="cpu"))
     if peak > TABLE_R:
         return {c: constriction.stream.model.QuantizedGaussian(-LIMIT, LIMIT, 0.0, float(s)) for c, s in zip(used, sd)}
@@ -172,16 +168,15 @@ def encode_uniform(q: Tensor, step: float) -> bytes:
 
     codes = _scale_codes(q)
     peak = int(q.abs().max()) if q.numel() else 0
-    models = _models(codes, peak)
     shift = 0 if peak > TABLE_R else peak
     coder = constriction.stream.stack.AnsCoder()
     groups = _groups(codes)
     if groups:
-        order = torch.cat([chans for _, chans in groups])
-        symbols = (q[:, order].T + shift).numpy().astype(np.int32)  # (channels in group order, rows)
-        ends = np.cumsum([len(chans) for _, chans in groups])
-        for (code, _), start, end in reversed(list(zip(groups, ends - [len(c) for _, c in groups], ends))):
-            coder.encode_reverse(symbols[start:end].reshape(-1), models[code])  # a stack: decoded first group first
+        models = _models([code for code, _ in groups], peak)
+        symbols = (q[:, torch.cat([chans for _, chans in groups])].T + shift).numpy().astype(np.int32)  # group order
+        starts = np.cumsum([0] + [len(chans) for _, chans in groups])
+        for i in reversed(range(len(groups))):  # a stack: the decoder reads the first group first
+            coder.encode_reverse(symbols[starts[i] : starts[i + 1]].reshape(-1), models[groups[i][0]])
     words = coder.get_compressed()
     return _TC.pack(step, len(words), peak) + codes.numpy().tobytes() + words.astype("<u4").tobytes()
 
@@ -191,8 +186,8 @@ def uniform_len(body: bytes, cols: int) -> int:
     return _TC.size + cols + 4 * _TC.unpack_from(body, 0)[1]
 
 
-def decode_uniform(body: bytes, rows: int, cols: int) -> Tensor:
-    """Transform-coded body -> the dequantised matrix (rows, cols) float32."""
+def decode_uniform(body: bytes, rows: int, cols: int) -> tuple[Tensor, float]:
+    """Transform-coded body -> (the dequantised matrix (rows, cols) float32, its step)."""
     import constriction
 
     step, n_words, peak = _TC.unpack_from(body, 0)
@@ -200,14 +195,14 @@ def decode_uniform(body: bytes, rows: int, cols: int) -> Tensor:
     out = torch.zeros(rows, cols, dtype=torch.float64, device="cpu")  # payloads are host-side
     groups = _groups(codes)
     if groups:
-        models = _models(codes, peak)
+        models = _models([code for code, _ in groups], peak)
         shift = 0 if peak > TABLE_R else peak
         words = np.frombuffer(body, dtype="<u4", count=n_words, offset=_TC.size + cols).astype(np.uint32)
         coder = constriction.stream.stack.AnsCoder(words)
         values = [coder.decode(models[code], rows * len(chans)) for code, chans in groups]
         order = torch.cat([chans for _, chans in groups])
         out[:, order] = torch.from_numpy(np.concatenate(values).astype(np.float64) - shift).reshape(len(order), rows).T
-    return (out * step).float()
+    return (out * step).float(), step
 
 
 def fit_scale(codes: list[Tensor], rel_steps: list[float], allowed: int, extra: int, tol: float = 0.002,

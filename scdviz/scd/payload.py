@@ -168,8 +168,8 @@ def decode(payload: bytes) -> Message:
     for sp in found:
         body = payload[sp.start : sp.end]
         if sp.bits == 0:
-            sections.append(Section(sp.layer, sp.kind, entropy.decode_uniform(body, sp.rows, sp.cols), 0, sp.group, sp.axis,
-                                    step=struct.unpack_from("<f", body, 0)[0]))
+            data, step = entropy.decode_uniform(body, sp.rows, sp.cols)
+            sections.append(Section(sp.layer, sp.kind, data, 0, sp.group, sp.axis, step=step))
             continue
         n = quant.n_groups(sp.rows, sp.cols, sp.group, sp.axis) if sp.bits < 16 else 0
         data = _body(body, sp.rows, sp.cols, sp.bits, sp.group, sp.axis, sp.ints, n, sp.coded)

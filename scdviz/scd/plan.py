@@ -226,7 +226,7 @@ def tc_plan(calib: Calibration, budget_bytes: float, sink: str = "recompute", na
         return (energy / sens.double().clamp_min(1e-12)).sqrt().tolist()
 
     return Plan(name or f"SCD transform-coded @{budget_bytes:g} B/token", ["code"] * n, rank_k, rank_v,
-                code_group=calib.config.code_group, sink=sink, bits_k=[0] * n, bits_v=[0] * n, bits_h=[4] * n,
+                code_group=calib.config.code_group, sink=sink, bits_k=[0] * n, bits_v=[0] * n,
                 steps_k=steps(calib.key_codes, calib.rate.sens_k), steps_v=steps(calib.value_codes, calib.rate.sens_v),
                 rate_target=float(budget_bytes))
 

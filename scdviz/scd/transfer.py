@@ -144,7 +144,7 @@ def _rate_controlled(n_tokens: int, token0: int, sections: list[Section], allowe
     coded = [s for s in sections if s.bits == 0]
     fixed = payload.payload_len([s for s in sections if s.bits != 0])
     rel = [s.step for s in coded]
-    least = fixed + len(coded) * (payload.SECTION.size + entropy.estimated_len(torch.zeros(1, 0, dtype=torch.int32, device="cpu")))
+    least = fixed + len(coded) * (payload.SECTION.size + entropy.EMPTY_LEN)  # every coded section all zero
     if least > allowed:
         raise ValueError(f"a budget of {allowed / n_tokens:g} B/token is below the smallest transform-coded payload "
                          f"for {n_tokens} tokens ({least / n_tokens:.1f} B/token)")
