@@ -1,0 +1,91 @@
+"""Can a per-token map from producer features predict the consumer's K and V better than the REUSE code?
+
+    python scripts/aligner_features.py [CONSUMER] [LAYERS]     # default builtin:bible-qkv 8,14,20,23,26
+
+Paired prefills of 3 calibration windows per shipped domain (255 tokens, token 0 left out). For
+each layer and feature set, a ridge map (strength 1e-3, 1e-2 or 0.1 of the mean input eigenvalue,
+the best kept) from the features to the consumer's pre-RoPE K and V, fitted without one domain and
+scored on it (leave-one-domain-out); prints the relative squared error. Feature sets: the
+producer's K, V (the REUSE code's input); its normalised H_in; H_in with the previous token's, an
+exponential moving average (0.9) or the causal running mean of H_in (context); H_in with K, V.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
+from scdviz import data  # noqa: E402
+from scdviz.models.pair import load_pair  # noqa: E402
+from scdviz.scd import transfer  # noqa: E402
+
+KINDS = ("code", "h", "h+prev", "h+ema.9", "h+cummean", "h+kv", "h+kv+cummean", "kv+cummeankv")
+
+
+def ema(z: torch.Tensor, decay: float) -> torch.Tensor:
+    """Causal (exponentially weighted) mean of the rows up to each row; decay 1 is the running mean."""
+    out, acc, n = torch.empty_like(z), torch.zeros(z.shape[1]), 0.0
+    for t in range(z.shape[0]):
+        acc, n = decay * acc + z[t], decay * n + 1
+        out[t] = acc / n
+    return out
+
+
+def features(row, kind: str, mean, std) -> torch.Tensor:
+    _, hp, kp, vp = row[:4]
+    z, kv = (hp - mean) / std, torch.cat([kp, vp], 1)
+    return {"code": lambda: kv, "h": lambda: z, "h+prev": lambda: torch.cat([z, torch.cat([z[:1], z[:-1]])], 1),
+            "h+ema.9": lambda: torch.cat([z, ema(z, 0.9)], 1), "h+cummean": lambda: torch.cat([z, ema(z, 1.0)], 1),
+            "h+kv": lambda: torch.cat([z, kv], 1), "h+kv+cummean": lambda: torch.cat([z, kv, ema(z, 1.0)], 1),
+            "kv+cummeankv": lambda: torch.cat([kv, ema(kv, 1.0)], 1)}[kind]()
+
+
+def ridge(x, y, lam):
+    mx, my = x.mean(0), y.mean(0)
+    xc = (x - mx).double()
+    g = xc.T @ xc
+    w = torch.linalg.solve(g + lam * g.diagonal().mean() * torch.eye(g.shape[0], dtype=torch.float64), xc.T @ (y - my).double())
+    return mx, my, w
+
+
+def main() -> None:
+    consumer = sys.argv[1] if len(sys.argv) > 1 else "builtin:bible-qkv"
+    layers = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [8, 14, 20, 23, 26]
+    pair = load_pair("builtin:smollm2-135m", consumer)
+    domains = data.corpora()
+    rows = {layer: [] for layer in layers}
+    for fold, domain in enumerate(domains):
+        for window in data.token_windows(pair.tokenizer, data.passages(domain, "calib"), 256, 3):
+            ids = torch.tensor([window[:255]])
+            p, c = transfer.producer_state(pair.producer, ids), transfer.producer_state(pair.consumer, ids)
+            for layer in layers:
+                rows[layer].append((fold, p.h_in[layer][1:], p.keys_pre[layer][1:], p.values[layer][1:],
+                                    torch.cat([c.keys_pre[layer][1:], c.values[layer][1:]], 1)))
+    for layer in layers:
+        rs = rows[layer]
+        allh = torch.cat([r[1] for r in rs])
+        mean, std = allh.mean(0), allh.std(0).clamp_min(1e-6)
+        out = {}
+        for kind in KINDS:
+            feats = [features(r, kind, mean, std) for r in rs]
+            errs = []
+            for lam in (1e-3, 1e-2, 1e-1):
+                num = den = 0.0
+                for fold in range(len(domains)):
+                    tr = [i for i, r in enumerate(rs) if r[0] != fold]
+                    te = [i for i, r in enumerate(rs) if r[0] == fold]
+                    mx, my, w = ridge(torch.cat([feats[i] for i in tr]), torch.cat([rs[i][4] for i in tr]), lam)
+                    yt = torch.cat([rs[i][4] for i in te])
+                    pred = ((torch.cat([feats[i] for i in te]) - mx).double() @ w + my).float()
+                    num += float(((pred - yt) ** 2).sum())
+                    den += float(((yt - yt.mean(0)) ** 2).sum())
+                errs.append(num / den)
+            out[kind] = min(errs)
+        print(layer, " ".join(f"{k}={v:.4f}" for k, v in out.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
