@@ -160,12 +160,17 @@ def _eviction_paths(model, dtype, baseline):
         # the benchmark's paths: every method on a context, decode-time quality, the foresight target
         cfg = compare.EvalConfig(keeps=(0.5,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=4,
                                  decode_interval=2)
-        policies = {"distillcache-head": _policy(True)}
+        with torch.device("cpu"):  # as Policy.load gives one
+            torch.manual_seed(0)
+            look = Policy(PolicyConfig(hidden=8, per_head=True, window=16, lookahead=2, lookahead_samples=2)).eval()
+        policies = {"distillcache-head": _policy(True), "distillcache-head-look": look}
         failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
         out = compare.score_context(model, ids, 24, cfg, policies, {"baseline": baseline}, failed=failed)
         assert not failed and all(math.isfinite(r["kl"]) for k, r in out["results"].items() if k[0] != "full cache")
+        assert out["feats"][(16, 2, 2)].head_features.shape[-1] == 6 and ("distillcache-head-look", "0.5") in out["kept"]
         dec = compare.decode_context(model, ids, 24, cfg, out, policies, {"baseline": baseline}, failed)
         assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values())
+        assert list(failed) == ["distillcache-head-look"]  # no lookahead while decoding: said, not crashed
         trace = hf.forward(model, ids[:, 24:], cache=hf.make_cache(model, obs.keys, obs.values),
                            positions=torch.arange(24, 30, device=hf.device_of(model)).unsqueeze(0), attentions=True)
         head, glob = F.future_attention(trace.attn, 24, hf.attn_heads(model)[1])

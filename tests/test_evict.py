@@ -25,6 +25,8 @@ from scdviz.evict.trainer import (
     reinforce_loss,
     reinforce_step,
     rows,
+    train,
+    warm_start,
 )
 from scdviz.models import hf
 
@@ -465,3 +467,67 @@ def test_distillcache_presses_inside_kvpress_wrappers(eager_tiny, tmp_path):
             hf.forward(eager_tiny, ids)
     with glob(eager_tiny):  # on its own it keeps one set for every layer
         assert hf.cache_len(hf.forward(eager_tiny, ids).cache) == [20] * 3
+
+
+# ----------------------------------------------------------------------------- the lookahead feature
+
+
+def test_lookahead_feature_is_the_attention_of_the_sampled_continuations(eager_tiny):
+    ids, k = _ids(20), 3
+    plain = observe(eager_tiny, ids, 16)
+    obs = observe(eager_tiny, ids, 16, lookahead=(1, k), seed=5)
+    assert obs.head_features.shape == (3, 1, 2, 20, 6) and obs.global_features.shape == (1, 20, 6)
+    assert torch.equal(obs.head_features[..., :5], plain.head_features)  # the 5 features are untouched
+    # by hand: K tokens drawn from the prefill's last logits with the same seeded generator, their attention rows
+    trace = hf.forward(eager_tiny, ids)
+    probs = torch.softmax(trace.logits[:, -1].float(), -1).expand(k, -1)
+    tokens = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5))
+    cache = hf.make_cache(eager_tiny, [x.expand(k, -1, -1, -1) for x in trace.keys],
+                          [x.expand(k, -1, -1, -1) for x in trace.values])
+    attn = hf.forward(eager_tiny, tokens, cache=cache, positions=torch.full((k, 1), 20), attentions=True).attn
+    n_heads, n_kv, _ = hf.attn_heads(eager_tiny)
+    want = torch.stack([a[:, :, 0, :20].reshape(k, n_kv, n_heads // n_kv, 20).sum(2).mean(0) for a in attn])
+    torch.testing.assert_close(obs.head_features[:, 0, ..., 5], want)
+    torch.testing.assert_close(obs.global_features[0, :, 5], want.mean((0, 1)))
+    # each sampled row sums to 1 over context + itself: the context share is below the group size
+    assert (want.sum(-1) <= n_heads // n_kv + 1e-5).all() and (want.sum(-1) > 0).all()
+    again = observe(eager_tiny, ids, 16, lookahead=(1, k), seed=5)
+    assert torch.equal(again.head_features, obs.head_features)  # seeded: one context, one feature
+
+
+def test_a_lookahead_policy_refuses_features_without_it_and_others_ignore_it(eager_tiny):
+    torch.manual_seed(0)
+    look = Policy(PolicyConfig(hidden=8, window=16, lookahead=2)).eval()
+    assert look.config.n_inputs == 6 and look.config.observation == (16, 2, 4)
+    feats = observe(eager_tiny, _ids(20), 16, lookahead=(2, 2)).head_features
+    assert look(feats).shape == (3, 1, 2, 20)
+    with pytest.raises(ValueError, match="lookahead"):
+        look(feats[..., :5])
+    plain = _policy(True)
+    assert torch.equal(plain(feats), plain(feats[..., :5]))  # a 5-feature policy reads the first five
+    with pytest.raises(ValueError, match="lookahead"), DistillCachePress(policy=look, compression_ratio=0.5)(eager_tiny):
+        hf.forward(eager_tiny, _ids(20))
+    with pytest.raises(ValueError, match="lookahead"), DecodeEvictor(DistillCachePress(policy=look), budget=8)(eager_tiny):
+        pass
+    for bad in ({"reward": "sequential"}, {"val_decode": True}):
+        with pytest.raises(ValueError, match="lookahead"):
+            train(TrainConfig(out="unused", policy=PolicyConfig(lookahead=4), **bad), eager_tiny, None, "tiny")
+
+
+def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_its_own_rate(eager_tiny):
+    obs = observe(eager_tiny, _ids(20), 16, lookahead=(2, 2))
+    look, alpha = obs.head_features[..., 5], obs.head_features[..., 0]
+    prior = 0.75 * look / look.sum(-1, keepdim=True) + 0.25 * alpha / alpha.sum(-1, keepdim=True)
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig(hidden=8, window=16, lookahead=2))
+    with torch.no_grad():
+        torch.testing.assert_close(policy(obs.head_features), prior.log())  # the correction starts at zero
+        assert torch.equal(top_b(policy(obs.head_features), 5), top_b(prior, 5))
+    no_prior = Policy(PolicyConfig(hidden=8, window=16, lookahead=2, lookahead_prior=0.0))
+    assert not no_prior.has_prior and no_prior.mlp[-1].weight.abs().sum() > 0
+    sample = Sample(obs, _ids(4), torch.zeros(4, 97))
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    cfg = TrainConfig(out="unused", warm_steps=30, warm_lr=1e-2, lr=1e-4, policy=policy.config)
+    log = {"warm": []}
+    warm_start(policy, [sample], cfg, opt, log)
+    assert opt.param_groups[0]["lr"] == 1e-4 and log["warm"][-1] < log["warm"][0]  # imitated, then REINFORCE's rate

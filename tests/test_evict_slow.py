@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from scdviz.evict import compare
+from scdviz.evict import features as F
 from scdviz.evict.policy import Policy
 from scdviz.evict.press import DistillCachePress
 from scdviz.models import hf
@@ -65,6 +66,30 @@ def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, poli
 
 
 def test_shipped_policies_load_with_their_scope():
-    head, glob, head64 = (Policy.load(p) for p in compare.SHIPPED_POLICIES)
+    head, glob, head64, look = (Policy.load(p) for p in compare.SHIPPED_POLICIES)
     assert head.config.per_head and not glob.config.per_head and head64.config.per_head
-    assert set(compare.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64"}
+    assert look.config.per_head and look.config.lookahead == 16 and look.has_prior
+    assert set(compare.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64",
+                                              "distillcache-head-lookahead"}
+    assert compare.chosen_on_validation(()) == "distillcache-head-lookahead"  # the lowest validation KL in its log
+
+
+def test_the_lookahead_forecasts_what_the_real_continuation_reads(producer):
+    """On held-out text, the tokens the sampled continuations attend to most overlap the tokens the real
+    continuation attends to most (its future attention) more than the tokens attention history ranks first."""
+    from scdviz import data
+    from scdviz.evict.context import observe
+
+    model, tokenizer = producer
+    n_kv, overlap = hf.attn_heads(model)[1], {"alpha": [], "lookahead": []}
+    for corpus in ("austen", "manpages"):
+        ids = torch.tensor([data.token_windows(tokenizer, data.load_split(corpus, "eval"), 280, 1)[0]])
+        obs = observe(model, ids[:, :256], 64, lookahead=(16, 4))
+        trace = hf.forward(model, ids[:, 256:], cache=hf.make_cache(model, obs.keys, obs.values),
+                           positions=torch.arange(256, 280).unsqueeze(0), attentions=True)
+        future = F.future_attention(trace.attn, 256, n_kv)[0][:, 0]  # (L, Hkv, T)
+        want = future.topk(32, -1).indices
+        for name, col in (("alpha", 0), ("lookahead", 5)):
+            got = obs.head_features[:, 0, ..., col].topk(32, -1).indices
+            overlap[name].append(float((got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1).float().mean()))
+    assert all(la > al + 0.1 for la, al in zip(overlap["lookahead"], overlap["alpha"], strict=True)), overlap

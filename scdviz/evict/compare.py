@@ -52,6 +52,7 @@ SHIPPED_POLICIES = (
     settings.ASSETS_DIR / "policy" / "per_head" / "best.safetensors",  # per-head, W = 512
     settings.ASSETS_DIR / "policy" / "global" / "best.safetensors",  # one set for all layers (as specified)
     settings.ASSETS_DIR / "policy" / "per_head_w64" / "best.safetensors",  # per-head, W = 64
+    settings.ASSETS_DIR / "policy" / "lookahead_w64" / "best.safetensors",  # per-head, W = 64, + lookahead feature
 )
 
 
@@ -77,7 +78,7 @@ class EvalConfig:
     decode_tokens: int = opt(0, "decode-time quality: teacher-force this many tokens of the full cache's greedy generation with every cache held at its budget (evicting every decode_interval tokens), and answer the QA questions so; 0: skip")
     bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use none)")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
-    seed: int = opt(0, "seed of the Random baseline")
+    seed: int = opt(0, "seed of the Random baseline and of a lookahead policy's sampled continuations")
     lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (compare.lodo)")
     lodo_steps: int | None = opt(None, "REINFORCE steps of each --lodo retraining (default: the recipe's)")
 
@@ -170,7 +171,7 @@ def validation_kl(path: str | Path) -> float | None:
 
 
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
-    """Policies by method name (distillcache-head / distillcache-global[-wW])."""
+    """Policies by method name (distillcache-head / distillcache-global[-lookahead][-wW])."""
     return {name: loaded.policy for name, loaded in _load(paths).items()}
 
 
@@ -191,7 +192,8 @@ def _load(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
     out = {}
     for path in paths:
         policy = Policy.load(path)
-        name = "distillcache-head" if policy.config.per_head else "distillcache-global"
+        name = ("distillcache-head" if policy.config.per_head else "distillcache-global") + (
+            "-lookahead" if policy.config.lookahead else "")
         out[name if name not in out else f"{name}-w{policy.config.window}"] = LoadedPolicy(policy, training_log(path))
     return out
 
@@ -230,11 +232,12 @@ def method_indices(
 ) -> dict:
     """Kept indices per method: per-layer lists (B, Hkv, n) or one (B, n) set.
 
-    obs carries the press scores; feats the features for each policy window.
+    obs carries the press scores; feats the features for each policy's observation
+    (``PolicyConfig.observation``: window, lookahead).
     """
     out = {}
     for name, policy in policies.items():
-        feat = feats[policy.config.window]
+        feat = feats[policy.config.observation]
         with torch.no_grad():
             if policy.config.per_head:
                 out[name] = list(policy(feat.head_features).topk(n_keep, dim=-1).indices.unbind(0))
@@ -247,14 +250,14 @@ def method_indices(
 
 
 def _policy_seconds(feats: dict[int, Observed], policies: dict[str, Policy]) -> dict[str, float]:
-    """Scoring time per learned policy: its share of the feature time plus the MLP."""
+    """Scoring time per learned policy: its share of the feature time, its lookahead, plus the MLP."""
     out = {}
     for name, policy in policies.items():
-        feat = feats[policy.config.window]
+        feat = feats[policy.config.observation]
         t0 = time.perf_counter()
         with torch.no_grad():
             policy(feat.head_features if policy.config.per_head else feat.global_features)
-        out[name] = feat.feature_seconds / 2 + time.perf_counter() - t0
+        out[name] = feat.feature_seconds / 2 + feat.lookahead_seconds + time.perf_counter() - t0
     return out
 
 
@@ -269,10 +272,12 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
     fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
-    windows = sorted({p.config.window for p in policies.values()})
+    views = sorted({p.config.observation for p in policies.values()})  # (window, lookahead G, K)
     failed = {} if failed is None else failed
-    obs = observe(model, ids[:, :prefix], windows[0], presses, tuple(dict.fromkeys(fracs.values())), failed)
-    feats = {windows[0]: obs} | {w: observe(model, ids[:, :prefix], w) for w in windows[1:]}  # other windows
+    obs = observe(model, ids[:, :prefix], views[0][0], presses, tuple(dict.fromkeys(fracs.values())), failed,
+                  views[0][1:], cfg.seed)
+    feats = {views[0]: obs} | {v: observe(model, ids[:, :prefix], v[0], lookahead=v[1:], seed=cfg.seed)
+                               for v in views[1:]}  # the other policies' observations
     obs.scores = {(name, lab): obs.scores[(name, frac)] for name in presses if name not in failed
                   for lab, frac in fracs.items()}
     tail = ids[:, prefix:]
@@ -339,7 +344,8 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     same window and interval for all); KL per step against the full cache.
 
     ``out``: this context's ``score_context`` result (its prefill, features and kept sets).
-    Learned policies: the per-head ones (one set for all layers cannot be held per head).
+    Learned policies: the per-head ones without a lookahead (one set for all layers cannot be
+    held per head; the lookahead exists only after a prefill), the others recorded in ``failed``.
     SnapKV is left out: its observation window (64 rows) must exceed the rows a decode
     step buffers. kvpress's ``DecodingPress`` is not used (scdviz.evict.decode says why).
     """
@@ -348,7 +354,12 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     gen = hf.generate(model, full, first, prefix, cfg.decode_tokens)
     steps = torch.cat([first, hf.ids_tensor(gen[:-1], device=ids.device)], dim=1)
     ref = hf.continue_logits(model, full, steps, prefix)[0]
-    scorers = {name: DistillCachePress(policy=p) for name, p in policies.items() if p.config.per_head}
+    for name, p in policies.items():
+        if p.config.lookahead:
+            failed.setdefault(name, "its lookahead feature is sampled after the prefill; decode-time eviction rescores "
+                                    "from the attention window, where it does not exist")
+    scorers = {name: DistillCachePress(policy=p) for name, p in policies.items()
+               if p.config.per_head and name not in failed}
     scorers |= {name: presses[name] for name in DECODE_BASELINES if name in presses}
     results = {}
     for label, n_keep in budgets(cfg, prefix):
@@ -480,8 +491,11 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     natives = native_baselines() if cfg.natives else {}
     per_ctx, overhead, timing, failed = [], {}, {}, {}
     decoded, decode_failed = [], {}
-    timed = policies.get(chosen) if chosen and policies[chosen].config.per_head else None
-    timed = timed or next((p for p in policies.values() if p.config.per_head), None)
+    def evicts(p):  # can hold a cache at its budget while decoding (per head, no lookahead)
+        return p.config.per_head and not p.config.lookahead
+
+    timed = policies.get(chosen) if chosen and evicts(policies[chosen]) else None
+    timed = timed or next((p for p in policies.values() if evicts(p)), None)
     for n, (_, window) in enumerate(tqdm(windows, desc=f"{source} {mode}")):
         ids = hf.ids_tensor(window)
         out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None, natives, failed)
@@ -494,7 +508,7 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
         if timed is not None and n < cfg.throughput_contexts:
             for label, n_keep in budgets(cfg, prefix):
                 t = decode_timing(
-                    model, out["feats"][timed.config.window], ids[:, prefix : prefix + 1], prefix, n_keep, cfg, timed
+                    model, out["feats"][timed.config.observation], ids[:, prefix : prefix + 1], prefix, n_keep, cfg, timed
                 )
                 timing.setdefault(label, []).append(t)
     domains = [d for d, _ in windows]

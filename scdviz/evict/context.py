@@ -5,6 +5,12 @@ per-layer hook, computes the DistillCache features (both forms) and the scores o
 number of kvpress scorer presses on the full keys/values (DESIGN.md §7: one prefill can
 serve every press). ``prune`` builds the pruned cache for a set of kept indices.
 
+With ``lookahead=(G, K)`` it then samples K continuations of G tokens from the full cache
+(the model's own distribution, a seeded generator) and appends the attention they pay to
+each context token as a sixth feature column (``features.lookahead_attention``): what a
+lookahead policy reads. It costs G batched decode steps after the prefill, timed apart
+(``lookahead_seconds``).
+
 Shapes: keys / values per layer (B, Hkv, T, D); per-head features (L, B, Hkv, T, 5);
 global features (B, T, 5); scores per layer (B, Hkv, T); kept indices per layer
 (B, Hkv, n) or, for one token set, (B, n). This module does not train or evaluate.
@@ -29,14 +35,15 @@ class Observed:
 
     keys: list[Tensor]  # per layer (B, Hkv, T, D), post-RoPE
     values: list[Tensor]  # per layer (B, Hkv, T, D)
-    head_features: Tensor  # (L, B, Hkv, T, 5) per-layer / per-KV-head features
-    global_features: Tensor  # (B, T, 5) averaged over layers and heads
+    head_features: Tensor  # (L, B, Hkv, T, 5 or 6) per-layer / per-KV-head features (6th: lookahead)
+    global_features: Tensor  # (B, T, 5 or 6) averaged over layers and heads
     scores: dict[tuple[str, float], list[Tensor]] = field(
         default_factory=dict
     )  # (press, keep) -> per layer (B, Hkv, T)
     score_seconds: dict[str, float] = field(default_factory=dict)  # press -> time spent scoring (all keeps)
     feature_seconds: float = 0.0  # time spent computing features in the hook
     prefill_seconds: float = 0.0  # wall time of the whole prefill
+    lookahead_seconds: float = 0.0  # time spent sampling the lookahead continuations (0 without)
 
     @property
     def n_tokens(self) -> int:
@@ -45,8 +52,11 @@ class Observed:
 
 
 def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps: tuple = (),
-            failed: dict | None = None) -> Observed:
+            failed: dict | None = None, lookahead: tuple[int, int] = (0, 0), seed: int = 0) -> Observed:
     """Prefill ``ids`` (B, T) once (eager attention) and collect features and press scores.
+
+    lookahead: (G, K); G > 0 adds the lookahead feature from K sampled continuations of G
+    tokens (batch size 1), drawn with a generator seeded by ``seed``.
 
     presses: name -> kvpress ScorerPress; each is scored at every kept fraction in
     ``keeps`` (its compression_ratio set accordingly; StreamingLLM's scores depend on it).
@@ -83,17 +93,56 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
     start = time.perf_counter()
     with hf.attention_hook(model, on_layer), torch.no_grad():
         trace = hf.forward(model, ids)
+    prefill_seconds = time.perf_counter() - start
     scores = {k: v for k, v in scores.items() if k[0] not in failed}
+    head, glob = torch.stack(head, 0), F.global_features(glob)
+    look_seconds = 0.0
+    if lookahead[0] > 0:
+        t0 = time.perf_counter()
+        look = sampled_lookahead(model, trace, *lookahead, seed)  # (L, 1, Hkv, T)
+        head = torch.cat([head, look.unsqueeze(-1).to(head.dtype)], -1)
+        glob = torch.cat([glob, look.mean((0, 2)).unsqueeze(-1).to(glob.dtype)], -1)
+        look_seconds = time.perf_counter() - t0
     return Observed(
         keys=trace.keys,
         values=trace.values,
-        head_features=torch.stack(head, 0),
-        global_features=F.global_features(glob),
+        head_features=head,
+        global_features=glob,
         scores=scores,
         score_seconds={k: v for k, v in timing.items() if k not in failed},
         feature_seconds=feat_time[0],
-        prefill_seconds=time.perf_counter() - start,
+        prefill_seconds=prefill_seconds,
+        lookahead_seconds=look_seconds,
     )
+
+
+def sampled_lookahead(model, trace, tokens: int, samples: int, seed: int = 0) -> Tensor:
+    """The lookahead feature (L, 1, Hkv, T) after a prefill ``trace`` of batch size 1.
+
+    K = ``samples`` continuations of G = ``tokens`` tokens are sampled from the model's own
+    next-token distribution (temperature 1) over a copy of the full cache; the attention
+    rows of the sampled tokens over the T context tokens are averaged
+    (``features.lookahead_attention``). Needs eager attention; the trace's cache is not touched.
+    """
+    if trace.logits.shape[0] != 1:
+        raise ValueError("the lookahead feature is computed for one context at a time (batch size 1)")
+    if samples < 1:
+        raise ValueError(f"the lookahead needs at least one sampled continuation, got {samples}")
+    t, (_, n_kv, _) = trace.logits.shape[1], hf.attn_heads(model)
+    device = trace.logits.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = hf.make_cache(model, [k.expand(samples, -1, -1, -1) for k in trace.keys],
+                          [v.expand(samples, -1, -1, -1) for v in trace.values])
+    logits, rows = trace.logits[:, -1].expand(samples, -1), []
+    with torch.no_grad():
+        for step in range(tokens):
+            token = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)  # (K, 1)
+            positions = torch.full((samples, 1), t + step, device=device)
+            out = hf.forward(model, token, cache=cache, positions=positions, attentions=True)
+            rows.append([a[..., :t] for a in out.attn])
+            logits = out.logits[:, -1]
+    per_layer = [torch.cat(layer_rows, 2) for layer_rows in zip(*rows, strict=True)]  # (K, H, G, T)
+    return F.lookahead_attention(per_layer, t, n_kv)
 
 
 def why_not(err: Exception) -> str:

@@ -86,6 +86,10 @@ class DecodeEvictor:
                 raise ValueError(
                     "decode-time eviction keeps a token set per layer and KV head; the global DistillCache policy "
                     "(one set for all layers) is for prefill compression only: use a per-head policy")
+            if self.press.policy.config.lookahead:
+                raise ValueError(
+                    "decode-time eviction rescores from the window of recent attention rows; a lookahead policy also "
+                    "reads continuations sampled after the prefill, which do not exist there: use a 5-feature policy")
             self.press.policy.to(hf.device_of(model))
         with hf.attention_hook(model, self._on_layer):
             yield self

@@ -10,6 +10,13 @@ the last W queries and the cached values:
               sum_q a_qi H_q / sum_q a_qi, with H_q the entropy of query q's row
   4  pos      position of i divided by the largest position in the cache
 
+and, for policies that ask for it (``PolicyConfig.lookahead``), a sixth:
+
+  5  lookahead  attention that continuations the model samples itself after the context
+                pay to i (``lookahead_attention``): a forecast of the foresight target
+                (what the real continuation will read), which attention history alone
+                does not give (assets/policy/README.md, ablation)
+
 Two forms: per layer and KV head (query heads grouped by the KV head they share; the
 form a per-head press needs) and global (all query heads of a layer in one group,
 values averaged over KV heads, then averaged over layers: one token set for all layers).
@@ -24,8 +31,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-N_FEATURES = 5
+N_FEATURES = 5  # the features as specified; a lookahead policy reads one more
 NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")
+LOOKAHEAD = "lookahead"
+POS = 4  # the position column (not standardised by the policy)
 _EPS = 1e-12
 
 
@@ -93,3 +102,12 @@ def future_attention(attn: list[Tensor], n_context: int, n_kv: int) -> tuple[Ten
         per_layer.append(recv.view(b, n_kv, h // n_kv, n_context).sum(2))
     head = torch.stack(per_layer, 0)
     return head, head.mean((0, 2))
+
+
+def lookahead_attention(attn: list[Tensor], n_context: int, n_kv: int) -> Tensor:
+    """The lookahead feature (L, 1, Hkv, T) from the attention rows of K sampled continuations.
+
+    attn: per layer (K, H, G, >= n_context), the G sampled tokens of each of K samples over
+    the full cache. Like ``future_attention``'s per-KV-head form, averaged over the samples.
+    """
+    return future_attention(attn, n_context, n_kv)[0].mean(1, keepdim=True)

@@ -1,4 +1,4 @@
-"""The DistillCache scorer: a light MLP from the 5 token features to one score per token.
+"""The DistillCache scorer: a light MLP from the 5 token features (6 with the lookahead) to one score per token.
 
 Features are transformed (log of the positive ones) and standardised across the tokens
 of each row (one row = one layer / KV head, or the single global row), so the policy
@@ -6,7 +6,8 @@ sees relative importance and transfers across contexts and models. Inference kee
 top-B scores (deterministic); sampling for training lives in scdviz.evict.trainer.
 Weights, config and the trained-on model's identity are one scdviz artefact (safetensors).
 
-Shapes: features (..., T, 5) -> scores (..., T). This module does not compute features
+Shapes: features (..., T, F) -> scores (..., T), F >= the policy's ``n_inputs`` (extra
+columns are ignored, so a 5-feature policy reads features observed with the lookahead). This module does not compute features
 or touch a model.
 """
 
@@ -20,10 +21,10 @@ from torch import Tensor, nn
 
 from scdviz import artefact, config
 from scdviz.config import opt
-from scdviz.evict.features import N_FEATURES
+from scdviz.evict.features import N_FEATURES, POS
 
 KIND = "distillcache-policy"
-_LOG_FEATURES = (0, 1, 2)  # alpha, vnorm, sigma are positive and heavy-tailed
+_LOG_FEATURES = (0, 1, 2, 5)  # alpha, vnorm, sigma (and the lookahead) are positive and heavy-tailed
 
 
 @dataclass
@@ -33,6 +34,19 @@ class PolicyConfig:
     hidden: int = opt(32, 'width of the two hidden layers')
     per_head: bool = opt(True, 'True: one token set per layer and KV head; False: one set for all layers')
     window: int = opt(512, 'W, recent queries the features are computed from')
+    lookahead: int = opt(0, "G > 0: a sixth feature, the attention that continuations of G tokens the model samples after the context pay to each token (prefill only; 0: the 5 features as specified)")
+    lookahead_samples: int = opt(4, 'K, continuations sampled for the lookahead feature')
+    lookahead_prior: float = opt(0.75, "lookahead policies: the score is log(prior) + the MLP's correction (zero at the start), prior = w x lookahead + (1 - w) x alpha, each normalised per row; this is w (0.75 chosen on validation: scripts/policy_lookahead.py); 0: no prior")
+
+    @property
+    def n_inputs(self) -> int:
+        """Feature columns the policy reads."""
+        return N_FEATURES + (1 if self.lookahead else 0)
+
+    @property
+    def observation(self) -> tuple[int, int, int]:
+        """What a prefill must observe for this policy: (W, G, K); policies that agree share one."""
+        return (self.window, self.lookahead, self.lookahead_samples if self.lookahead else 0)
 
 
 class Policy(nn.Module):
@@ -44,11 +58,29 @@ class Policy(nn.Module):
         self.identity: dict = {}  # the model it was trained on (source, weight fingerprint)
         self.meta: dict = {}  # what its training recorded (steps, validation KL)
         h = self.config.hidden
-        self.mlp = nn.Sequential(nn.Linear(N_FEATURES, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, 1))
+        self.mlp = nn.Sequential(nn.Linear(self.config.n_inputs, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(),
+                                 nn.Linear(h, 1))
+        if self.has_prior:  # a new policy scores exactly as its prior; training learns the correction
+            nn.init.zeros_(self.mlp[-1].weight)
+            nn.init.zeros_(self.mlp[-1].bias)
+
+    @property
+    def has_prior(self) -> bool:
+        """Whether the score adds a lookahead prior to the MLP's output."""
+        return bool(self.config.lookahead and self.config.lookahead_prior)
 
     def forward(self, features: Tensor) -> Tensor:
-        """Scores (..., T) for features (..., T, 5); higher means keep."""
-        return self.mlp(standardise(features)).squeeze(-1)
+        """Scores (..., T) for features (..., T, F >= n_inputs); higher means keep."""
+        n = self.config.n_inputs
+        if features.shape[-1] < n:
+            raise ValueError(
+                f"this policy reads the lookahead feature (continuations of {self.config.lookahead} tokens sampled "
+                "after the prefill), which only a full prefill observes (scdviz.evict.context.observe with "
+                "lookahead); kvpress's layer-by-layer hooks and decode-time eviction cannot give it: use a "
+                "5-feature policy there")
+        x = features[..., :n]
+        out = self.mlp(standardise(x)).squeeze(-1)
+        return out + lookahead_prior(x, self.config.lookahead_prior) if self.has_prior else out
 
     def save(self, path: str | Path, identity: dict | None = None, meta: dict | None = None) -> Path:
         """Write weights, config, the trained-on model's ``identity`` and ``meta`` (scdviz.artefact)."""
@@ -77,11 +109,21 @@ def standardise(features: Tensor) -> Tensor:
     """Log the positive features, then z-score every feature but position across tokens."""
     x = features.float().clone()
     for idx in _LOG_FEATURES:
-        x[..., idx] = (x[..., idx] + 1e-10).log()
-    body = x[..., :-1]
-    mean, std = body.mean(-2, keepdim=True), body.std(-2, keepdim=True)
-    x[..., :-1] = (body - mean) / (std + 1e-6)
+        if idx < x.shape[-1]:
+            x[..., idx] = (x[..., idx] + 1e-10).log()
+    body = [i for i in range(x.shape[-1]) if i != POS]
+    part = x[..., body]
+    x[..., body] = (part - part.mean(-2, keepdim=True)) / (part.std(-2, keepdim=True) + 1e-6)
     return x
+
+
+def lookahead_prior(features: Tensor, weight: float) -> Tensor:
+    """log(w x lookahead + (1 - w) x alpha), each normalised to sum 1 over the tokens: (..., T, 6) -> (..., T)."""
+    def share(x):
+        return x / x.sum(-1, keepdim=True).clamp_min(1e-12)
+
+    look, alpha = features[..., N_FEATURES].float(), features[..., 0].float()
+    return (weight * share(look) + (1 - weight) * share(alpha) + 1e-12).log()
 
 
 def keep_count(n_tokens: int, keep: float | int) -> int:

@@ -3,6 +3,9 @@
 A kvpress ``ScorerPress``: use it as ``with press(model): model(...)`` or in kvpress's
 pipeline beside the other presses. Its scores come from the policy over the 5 token
 features of each layer's attention (needs eager attention, like ObservedAttentionPress).
+A lookahead policy (``PolicyConfig.lookahead``) also reads continuations sampled after the
+whole prefill, which a layer-by-layer hook cannot see: the press refuses it with a message
+(use ``scdviz.evict.context.observe`` and ``prune``, as ``bench evict`` and the app do).
 
 Two scopes, following the policy's config:
   per_head  each layer and KV head keeps its own top-B (``score`` returns (B, Hkv, T));

@@ -16,8 +16,10 @@ Algorithm, per training context:
 Optional warm start: maximise the Plackett-Luce likelihood of a target's top-B ranking:
 ``alpha`` (observed attention, the alpha feature: what H2O keeps) or ``foresight`` (the
 attention the teacher-forced continuation pays to each context token over the full
-cache: which tokens the future will read, a signal attention history only estimates). Prefills are cached once per context
-(features, full keys/values, reference logits), so an epoch costs only the continuations.
+cache: which tokens the future will read, a signal attention history only estimates).
+A lookahead policy starts at its prior instead (scdviz.evict.policy), so it needs no warm
+start. Prefills are cached once per context (features, full keys/values, reference
+logits), so an epoch costs only the continuations.
 
 Not here: feature maths (features.py), the press (press.py), evaluation (compare.py).
 """
@@ -90,6 +92,7 @@ class TrainConfig:
     steps: int = opt(300, 'REINFORCE steps (one context each)')
     warm_steps: int = opt(100, 'imitation steps on the warm-start ranking before REINFORCE (0: none)')
     warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight (attention the continuation pays to each token over the full cache)", choices=("alpha", "foresight"))
+    warm_lr: float | None = opt(None, "Adam learning rate of the warm start (default: lr)")
     lr: float = opt(3e-4, "Adam learning rate (3e-3 degraded the warm start on validation: assets/policy/README.md)")
     entropy_coef: float = opt(1e-4, "beta, weight of the entropy bonus")
     checkpoint_every: int = opt(25, 'steps between checkpoints (each also scores the validation contexts)')
@@ -149,7 +152,8 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
         ids = hf.ids_tensor(w)
         cont = ids[:, cfg.context_len :]
         with hf.eager(model):  # features need attention probabilities; restored for other users
-            obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window)
+            obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window,
+                          lookahead=(cfg.policy.lookahead, cfg.policy.lookahead_samples), seed=cfg.seed)
             full = hf.make_cache(model, obs.keys, obs.values)
             positions = torch.arange(cfg.context_len, cfg.context_len + cont.shape[1]).unsqueeze(0)
             trace = hf.forward(model, cont, cache=full, positions=positions, attentions=foresight)
@@ -159,7 +163,18 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
 
 
 def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict) -> None:
-    """Imitate the warm-start ranking (``cfg.warm_target``): maximise its Plackett-Luce likelihood."""
+    """Imitate the warm-start ranking (``cfg.warm_target``): maximise its Plackett-Luce likelihood
+    (at ``cfg.warm_lr`` when given; REINFORCE then continues at ``cfg.lr``)."""
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr if cfg.warm_lr is None else cfg.warm_lr
+    try:
+        _imitate(policy, samples, cfg, opt, log)
+    finally:
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr
+
+
+def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict) -> None:
     for step in tqdm(range(cfg.warm_steps), desc=f"warm start ({cfg.warm_target})"):
         sample = samples[step % len(samples)]
         scores = rows(policy, sample.obs)
@@ -261,6 +276,10 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
     if (cfg.reward == "sequential" or cfg.val_decode) and not cfg.policy.per_head:
         raise ValueError("the sequential reward and decode-time validation hold a kept set per layer and KV head: "
                          "use a per-head policy")
+    if (cfg.reward == "sequential" or cfg.val_decode) and cfg.policy.lookahead:
+        raise ValueError("the sequential reward and decode-time validation evict while decoding, where the lookahead "
+                         "feature (sampled after the prefill) does not exist: train a lookahead policy with the subset "
+                         "reward and prefill validation, or use --lookahead 0")
     if cfg.samples < 2:
         raise ValueError(f"--samples must be at least 2 (the leave-one-out baseline), got {cfg.samples}")
     out = run_folder(cfg, resume)
@@ -297,8 +316,9 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
         log["val_foresight_oracle"] = round(
             validate(model, lambda s: warm_rows(s, cfg.policy.per_head, "foresight"), cfg.policy.per_head, held_out,
                      cfg.keeps), 5)
-    if not log["warm"] and cfg.warm_steps:
-        warm_start(policy, samples, cfg, opt, log)
+    if not log["val"]:  # a fresh run: the starting point (after any warm start) is the first checkpoint
+        if cfg.warm_steps:
+            warm_start(policy, samples, cfg, opt, log)
         _checkpoint(model, out, policy, opt, log, held_out, cfg)
     order = random.Random(cfg.seed + len(log["steps"]))
     gen = torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed + len(log["steps"]))

@@ -18,7 +18,7 @@ import torch
 
 from scdviz.evict import compare
 from scdviz.evict.context import prune
-from scdviz.evict.features import NAMES
+from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
 from scdviz.models import hf
 
@@ -38,7 +38,7 @@ class EvictionView:
     sweep: dict[str, dict[float, float]]  # method -> kept fraction -> mean KL
     rows: list[dict]  # method, kl, top1, ppl at the chosen budget
     features: list[list[float]]  # (T, 5) global-form features of every context token
-    feature_names: tuple[str, ...] = NAMES  # names of the 5 features
+    feature_names: tuple[str, ...] = NAMES  # names of the features (5, or 6 with the lookahead)
     continuation: str = ""  # the full cache's greedy continuation (the scored tokens)
     generations: dict[str, str] = field(default_factory=dict)  # method -> greedy text from its pruned cache
     versus_h2o: dict[str, list[float]] = field(default_factory=dict)  # method -> (T,) its kept share minus H2O's
@@ -116,6 +116,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         rows=[{"method": m, "kl": round(res[(m, label)]["kl"], 4), "top1": round(res[(m, label)]["top1"], 3),
                "tokens_kept": res[(m, label)]["tokens_kept"]} | agreement(slots[m], slots[H2O]) for m in methods],
         features=feats.tolist(),
+        feature_names=NAMES + ((LOOKAHEAD,) if feats.shape[-1] > len(NAMES) else ()),
         continuation=tokenizer.decode(cont),
         generations=gens,
         versus_h2o={m: (slots[m].mean((0, 1)) - slots[H2O].mean((0, 1))).tolist() for m in methods},
