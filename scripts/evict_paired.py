@@ -1,0 +1,94 @@
+"""Paired comparison of learned eviction policies against every baseline of one or more bench evict records.
+
+    python scripts/evict_paired.py RECORD.json [MORE_RECORDS.json ...] [--method NAME]
+
+``bench evict`` records hold every method's KL per context. Records made on the same
+contexts (same settings and eval text; the script checks that every method the records
+share has identical per-context KL, which holds because the evaluation is deterministic) can
+be joined: e.g. a new policy scored without kvpress's native presses (``--no-natives``)
+beside an earlier record that ran them. For each budget it prints the policy's KL, the best
+baseline over all the records (lowest mean KL), the paired-bootstrap 95 % interval of the
+difference and of the ratio, wins against that baseline and against each context's best
+baseline, context-QA accuracy where recorded; then the same per domain against that domain's
+best baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
+from scdviz import metrics  # noqa: E402
+
+
+def rows_of(paths: list[str], mode: str) -> dict[tuple[str, str], dict]:
+    """(method, keep) -> row, joined over the records, checking shared methods agree per context."""
+    out, domains = {}, None
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if row.get("mode") != mode or "kl_per_context" not in row:
+                continue
+            if domains is None:
+                domains = row["domains"]
+            elif row["domains"] != domains:
+                raise SystemExit(f"{path}: its contexts are not the first record's (domains differ)")
+            key = (row["method"], row["keep"])
+            if key in out and out[key]["kl_per_context"] != row["kl_per_context"]:
+                raise SystemExit(f"{path}: {key} differs per context from the record before: not the same contexts")
+            out.setdefault(key, row)
+    if not out:
+        raise SystemExit(f"no rows of mode {mode!r} with per-context KL in {paths}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("records", nargs="+", help="bench evict records (record.json) made on the same contexts")
+    ap.add_argument("--method", nargs="*", default=None, help="learned methods to compare (default: all non-baselines)")
+    ap.add_argument("--mode", default="agnostic", help="record mode to read (default: agnostic)")
+    args = ap.parse_args()
+    rows = rows_of(args.records, args.mode)
+    domains = next(iter(rows.values()))["domains"]
+    keeps = sorted({k for _, k in rows}, key=float, reverse=True)
+    learned = args.method or sorted({m for (m, _), r in rows.items() if not r.get("baseline")})
+    print(f"{len(domains)} contexts; records: {', '.join(args.records)}")
+    for keep in keeps:
+        base = {m: r for (m, k), r in rows.items() if k == keep and r.get("baseline")}
+        best = min(base, key=lambda m: base[m]["kl"])
+        ctx_best = [min(r["kl_per_context"][i] for r in base.values()) for i in range(len(domains))]
+        print(f"\nkept {keep}: best baseline {best} (KL {base[best]['kl']:.4f}, QA {base[best].get('qa_acc')})")
+        print(f"{'method':34} {'KL':>8} {'− best [95% CI]':>28} {'/ best [95% CI]':>24} {'wins':>5} {'ctx-best':>8} {'QA':>5}")
+        for m in learned:
+            if (m, keep) not in rows:
+                continue
+            r = rows[(m, keep)]
+            a, b = base[best]["kl_per_context"], r["kl_per_context"]
+            boot = metrics.paired_bootstrap(a, b)
+            wins = sum(y < x for x, y in zip(a, b, strict=True)) / len(a)
+            wins_ctx = sum(y < x for x, y in zip(ctx_best, b, strict=True)) / len(a)
+            diff = f"{boot['diff']:+.4f} [{boot['diff_ci'][0]:+.4f}, {boot['diff_ci'][1]:+.4f}]"
+            ratio = f"{boot['ratio']:.3f} [{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"
+            qa = r.get("qa_acc")
+            print(f"{m:34} {r['kl']:8.4f} {diff:>28} {ratio:>24} {wins:5.2f} {wins_ctx:8.2f} "
+                  f"{'' if qa is None else f'{qa:5.2f}'}")
+        for m in learned:
+            if (m, keep) not in rows:
+                continue
+            print(f"  per domain, {m}:")
+            for d in sorted(set(domains)):
+                idx = [i for i, x in enumerate(domains) if x == d]
+                sub = {n: [r["kl_per_context"][i] for i in idx] for n, r in base.items()}
+                dbest = min(sub, key=lambda n: sum(sub[n]))
+                mine = [rows[(m, keep)]["kl_per_context"][i] for i in idx]
+                boot = metrics.paired_bootstrap(sub[dbest], mine)
+                wins = sum(y < x for x, y in zip(sub[dbest], mine, strict=True)) / len(idx)
+                print(f"    {d:10} {sum(mine) / len(mine):.4f} vs {dbest} {sum(sub[dbest]) / len(idx):.4f}: "
+                      f"{boot['diff']:+.4f} [{boot['diff_ci'][0]:+.4f}, {boot['diff_ci'][1]:+.4f}], "
+                      f"ratio {boot['ratio']:.3f}, wins {wins:.2f}")
+
+
+if __name__ == "__main__":
+    main()
