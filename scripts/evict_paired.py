@@ -9,8 +9,8 @@ be joined: e.g. a new policy scored without kvpress's native presses (``--no-nat
 beside an earlier record that ran them. For each budget it prints the policy's KL, the best
 baseline over all the records (lowest mean KL), the paired-bootstrap 95 % interval of the
 difference and of the ratio, wins against that baseline and against each context's best
-baseline, context-QA accuracy where recorded; then the same per domain against that domain's
-best baseline.
+baseline, context-QA accuracy where recorded; then, per domain, ``bench evict``'s own domain
+table (``scdviz.evict.compare.domain_table``) over the joined rows.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
 from scdviz import metrics  # noqa: E402
+from scdviz.evict import compare  # noqa: E402
 
 
 def rows_of(paths: list[str], mode: str) -> dict[tuple[str, str], dict]:
@@ -74,20 +75,9 @@ def main() -> None:
             qa = r.get("qa_acc")
             print(f"{m:34} {r['kl']:8.4f} {diff:>28} {ratio:>24} {wins:5.2f} {wins_ctx:8.2f} "
                   f"{'' if qa is None else f'{qa:5.2f}'}")
-        for m in learned:
-            if (m, keep) not in rows:
-                continue
-            print(f"  per domain, {m}:")
-            for d in sorted(set(domains)):
-                idx = [i for i, x in enumerate(domains) if x == d]
-                sub = {n: [r["kl_per_context"][i] for i in idx] for n, r in base.items()}
-                dbest = min(sub, key=lambda n: sum(sub[n]))
-                mine = [rows[(m, keep)]["kl_per_context"][i] for i in idx]
-                boot = metrics.paired_bootstrap(sub[dbest], mine)
-                wins = sum(y < x for x, y in zip(sub[dbest], mine, strict=True)) / len(idx)
-                print(f"    {d:10} {sum(mine) / len(mine):.4f} vs {dbest} {sum(sub[dbest]) / len(idx):.4f}: "
-                      f"{boot['diff']:+.4f} [{boot['diff_ci'][0]:+.4f}, {boot['diff_ci'][1]:+.4f}], "
-                      f"ratio {boot['ratio']:.3f}, wins {wins:.2f}")
+    for m in learned:  # per domain: scdviz's own table, over the joined rows
+        print(f"\nper domain, {m} against the best baseline on that domain's contexts:")
+        print(compare.domain_text(compare.domain_table(list(rows.values()), m)))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from scdviz import data, metrics  # noqa: E402
 from scdviz.evict import features as F  # noqa: E402
 from scdviz.evict import trainer  # noqa: E402
 from scdviz.evict.context import observe  # noqa: E402
-from scdviz.evict.policy import Policy  # noqa: E402
+from scdviz.evict.policy import Policy, lookahead_prior  # noqa: E402
 from scdviz.models import hf  # noqa: E402
 from scdviz.models.pair import choose_threads, load_model  # noqa: E402
 
@@ -71,18 +71,15 @@ def main() -> None:
         samples = prepare(model, tokenizer, args.per_domain)
         keeps = (0.25, 0.125)
 
-        def norm(x):
-            return x / x.sum(-1, keepdim=True).clamp_min(1e-12)
-
         def column(i):
             return lambda s: s.obs.head_features[:, 0, ..., i].flatten(0, 1)
 
         scorers = {"H2O (ObservedAttention)": lambda s: torch.stack(s.obs.scores[("H2O", 0.5)], 0)[:, 0].flatten(0, 1),
                    "alpha, last 64 rows": column(0),
                    "lookahead (K = 4, G = 16)": column(5)}
-        for lam in (0.25, 0.5, 0.75):
+        for lam in (0.25, 0.5, 0.75):  # the lookahead policies' prior at weight lam (its log: the same top-B)
             scorers[f"{lam:g} lookahead + {1 - lam:g} alpha"] = (
-                lambda s, lam=lam: lam * norm(column(5)(s)) + (1 - lam) * norm(column(0)(s)))
+                lambda s, lam=lam: lookahead_prior(s.obs.head_features[:, 0], lam).flatten(0, 1))
         scorers["true future attention (oracle)"] = lambda s: trainer.warm_rows(s, True, "foresight")
         for path in args.policies:
             policy = Policy.load(path).to(hf.device_of(model))

@@ -344,8 +344,9 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     same window and interval for all); KL per step against the full cache.
 
     ``out``: this context's ``score_context`` result (its prefill, features and kept sets).
-    Learned policies: the per-head ones without a lookahead (one set for all layers cannot be
-    held per head; the lookahead exists only after a prefill), the others recorded in ``failed``.
+    Learned policies: the per-head ones (one set for all layers cannot be held per head); a
+    lookahead policy, which DecodeEvictor refuses (its feature exists only after a prefill),
+    lands in ``failed`` like any scorer that cannot score while decoding.
     SnapKV is left out: its observation window (64 rows) must exceed the rows a decode
     step buffers. kvpress's ``DecodingPress`` is not used (scdviz.evict.decode says why).
     """
@@ -354,12 +355,7 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     gen = hf.generate(model, full, first, prefix, cfg.decode_tokens)
     steps = torch.cat([first, hf.ids_tensor(gen[:-1], device=ids.device)], dim=1)
     ref = hf.continue_logits(model, full, steps, prefix)[0]
-    for name, p in policies.items():
-        if p.config.lookahead:
-            failed.setdefault(name, "its lookahead feature is sampled after the prefill; decode-time eviction rescores "
-                                    "from the attention window, where it does not exist")
-    scorers = {name: DistillCachePress(policy=p) for name, p in policies.items()
-               if p.config.per_head and name not in failed}
+    scorers = {name: DistillCachePress(policy=p) for name, p in policies.items() if p.config.per_head}
     scorers |= {name: presses[name] for name in DECODE_BASELINES if name in presses}
     results = {}
     for label, n_keep in budgets(cfg, prefix):

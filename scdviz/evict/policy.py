@@ -7,8 +7,8 @@ top-B scores (deterministic); sampling for training lives in scdviz.evict.traine
 Weights, config and the trained-on model's identity are one scdviz artefact (safetensors).
 
 Shapes: features (..., T, F) -> scores (..., T), F >= the policy's ``n_inputs`` (extra
-columns are ignored, so a 5-feature policy reads features observed with the lookahead). This module does not compute features
-or touch a model.
+columns are ignored, so a 5-feature policy reads features observed with the lookahead).
+This module does not compute features or touch a model.
 """
 
 from __future__ import annotations
