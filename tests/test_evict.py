@@ -339,6 +339,10 @@ def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_t
     assert whole["kl_steps"][:, :4].abs().max() < 1e-5 and whole["kl_steps"][:, 4:].max() > 1e-4
     with pytest.raises(ValueError, match="per-head"):
         reinforce_sequential_step(eager_tiny, _policy(False), sample, 8, cfg, torch.Generator().manual_seed(0))
+    # the first 6 tokens an unscored question: only the last 10 steps are scored, the same 10 as above
+    asked = Sample(obs, ids[:, 24:], ref[6:])
+    whole_asked = reinforce_sequential_step(eager_tiny, policy, asked, 24, cfg, torch.Generator().manual_seed(0))
+    assert torch.allclose(whole_asked["kl_steps"], whole["kl_steps"][:, 6:], atol=1e-6)
 
 
 def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs_when_cuts_do(eager_tiny):

@@ -78,6 +78,16 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
     assert compare.validation_kl(paths[1]) == 0.15
     assert compare.chosen_on_validation(tuple(paths)) == "distillcache-head-w8"
     assert set(compare.load_policies(tuple(paths))) == {"distillcache-head", "distillcache-head-w8"}
+    # a log validated on the benchmark's own tail (16 unscored tokens, then the scored ones) competes
+    # only with logs like it: a KL on another tail is not comparable, however low
+    folder = tmp_path / "c"
+    folder.mkdir()
+    Policy(PolicyConfig(hidden=4, per_head=True, window=32)).save(folder / "best.safetensors")
+    (folder / "log.json").write_text(json.dumps({"config": {"question_len": 16}, "val": [{"step": 0, "kl": 0.5}]}))
+    paths.append(str(folder / "best.safetensors"))
+    assert compare.chosen_on_validation(tuple(paths), question_len=16) == "distillcache-head-w32"
+    assert compare.chosen_on_validation(tuple(paths), question_len=0) == "distillcache-head-w8"  # older logs: 0
+    assert compare.chosen_on_validation(tuple(paths), question_len=4) == "distillcache-head-w8"  # none alike: all
 
 
 def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():
@@ -171,6 +181,28 @@ def test_foresight_warm_start_fits_the_future_ranking(tmp_path):
     assert alpha_only[0].future is None
     with pytest.raises(ValueError, match="foresight"):
         trainer.warm_rows(alpha_only[0], True, "foresight")
+
+
+def test_training_samples_score_the_tail_after_the_question_as_the_benchmark_does():
+    """With question_len q the sample teacher-forces q + n tokens after the context and scores the
+    last n: its reference is the full cache's logits there, and a rollout's KL is measured on them."""
+    from scdviz.evict import trainer
+    from scdviz.evict.context import prune
+
+    model = tiny_model("llama")
+    cfg = trainer.TrainConfig(out="unused", corpora=("austen",), context_len=40, question_len=6, cont_len=8,
+                              policy=PolicyConfig(hidden=4, per_head=True, window=8))
+    sample = trainer.prepare(model, _Words(), cfg, "calib", 1, progress=False)[0]
+    assert sample.cont.shape == (1, 14) and sample.ref.shape[0] == 8
+    full = hf.continue_logits(model, hf.make_cache(model, sample.obs.keys, sample.obs.values), sample.cont, 40)[0]
+    assert torch.allclose(sample.ref, full[-8:], atol=1e-5)
+    everything = [torch.arange(40).view(1, 1, 40).expand(1, 2, 40)] * 3
+    assert trainer.rollout_kl(model, sample, everything) < 1e-6  # nothing pruned: the reference itself
+    idx = [torch.arange(20, 40).view(1, 1, 20).expand(1, 2, 20)] * 3
+    pruned = hf.continue_logits(model, prune(model, sample.obs, idx), sample.cont, 40)[0]
+    expect = float(metrics.kl_per_token(full[-8:], pruned[-8:]).mean())
+    assert abs(trainer.rollout_kl(model, sample, idx) - expect) < 1e-6
+    assert abs(expect - float(metrics.kl_per_token(full, pruned).mean())) > 1e-6  # the question's steps differ
 
 
 def test_agreement_with_h2o_is_exact_on_known_masks():

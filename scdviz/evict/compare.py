@@ -154,6 +154,12 @@ class LoadedPolicy:
         return _lowest_logged(self.log)
 
     @property
+    def validation_question_len(self) -> int | None:
+        """The unscored tokens its validation teacher-forced before the scored ones (0 in logs older than
+        the setting), or None without a log."""
+        return None if self.log is None else int(((self.log.get("config") or {}).get("question_len")) or 0)
+
+    @property
     def trained_on(self) -> list[str] | None:
         """The domains its training contexts came from (the log's settings), or None when unknown."""
         cfg = (self.log or {}).get("config") or {}
@@ -175,14 +181,19 @@ def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
     return {name: loaded.policy for name, loaded in _load(paths).items()}
 
 
-def chosen_on_validation(paths: tuple[str, ...]) -> str | None:
+def chosen_on_validation(paths: tuple[str, ...], question_len: int | None = None) -> str | None:
     """The method name of the policy with the lowest validation KL in its training log:
-    the headline policy, chosen without looking at any evaluation result."""
-    return _lowest_validation(_load(paths))
+    the headline policy, chosen without looking at any evaluation result.
+
+    question_len: the benchmark's; when some logs validated with that many unscored tokens
+    before the scored ones, only those compete (KLs measured on other tails are not comparable)."""
+    return _lowest_validation(_load(paths), question_len)
 
 
-def _lowest_validation(loaded: dict[str, LoadedPolicy]) -> str | None:
+def _lowest_validation(loaded: dict[str, LoadedPolicy], question_len: int | None = None) -> str | None:
     vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None}
+    same = {name: v for name, v in vals.items() if loaded[name].validation_question_len == question_len}
+    vals = same or vals
     return min(vals, key=vals.get) if vals else None
 
 
@@ -421,7 +432,7 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     policies = {name: p.policy for name, p in loaded.items()}
     if not policies:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
-    chosen = _lowest_validation(loaded)
+    chosen = _lowest_validation(loaded, cfg.question_len)
     if cfg.lodo and chosen is None:
         raise ValueError("--lodo retrains the policy chosen on validation with its recipe: no policy has a training log")
     records = []

@@ -84,6 +84,7 @@ class TrainConfig:
     contexts: int = opt(32, 'training contexts (prefilled once each)')
     context_len: int = opt(512, 'T, tokens per context')
     cont_len: int = opt(24, 'teacher-forced continuation tokens for the reward')
+    question_len: int = opt(16, "tokens teacher-forced between the context and the scored continuation, unscored: bench evict's question_len, so that validation measures what the benchmark measures (0: score the tokens right after the context)")
     keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
     samples: int = opt(4, 'M, Gumbel samples per context and step')
     reward: str = opt("subset", "subset: one reward per sampled kept set, -mean KL over the continuation (a one-shot bandit); sequential: the seed's per-step formulation, the continuation decoded with the cache held at the budget and every eviction sampled from the policy, each decision credited with -KL of the steps after it (per-head policies)", choices=("subset", "sequential"))
@@ -106,8 +107,8 @@ class Sample:
     """A cached training context."""
 
     obs: Observed  # prefill features and full keys/values
-    cont: Tensor  # (1, n) continuation ids
-    ref: Tensor  # (n, V) full-cache logits over the continuation
+    cont: Tensor  # (1, q + n) the tail teacher-forced after the context: q unscored "question" tokens, then n scored
+    ref: Tensor  # (n, V) full-cache logits over the tail's last n positions, the ones the reward and validation score
     future: tuple[Tensor, Tensor] | None = None  # foresight target (L, 1, Hkv, T) and (1, T), when asked
 
 
@@ -128,10 +129,10 @@ def indices_from_rows(idx: Tensor, obs: Observed, per_head: bool) -> list[Tensor
 
 
 def rollout_kl(model, sample: Sample, indices) -> float:
-    """Mean KL(full || pruned) over the sample's continuation."""
+    """Mean KL(full || pruned) over the sample's scored continuation."""
     cache = prune(model, sample.obs, indices)
     logits = hf.continue_logits(model, cache, sample.cont, sample.obs.n_tokens)[0]
-    return float(metrics.kl_per_token(sample.ref, logits).mean())
+    return float(metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:]).mean())
 
 
 def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool = True) -> list[Sample]:
@@ -142,7 +143,7 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     if not sources:
         raise ValueError("no text to train on: give --texts or at least one of --corpora")
     per = -(-count // len(sources))
-    length = cfg.context_len + cfg.cont_len
+    length = cfg.context_len + cfg.question_len + cfg.cont_len
     foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
     windows = [w for c in sources for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
     if len(windows) < count:
@@ -158,7 +159,7 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
             positions = torch.arange(cfg.context_len, cfg.context_len + cont.shape[1]).unsqueeze(0)
             trace = hf.forward(model, cont, cache=full, positions=positions, attentions=foresight)
         future = F.future_attention(trace.attn, cfg.context_len, hf.attn_heads(model)[1]) if foresight else None
-        out.append(Sample(obs, cont, trace.logits[0], future))
+        out.append(Sample(obs, cont, trace.logits[0, -cfg.cont_len:], future))
     return out
 
 
@@ -223,7 +224,8 @@ def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: T
     if not policy.config.per_head:
         raise ValueError("the sequential reward holds a kept set per layer and KV head: use a per-head policy")
     scores = rows(policy, sample.obs)
-    prefix, n = sample.obs.n_tokens, sample.cont.shape[1]
+    prefix, n = sample.obs.n_tokens, sample.ref.shape[0]
+    question = sample.cont.shape[1] - n  # unscored tail tokens before the scored ones
     logps, kls, schedule = [], [], None
     for _ in range(cfg.samples):
         ranking = gumbel_top_b(scores, n_keep, gen)
@@ -236,10 +238,10 @@ def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: T
         schedule = positions
         logps.append(torch.stack([plackett_luce_logprob(scores, ranking).sum(), *[lp for _, lp in evictor.decisions]]))
     kl = torch.stack(kls)  # (M, n)
-    # G of a decision = -(sum of KL over the steps it changes) / n: the prefill selection changes all n steps,
-    # a cut while decoding position p the steps from p + 1 on (none when p is the last)
+    # G of a decision = -(sum of KL over the scored steps it changes) / n: the prefill selection changes all n
+    # steps, a cut while decoding position p the scored steps from p + 1 on (none when p is the last)
     tail = torch.cat([kl.flip(1).cumsum(1).flip(1), kl.new_zeros(kl.shape[0], 1)], 1) / n  # (M, n + 1)
-    g = -tail[:, [0, *[min(p - prefix + 1, n) for p in schedule]]]  # (M, decisions)
+    g = -tail[:, [0, *[min(max(p - prefix + 1 - question, 0), n) for p in schedule]]]  # (M, decisions)
     logp = torch.stack(logps)  # (M, decisions)
     entropy = first_choice_entropy(scores)
     loss = -((g - loo_baseline(g)) * logp).mean() - cfg.entropy_coef * entropy
@@ -248,12 +250,12 @@ def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: T
 
 
 def held_kl(model, sample: Sample, indices, evictor) -> Tensor:
-    """Per-step KL(full || pruned) over the sample's continuation decoded one token at a time from
-    the cache pruned to ``indices``, with ``evictor`` (a DecodeEvictor) holding it at its budget."""
+    """Per-step KL(full || pruned) over the sample's scored continuation, its tail decoded one token at
+    a time from the cache pruned to ``indices``, with ``evictor`` (a DecodeEvictor) holding it at its budget."""
     with hf.eager(model), evictor(model):
         logits = hf.continue_logits(model, prune(model, sample.obs, indices), sample.cont, sample.obs.n_tokens,
                                     one_at_a_time=True)[0]
-    return metrics.kl_per_token(sample.ref, logits)
+    return metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:])
 
 
 def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
