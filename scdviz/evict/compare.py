@@ -53,6 +53,7 @@ SHIPPED_POLICIES = (
     settings.ASSETS_DIR / "policy" / "global" / "best.safetensors",  # one set for all layers (as specified)
     settings.ASSETS_DIR / "policy" / "per_head_w64" / "best.safetensors",  # per-head, W = 64
     settings.ASSETS_DIR / "policy" / "lookahead_w64" / "best.safetensors",  # per-head, W = 64, + lookahead feature
+    settings.ASSETS_DIR / "policy" / "lookahead_w512" / "best.safetensors",  # W = 512, lookahead G = 40, K = 8
 )
 
 
