@@ -285,6 +285,7 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
         assert set(mine[0]["domains"]) == {domain} and mine[0]["n_contexts"] == 2
         log = json.loads((Path(mine[0]["policy_folder"]) / "log.json").read_text())
         assert log["config"]["corpora"] == [other] and len(log["steps"]) == 1
+        assert log["config"]["question_len"] == recipe.question_len == 16  # the recipe's validation tail, kept
         assert Path(mine[0]["policy_folder"]).is_relative_to(tmp_path / "work" / "runs" / "policies")
     table = compare.domain_table(rows)
     lodo_rows = [r for r in table if "lodo" in r["mode"]]
