@@ -94,11 +94,15 @@ def main() -> None:
         samples = prepare(model, tokenizer, args.per_domain, args.question, views)
         keeps = (0.25, 0.125)
 
+        def alpha(s, window):
+            """Alpha over the last ``window`` queries (L, Hkv, T), from any view observed with that window."""
+            return next(head for (w, _, _), (head, _) in s.views.items() if w == window)[:, 0, ..., 0]
+
         def mixed(g, k, alpha_window, lam):
             """The W = alpha_window lookahead policies' prior (its log: the same top-B as the mix)."""
             def score(s):
                 feats = s.views[(64, g, k)][0][:, 0].clone()
-                feats[..., 0] = s.views[(alpha_window, 0, 0) if alpha_window != 64 else (64, g, k)][0][:, 0, ..., 0]
+                feats[..., 0] = alpha(s, alpha_window)
                 return lookahead_prior(feats, lam).flatten(0, 1)
             return score
 
@@ -109,8 +113,8 @@ def main() -> None:
             return score
 
         scorers = {"H2O (ObservedAttention)": lambda s: torch.stack(s.obs.scores[("H2O", 0.5)], 0)[:, 0].flatten(0, 1),
-                   "alpha, last 64 rows": lambda s: s.views[views[0]][0][:, 0, ..., 0].flatten(0, 1),
-                   f"alpha, all {CONTEXT} rows": lambda s: s.views[(CONTEXT, 0, 0)][0][:, 0, ..., 0].flatten(0, 1)}
+                   "alpha, last 64 rows": lambda s: alpha(s, 64).flatten(0, 1),
+                   f"alpha, all {CONTEXT} rows": lambda s: alpha(s, CONTEXT).flatten(0, 1)}
         for g, k in looks:
             scorers[f"lookahead (G = {g}, K = {k})"] = lambda s, g=g, k=k: s.views[(64, g, k)][0][:, 0, ..., 5].flatten(0, 1)
             for alpha_window in (64, CONTEXT):

@@ -464,7 +464,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
     from scdviz.evict import trainer
 
     saved, _ = config.from_dict(trainer.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
-    saved = dataclasses.replace(saved, question_len=recipe.validation_question_len or 0)  # older logs: 0, as they ran
+    saved = dataclasses.replace(saved, question_len=recipe.validation_question_len)  # older logs: 0, as they ran
     domains = [d for d in saved.corpora if d in cfg.corpora]
     if len(saved.corpora) < 2 or saved.texts or not domains:
         raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "

@@ -132,7 +132,12 @@ def rollout_kl(model, sample: Sample, indices) -> float:
     """Mean KL(full || pruned) over the sample's scored continuation."""
     cache = prune(model, sample.obs, indices)
     logits = hf.continue_logits(model, cache, sample.cont, sample.obs.n_tokens)[0]
-    return float(metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:]).mean())
+    return float(scored_kl(sample, logits).mean())
+
+
+def scored_kl(sample: Sample, logits: Tensor) -> Tensor:
+    """Per-step KL(full || pruned) on the scored positions: the last len(sample.ref) of the tail's ``logits``."""
+    return metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:])
 
 
 def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool = True) -> list[Sample]:
@@ -255,7 +260,7 @@ def held_kl(model, sample: Sample, indices, evictor) -> Tensor:
     with hf.eager(model), evictor(model):
         logits = hf.continue_logits(model, prune(model, sample.obs, indices), sample.cont, sample.obs.n_tokens,
                                     one_at_a_time=True)[0]
-    return metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:])
+    return scored_kl(sample, logits)
 
 
 def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
