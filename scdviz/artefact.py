@@ -23,7 +23,7 @@ from scdviz import __version__
 from scdviz.models import hf
 from scdviz.models.pair import PairError
 
-VERSIONS = {"scd-calibration": 2, "distillcache-policy": 2}  # kind -> the version this code writes and reads
+VERSIONS = {"scd-calibration": 3, "distillcache-policy": 2}  # kind -> the version this code writes and reads
 _KEY = "scdviz"  # the safetensors metadata key holding the header
 
 
@@ -61,6 +61,17 @@ def save(path: str | Path, kind: str, tensors: dict[str, torch.Tensor], identity
     host = {k: v.detach().to(hf.HOST).contiguous() for k, v in tensors.items()}
     save_file(host, str(path), metadata={_KEY: json.dumps(header, allow_nan=False)})
     return path
+
+
+def int8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix as int8 with one fp16 scale per row (symmetric, absmax): half of fp16's bytes."""
+    scale = (t.float().abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+    return (t.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.half()
+
+
+def from_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix of ``int8_rows``."""
+    return q.float() * scale.float()
 
 
 def load(path: str | Path, kind: str) -> Artefact:

@@ -69,7 +69,7 @@ def records_account() -> None:
     import json
 
     for name in SPECIALISTS:
-        path = Path(__file__).resolve().parents[1] / "assets" / "scd" / name / "budget.json"
+        path = Path(__file__).resolve().parents[1] / "assets" / "scd" / name / "bench.json"
         rows = json.loads(path.read_text())["rows"]
         by = {row["method"]: row for row in rows if row.get("group") == "budget sweep"}
         for b in BUDGETS:

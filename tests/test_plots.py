@@ -141,13 +141,15 @@ def test_results_view_rounds_the_table_and_exports_raw_values(monkeypatch, tmp_p
     assert "kl_per_prompt" not in shown and "kl_per_prompt" in raw  # lists: in the CSV only
     kl_raw = raw[(raw["record"] == "scd/jargon/bench") & (raw["method"] == "raw KV")]["kl"].iloc[0]
     kl_shown = shown[(shown["record"] == "scd/jargon/bench") & (shown["method"] == "raw KV")]["kl"].iloc[0]
-    assert kl_raw == pytest.approx(0.089438647031784, abs=1e-15) and kl_shown == 0.08944
+    shipped = json.loads((settings.ASSETS_DIR / "scd" / "jargon" / "bench.json").read_text())["rows"]
+    want = next(r["kl"] for r in shipped if r["method"] == "raw KV")
+    assert kl_raw == pytest.approx(want, abs=1e-15) and kl_shown == round(want, 5)
     assert set(raw["bench_kind"]) == {"scd", "evict"}
     assert "3 records" in out["info"] and "plotted separately" in out["info"]
     # the export reads back as the same records, split by record and kind
     back = service.read_records(out["csv"])
     assert [(label, rec.kind, len(rec.rows)) for label, rec in back] == [
-        ("results:scd/jargon/bench", "scd", 93), ("results:a", "scd", 13), ("results:b", "evict", 10)]
+        ("results:scd/jargon/bench", "scd", len(shipped)), ("results:a", "scd", 13), ("results:b", "evict", 10)]
     with pytest.raises(UserError, match="this one holds evict, scd"):
         service.load_results(out["csv"])  # one frame of one kind: the old single-file reader refuses it
     empty = webapp.compare_results([], None, [], session.Session())

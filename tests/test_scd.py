@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import struct
 
 import pandas as pd
@@ -9,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from scdviz import metrics
+from scdviz import artefact, metrics
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, facts_of
 from scdviz.scd import calibrate as cal
@@ -318,7 +319,6 @@ def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_
 
 
 def test_aligners_keep_their_mlp_only_where_fitted_and_round_trip_exactly(tiny_calib, tmp_path):
-    import copy
 
     from safetensors import safe_open
 
@@ -343,8 +343,10 @@ def test_aligners_keep_their_mlp_only_where_fitted_and_round_trip_exactly(tiny_c
     x = torch.randn(16, calib.patches[first].in_mean.numel())
     for layer, p in calib.patches.items():
         assert back.patches[layer].aligner.hidden == (8 if layer == first else 0)
-        p16 = copy.deepcopy(p)  # the weights are stored in fp16
-        p16.aligner.load_state_dict({k: v.half().float() for k, v in p.aligner.state_dict().items()})
+        p16 = copy.deepcopy(p)  # the weights are stored in fp16, the linear correction in int8 rows
+        stored = {k: v.half().float() for k, v in p.aligner.state_dict().items()}
+        stored["lin.weight"] = artefact.from_int8_rows(*artefact.int8_rows(p.aligner.lin.weight.detach()))
+        p16.aligner.load_state_dict(stored)
         assert torch.equal(back.patches[layer].decode(back.patches[layer].encode(x)), p16.decode(p16.encode(x)))
 
 
@@ -454,6 +456,73 @@ def test_heldout_error_is_the_direct_error_and_shrinkage_reaches_identity():
     assert torch.allclose(both.sxx, ref.sxx) and torch.allclose(both.sxy, ref.sxy) and both.n == ref.n
 
 
+def test_block_and_residual_statistics_are_those_of_the_rows():
+    """block() and residual_of() give exactly the sums of the sliced / transformed rows."""
+    (x, y), _ = _shifted_domains(d=8)
+    st = rrr.RRRStats(8, 8)
+    st.add(x, y)
+    cols = slice(2, 5)
+    want = rrr.RRRStats(8, 3)
+    want.add(x, y[:, cols])
+    got = st.block(slice(None), cols)
+    for name in ("sx", "sy", "sxx", "sxy", "syy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    mu_x, mu_y, b = st.full_map(1e-3, 0.3)
+    y_hat = (x.double() - mu_x) @ b + mu_y
+    want = rrr.RRRStats(8, 8)
+    want.add(y_hat, y.double() - y_hat)
+    got = st.residual_of(mu_x, b, mu_y)
+    for name in ("sx", "sy", "sxx", "sxy", "syy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-9, atol=1e-6)
+
+
+def test_joint_refinement_is_the_joint_least_squares_map_at_full_rank_and_helps_when_k_and_v_share_a_source():
+    """Keys and values are two projections of one hidden state: the consumer's keys depend on what
+    only the producer's values carry. The block-diagonal maps cannot use it; the joint refinement,
+    fitted on the first map's output, recovers the joint least-squares map exactly at full rank."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(600, 10, generator=gen)
+    pk, pv = torch.randn(10, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    ck, cv = pk + 0.5 * torch.randn(10, 4, generator=gen), pv + 0.5 * torch.randn(10, 4, generator=gen)
+    x = torch.cat([h @ pk, h @ pv], 1)
+    y = torch.cat([h @ ck, h @ cv], 1) + 0.05 * torch.randn(600, 8, generator=gen)
+    st = rrr.RRRStats(8, 8)
+    st.add(x, y)
+    block = cal.joint_map(st, 1e-9, 0.0, 0.0, None, 8)
+    full = cal.joint_map(st, 1e-9, 0.0, 0.0, 0.0, 8)
+    torch.testing.assert_close(full[2], st.full_map(1e-9, 0.0)[2], rtol=1e-6, atol=1e-6)  # the joint map
+    assert st.heldout_error(*full[:3]) < 0.5 * st.heldout_error(*block[:3])
+    low = [st.heldout_error(*cal.joint_map(st, 1e-9, 0.0, 0.0, 0.0, r)[:3]) for r in (1, 2, 4, 8)]
+    assert all(a >= b - 1e-9 for a, b in zip(low, low[1:]))  # error falls as the refinement's rank rises
+    assert cal.joint_map(st, 1e-9, 0.0, 0.0, 1e9, 8)[2].sub(block[2]).abs().max() < 1e-5  # β → ∞: no refinement
+
+
+def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, tmp_path):
+    """The consumer adds the stored refinement to the decoded rows; it survives save / load (fp16)."""
+    assert tiny_calib.stats["joint_layers"], "the tiny pair's calibration should refine some layer"
+    layer = tiny_calib.stats["joint_layers"][0]
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, 3), 8)
+    plan = plans.full_rank_plan(tiny_calib)
+    plain = copy.deepcopy(tiny_calib)
+    plain.joint = None
+    got = [hf.layer_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, c), plan, c).cache, layer)
+           for c in (tiny_calib, plain)]
+    code = tiny_calib.joint[layer]
+    rows = torch.cat([hf.unrotate(got[1][0], *hf.rope(tiny_pair.consumer, torch.arange(case.state.ids.shape[1])[None]))[0]
+                      .transpose(0, 1).flatten(1), got[1][1][0].transpose(0, 1).flatten(1)], 1)[1:]
+    want = rows + code.decode(code.encode(rows, code.max_rank))
+    d = rows.shape[1] // 2
+    torch.testing.assert_close(got[0][1][0].transpose(0, 1).flatten(1)[1:], want[:, d:], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got[0][1], got[1][1])
+    table = tiny_calib.stats["joint_lodo_error"]
+    chosen = tiny_calib.stats["joint_shrink"]
+    assert table["none" if chosen is None else str(chosen)] == min(table.values())  # chosen by held-out error
+    cal.save(tiny_calib, tmp_path / "c")
+    back = cal.load(tmp_path / "c")
+    assert [c is None for c in back.joint] == [c is None for c in tiny_calib.joint]
+    torch.testing.assert_close(back.joint[layer].enc, code.enc.half().float())
+
+
 def test_shrinkage_toward_identity_lowers_error_on_the_other_domain():
     """Fitted on few rows of one domain, the plain map overfits; some shrinkage does better on the other."""
     (xa, ya), (xb, yb) = _shifted_domains(n=30)
@@ -521,6 +590,8 @@ def test_context_qa_items_quote_the_prompt_and_raw_reuse_of_the_same_model_answe
 
 
 def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that_never_saw_it(tiny_pair):
+    import dataclasses
+
     from scdviz.scd import bench
 
     cfg = small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2)
@@ -535,6 +606,10 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     assert (table["n"] == 2).all() and table["ratio_ci"].str.startswith("[").all()
     qa_rows = bench.qa_table(reports)
     assert set(qa_rows["items"]) == {4} and "SCD full" in set(qa_rows["method"])
+    one = bench.run(dataclasses.replace(run, domains=["bible"]), tiny_pair, calib, progress=False)  # leave out only bible
+    assert [(r.domain, r.calibrated_on) for r in one] == [("bible", ["jargon"])]
+    with pytest.raises(ValueError, match="only a domain the calibration saw"):
+        bench.run(dataclasses.replace(run, domains=["austen"]), tiny_pair, calib, progress=False)
     with pytest.raises(ValueError, match="needs a calibration of 2\\+ domains"):
         bench.run(run, tiny_pair, cal.calibrate(tiny_pair, small_cfg(None, domains=["bible"], n_fit=4, n_select=2),
                                                 progress=False), progress=False)

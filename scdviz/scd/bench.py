@@ -35,7 +35,7 @@ class ScdBenchConfig:
 
     texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split is measured instead of the shipped ones")
     domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the specialist's own training corpus, else every calibration domain)")
-    lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain, calibrate again without it (same settings) and measure on its eval split")
+    lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain (or each of --domains), calibrate again without it (same settings) and measure on its eval split")
     limit: int = opt(16, "prompts per domain")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens")
@@ -214,20 +214,24 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
         progress: bool = True) -> list[BenchReport]:
     """``bench`` on held-out eval windows, one report per domain.
 
-    With ``cfg.lodo``, each domain of the calibration is measured with a calibration made
-    again without it (the loaded calibration's settings, that domain left out): text the
-    calibration never saw. Otherwise every domain is measured with ``calib`` itself.
+    With ``cfg.lodo``, each domain of the calibration (or each of ``cfg.domains``) is measured
+    with a calibration made again without it (the loaded calibration's settings, that domain
+    left out): text the calibration never saw. Otherwise every domain is measured with ``calib`` itself.
     """
     name = specialist or cal.specialist_name(pair.consumer_source)
-    domains = list(calib.stats.get("domains") or []) if cfg.lodo else eval_domains(cfg, name, calib)
-    if cfg.lodo and len(domains) < 2:
-        raise ValueError(f"leave-one-domain-out needs a calibration of 2+ domains; this one saw {domains or 'one text'}")
+    seen = list(calib.stats.get("domains") or [])
+    domains = (list(cfg.domains) or seen) if cfg.lodo else eval_domains(cfg, name, calib)
+    if cfg.lodo and len(seen) < 2:
+        raise ValueError(f"leave-one-domain-out needs a calibration of 2+ domains; this one saw {seen or 'one text'}")
+    if cfg.lodo and set(domains) - set(seen):
+        raise ValueError(f"leave-one-domain-out can leave out only a domain the calibration saw ({', '.join(seen)}); "
+                         f"not {', '.join(sorted(set(domains) - set(seen)))}")
     reports = []
     for domain in domains:
         torch.manual_seed(cfg.seed)
         used = calib
         if cfg.lodo:
-            others = [d for d in domains if d != domain]
+            others = [d for d in seen if d != domain]
             rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
             texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
             used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],

@@ -2,7 +2,10 @@
 
 ``calibrate(pair, cfg)`` runs the same calibration windows through producer and consumer
 and fits, per layer, reduced-rank codes for pre-RoPE keys and for values (token 0, the
-attention sink, left out of every fit: the consumer recomputes it), measures raw-reuse
+attention sink, left out of every fit: the consumer recomputes it) and a low-rank joint
+refinement of both, which the consumer adds to the decoded rows (keys and values are two
+projections of one hidden state, so each carries some of what the other misses; kept per
+layer only where it lowers the leave-one-domain-out error), measures raw-reuse
 drift, ranks layers by the KL gain of an *ideal* patch (the consumer's own K, V at that
 layer), trains aligners for the candidates and orders patch layers greedily on
 continuation KL (or by drift, or as given). ``save`` / ``load`` write and read the
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from scdviz import artefact, config, data, metrics, settings
@@ -52,6 +56,8 @@ class CalibConfig:
     shrink: float | None = opt(None, "REUSE maps: ridge on the correction toward identity, relative to the mean input eigenvalue (default: chosen from shrink_grid by leave-one-domain-out error)")
     shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the leave-one-domain-out choice")
     identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out domains")
+    joint_rank: int = opt(64, "REUSE: rank of the joint refinement that maps the decoded keys and values together (each alone misses what the other carries of the producer's hidden state); 0: none")
+    joint_shrink_grid: tuple[float, ...] = opt((0.0, 0.1, 0.3, 1.0), "candidate ridges of the joint refinement (relative), chosen by leave-one-domain-out error; a layer where it does not lower that error gets none")
     gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out domains")
     patch_shrink: float | None = opt(None, "aligners: ridge on the linear correction toward the identity aligner, relative (default: chosen per layer from patch_shrink_grid and the identity aligner by held-out-domain K/V error)")
     patch_shrink_grid: tuple[float, ...] = opt((0.1, 0.3, 1.0, 3.0, 10.0, 30.0), "candidate aligner shrinkages for the held-out-domain choice")
@@ -99,6 +105,16 @@ class Calibration:
     selection_kl: list[float]  # KL after adding each layer of patch_order (index 0: none)
     stats: dict  # data used, rows, seconds per stage
     rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
+    joint: list[LinearCode | None] | None = None  # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
+
+    def refine(self, layer: int, keys_pre: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any)."""
+        code = self.joint[layer] if self.joint else None
+        if code is None:
+            return keys_pre, values
+        rows = torch.cat([keys_pre, values], 1)
+        rows = rows + code.decode(code.encode(rows, code.max_rank))
+        return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
     @property
     def n_layers(self) -> int:
@@ -176,8 +192,9 @@ def _windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], 
 class _Fits:
     """What the paired prefills of the fit windows give, per fold (domain) and layer."""
 
-    k_stats: list[list[RRRStats]]  # (folds, L) pre-RoPE key statistics
-    v_stats: list[list[RRRStats]]  # (folds, L) value statistics
+    kv_stats: list[list[RRRStats]]  # (folds, L) statistics of [pre-RoPE keys, values] rows, both sides
+    k_stats: list[list[RRRStats]]  # (folds, L) their key block (views)
+    v_stats: list[list[RRRStats]]  # (folds, L) their value block (views)
     rows: list[list[tuple]]  # (L,) per window: (fold, h_p, h_c, k_p, k_c, v_p, v_c), strided, fp16
     drift_k: list[float]  # (L,) raw reuse ‖K^P − K^C‖² / ‖K^C‖² (post-RoPE, token 0 excluded)
     drift_v: list[float]  # (L,)
@@ -188,8 +205,7 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
     n = hf.n_layers(pair.producer)
     d_kv = hf.attn_heads(pair.producer)[1] * hf.attn_heads(pair.producer)[2]
     n_folds = max(folds) + 1
-    k_stats = [[RRRStats(d_kv, d_kv) for _ in range(n)] for _ in range(n_folds)]
-    v_stats = [[RRRStats(d_kv, d_kv) for _ in range(n)] for _ in range(n_folds)]
+    kv_stats = [[RRRStats(2 * d_kv, 2 * d_kv) for _ in range(n)] for _ in range(n_folds)]
     err = torch.zeros(n, 4, dtype=torch.float64, device=hf.HOST)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
     rows: list[list[tuple]] = [[] for _ in range(n)]
     s = slice(1, None, cfg.h_stride)
@@ -198,14 +214,17 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
         p = transfer.producer_state(pair.producer, prefix)
         c = transfer.producer_state(pair.consumer, prefix)
         for layer in range(n):
-            k_stats[fold][layer].add(p.keys_pre[layer][1:], c.keys_pre[layer][1:])
-            v_stats[fold][layer].add(p.values[layer][1:], c.values[layer][1:])
+            kv_stats[fold][layer].add(torch.cat([p.keys_pre[layer][1:], p.values[layer][1:]], 1),
+                                      torch.cat([c.keys_pre[layer][1:], c.values[layer][1:]], 1))
             err[layer] += torch.stack([
                 ((p.keys[layer][1:] - c.keys[layer][1:]) ** 2).sum(), (c.keys[layer][1:] ** 2).sum(),
                 ((p.values[layer][1:] - c.values[layer][1:]) ** 2).sum(), (c.values[layer][1:] ** 2).sum(),
             ]).double()
             rows[layer].append((fold, *(t[layer][s].half() for t in (p.h_in, c.h_in, p.keys_pre, c.keys_pre, p.values, c.values))))
-    return _Fits(k_stats, v_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
+    k, v = slice(0, d_kv), slice(d_kv, 2 * d_kv)
+    k_stats = [[st.block(k, k) for st in fold] for fold in kv_stats]
+    v_stats = [[st.block(v, v) for st in fold] for fold in kv_stats]
+    return _Fits(kv_stats, k_stats, v_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
 
 
 def _summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> RRRStats:
@@ -244,18 +263,73 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
     return out
 
 
+def joint_map(st: RRRStats, ridge: float, alpha_k: float, alpha_v: float, beta: float | None,
+              rank: int) -> tuple[Tensor, Tensor, Tensor, LinearCode | None]:
+    """(μ_x, μ_y, B, refinement) of one layer's REUSE from joint [K, V] statistics ``st``.
+
+    The key and value maps (shrinkages α_K, α_V) give Ŷ = (X − μ_x) B₀ + μ_y, block-diagonal;
+    the refinement is a rank-``rank`` ridge (β) regression of the residual Y − Ŷ on Ŷ, so the
+    consumer, which holds only Ŷ, adds it. B is the whole map, B₀ (I + E D) (fp64), for
+    held-out scoring; β None: no refinement.
+    """
+    d = st.sx.numel() // 2
+    halves = (slice(0, d), slice(d, 2 * d))
+    maps = [st.block(h, h).full_map(ridge, a) for h, a in zip(halves, (alpha_k, alpha_v))]
+    mu_x, mu_y = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
+    b = torch.block_diag(maps[0][2], maps[1][2])
+    if beta is None:
+        return mu_x, mu_y, b, None
+    code = st.residual_of(mu_x, b, mu_y).fit(ridge + beta, rank)
+    enc, dec = code.enc.double(), code.dec.double()
+    shift = (mu_y - code.mu_in.double()) @ enc @ dec + code.mu_out.double()
+    return mu_x, mu_y + shift, b + b @ enc @ dec, code
+
+
+def _kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
+    """Mean of the relative key error and the relative value error of a joint map on THESE rows."""
+    d = st.sx.numel() // 2
+    return sum(st.block(slice(None), h).heldout_error(mu_x, mu_y[h], b[:, h])
+               for h in (slice(0, d), slice(d, 2 * d))) / 2
+
+
+def choose_joint(fits: _Fits, shrinks: dict, cfg: CalibConfig) -> dict:
+    """The joint refinement's ridge β and the layers that get it, by leave-one-domain-out error.
+
+    Returns {"shrink" (β, None when no layer gains), "lodo_error" ("none" / β -> mean error over
+    layers), "layers" (per layer: β or None)}.
+    """
+    n, n_folds = len(fits.kv_stats[0]), len(fits.kv_stats)
+    grid = [None, *cfg.joint_shrink_grid] if cfg.joint_rank else [None]
+
+    def lodo(layer: int, beta: float | None) -> float:
+        errs = []
+        for f in range(n_folds):
+            train = _summed(fits.kv_stats, layer, lambda i, f=f: i != f)
+            mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], beta, cfg.joint_rank)
+            errs.append(_kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b))
+        return sum(errs) / len(errs)
+
+    per_layer = {beta: [lodo(layer, beta) for layer in range(n)] for beta in grid}
+    table = {beta: sum(errs) / n for beta, errs in per_layer.items()}
+    best = min(table, key=table.get)
+    layers = [best if best is not None and per_layer[best][i] < per_layer[None][i] else None for i in range(n)]
+    return {"shrink": best, "lodo_error": {("none" if k is None else str(k)): round(v, 5) for k, v in table.items()},
+            "layers": layers}
+
+
 def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
     """Concatenated (h_p, h_c, k_p, k_c, v_p, v_c) rows of the windows whose fold passes ``keep``."""
     picked = [r[1:] for r in fits.rows[layer] if keep(r[0])]
     return [torch.cat(col).float() for col in zip(*picked)]
 
 
-def _patch_choice(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConfig) -> dict:
+def _patch_choice(fits: _Fits, layer: int, shrinks: dict, beta: float | None, weight, cfg: CalibConfig) -> dict:
     """The aligner's shrinkage, whether its MLP helps, and the gate, all by held-out-domain K/V error.
 
     Domains are grouped round-robin into ``cfg.gate_folds`` folds. Per fold, the linear
     aligners of every shrinkage (and the identity aligner), the MLP on top of the best one,
-    and the REUSE codes are fitted without the fold and scored on it. Returns {"shrink"
+    and the REUSE codes (with the layer's joint refinement, ridge ``beta``) are fitted without the
+    fold and scored on it. Returns {"shrink"
     (a number, or "identity"), "lodo_sse" (shrink -> linear aligner's held-out SSE),
     "mlp" (the MLP lowered it), "patch_sse", "code_sse", "kept"}.
     """
@@ -280,10 +354,9 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, weight, cfg: CalibConf
             mlp_sse += sse(fit_patch(layer, train[0], train[1], kv_weight, cfg.rank_h, cfg.aligner_hidden, cfg.aligner_steps,
                                      seed=cfg.seed, shrink=best, ridge=cfg.ridge), held)
         _, _, kp, kc, vp, vc = held
-        for (xp, xc), st, alpha in (((kp, kc), fits.k_stats, shrinks["shrink_k"][layer]),
-                                    ((vp, vc), fits.v_stats, shrinks["shrink_v"][layer])):
-            mu_x, mu_y, b = _summed(st, layer, lambda i, f=f: i % n_folds != f).full_map(cfg.ridge, alpha)
-            code_sse += float((((xp.double() - mu_x) @ b + mu_y - xc.double()) ** 2).sum())
+        mu_x, mu_y, b, _ = joint_map(_summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
+                                     shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], beta, cfg.joint_rank)
+        code_sse += float((((torch.cat([kp, vp], 1).double() - mu_x) @ b + mu_y - torch.cat([kc, vc], 1).double()) ** 2).sum())
     use_mlp = bool(cfg.aligner_steps) and mlp_sse < lodo[best]
     patch_sse = mlp_sse if use_mlp else lodo[best]
     return {"shrink": "identity" if best == float("inf") else best,
@@ -360,10 +433,15 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     total_v = [_summed(fits.v_stats, layer) for layer in range(len(fits.drift_k))]
     key_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_k, shrinks["shrink_k"])]
     value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
+    joint = choose_joint(fits, shrinks, cfg)
+    refinements = [None if beta is None else joint_map(_summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
+                                                       shrinks["shrink_v"][layer], beta, cfg.joint_rank)[3]
+                   for layer, beta in enumerate(joint["layers"])]
     t_fit = time.perf_counter() - t0
     n = len(key_codes)
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in select]
-    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], fits.drift_k, fits.drift_v, [], [], {})
+    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], fits.drift_k, fits.drift_v, [], [], {},
+                        joint=refinements)
     gains = _ideal_gains(pair, cases, calib, plans.full_rank_plan(calib))
     drift = [fits.drift_k[i] + fits.drift_v[i] for i in range(n)]
     by_drift = sorted(range(n), key=lambda i: -drift[i])
@@ -374,7 +452,7 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     gates = {}
     for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
         weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
-        choice = gates[layer] = _patch_choice(fits, layer, shrinks, weight, cfg)
+        choice = gates[layer] = _patch_choice(fits, layer, shrinks, joint["layers"][layer], weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
         calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
                                          cfg.aligner_hidden, cfg.aligner_steps if choice["mlp"] else 0, seed=cfg.seed,
@@ -399,6 +477,9 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
         "shrink_lodo_error": shrinks["lodo_error"],
         "identity_k": [i for i, a in enumerate(shrinks["shrink_k"]) if a == float("inf")],
         "identity_v": [i for i, a in enumerate(shrinks["shrink_v"]) if a == float("inf")],
+        "joint_shrink": joint["shrink"],
+        "joint_lodo_error": joint["lodo_error"],
+        "joint_layers": [i for i, beta in enumerate(joint["layers"]) if beta is not None],
         "patch_gate": {str(k): v for k, v in gates.items()},
         "seconds_fit": round(t_fit, 1),
         "seconds_aligners": round(t_align, 1),
@@ -418,7 +499,8 @@ KIND = "scd-calibration"
 
 
 def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) -> Path:
-    """Write ``folder/calibration.safetensors`` (fp16 matrices; header: identity, config, fits).
+    """Write ``folder/calibration.safetensors`` (fp16 code matrices, int8 rows for aligner corrections;
+    header: identity, config, fits).
 
     store_rank: keep codes only up to this rank (smaller files); default all.
     """
@@ -429,13 +511,21 @@ def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) 
             for name in CODE_FIELDS:
                 t = getattr(code, name)
                 tensors[f"{kind}.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
+    for layer, code in enumerate(calib.joint or []):
+        if code is not None:
+            for name in CODE_FIELDS:
+                t = getattr(code, name)
+                tensors[f"j.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
     for layer, p in calib.patches.items():
         for name in PATCH_FIELDS:
             tensors[f"p.{layer}.{name}"] = getattr(p, name)
         if p.basis is not None:
             tensors[f"p.{layer}.basis"] = p.basis.half()
         for name, t in p.aligner.state_dict().items():
-            tensors[f"p.{layer}.aligner.{name}"] = t.half()
+            if name == "lin.weight":  # the correction Δ (d × d): int8 rows, so the file stays small
+                tensors[f"p.{layer}.aligner.{name}"], tensors[f"p.{layer}.lin_scale"] = artefact.int8_rows(t)
+            else:
+                tensors[f"p.{layer}.aligner.{name}"] = t.half()
     if calib.rate is not None:
         tensors.update({f"rd.{name}": getattr(calib.rate, name) for name in RATE_TENSORS})
     meta = {
@@ -486,7 +576,9 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         prefix = f"p.{layer}.aligner."
         up = t.get(prefix + "up.weight")
         aligner = Aligner(t[f"p.{layer}.in_mean"].numel(), 0 if up is None else up.shape[0])
-        aligner.load_state_dict({k[len(prefix) :]: v.float() for k, v in t.items() if k.startswith(prefix)})
+        state = {k[len(prefix) :]: v.float() for k, v in t.items() if k.startswith(prefix)}
+        state["lin.weight"] = artefact.from_int8_rows(t[prefix + "lin.weight"], t[f"p.{layer}.lin_scale"])
+        aligner.load_state_dict(state)
         basis = t.get(f"p.{layer}.basis")
         patches[layer] = Patch(
             layer, *(t[f"p.{layer}.{name}"] for name in PATCH_FIELDS),
@@ -499,6 +591,7 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         art.identity, cfg, [code("k", i) for i in range(n)], [code("v", i) for i in range(n)], patches,
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"], curves,
+        [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
     )
 
 

@@ -12,7 +12,10 @@ B = I, whose rank-r code is the PCA of the producer rows (the "identity code": r
 at full rank, plus the mean shift). ``RRRStats`` are sums, so statistics of several
 domains add up, and ``heldout_error`` scores a fitted map on another domain's statistics
 in closed form: the leave-one-domain-out choice of α costs no extra forward pass.
-Directions are ordered by how much each lowers the fit error (by singular value when
+``block`` takes the statistics of a part of the
+rows (keys alone out of keys and values), ``residual_of`` those of a first map's output and
+its residual, so a joint refinement of both (scdviz.scd.calibrate) is fitted and scored from
+the same sums. Directions are ordered by how much each lowers the fit error (by singular value when
 unshrunk); a shrunk map's last directions can raise the error on the fit rows, which is
 the price of its lower error on other domains.
 
@@ -70,7 +73,7 @@ class RRRStats:
         self.sy = torch.zeros(d_out, **host)
         self.sxx = torch.zeros(d_in, d_in, **host)
         self.sxy = torch.zeros(d_in, d_out, **host)
-        self.syy = torch.zeros((), **host)
+        self.syy = torch.zeros(d_out, **host)  # per output dimension, so blocks of the output can be taken
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """Add rows x (N, d_in), y (N, d_out)."""
@@ -80,7 +83,7 @@ class RRRStats:
         self.sy += y.sum(0)
         self.sxx += x.T @ x
         self.sxy += x.T @ y
-        self.syy += (y**2).sum()
+        self.syy += (y**2).sum(0)
 
     def __add__(self, other: RRRStats) -> RRRStats:
         out = RRRStats(self.sx.numel(), self.sy.numel())
@@ -89,13 +92,37 @@ class RRRStats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 
+    def block(self, rows: slice, cols: slice) -> RRRStats:
+        """The statistics of input dimensions ``rows`` and output dimensions ``cols`` only (exact)."""
+        out = RRRStats(0, 0)
+        out.n, out.sx, out.sy, out.syy = self.n, self.sx[rows], self.sy[cols], self.syy[cols]
+        out.sxx, out.sxy = self.sxx[rows, rows], self.sxy[rows, cols]
+        return out
+
+    def residual_of(self, mu_x: Tensor, b: Tensor, mu_y: Tensor) -> RRRStats:
+        """Statistics of the pairs (ŷ, y − ŷ) with ŷ = (x − μ_x) B + μ_y, in closed form (exact).
+
+        What a second map fitted on a first map's output and its residual needs (d_in = d_out).
+        """
+        n = self.n
+        a = self.sx - n * mu_x  # Σ (x − μ_x)
+        aa = self.sxx - torch.outer(self.sx, mu_x) - torch.outer(mu_x, self.sx) + n * torch.outer(mu_x, mu_x)
+        s_hat = a @ b + n * mu_y
+        hh = b.T @ aa @ b + b.T @ torch.outer(a, mu_y) + torch.outer(mu_y, a) @ b + n * torch.outer(mu_y, mu_y)
+        hy = b.T @ (self.sxy - torch.outer(mu_x, self.sy)) + torch.outer(mu_y, self.sy)
+        out = RRRStats(0, 0)
+        out.n, out.sx, out.sxx = n, s_hat, hh
+        out.sy, out.sxy = self.sy - s_hat, hy - hh
+        out.syy = self.syy - 2 * hy.diagonal() + hh.diagonal()
+        return out
+
     def centred(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(μ_x, μ_y, XcᵀXc, XcᵀYc, ‖Yc‖²) of these rows."""
         n = max(self.n, 1)
         mu_x, mu_y = self.sx / n, self.sy / n
         gram = self.sxx - n * torch.outer(mu_x, mu_x)
         cross = self.sxy - n * torch.outer(mu_x, mu_y)
-        total = (self.syy - n * (mu_y**2).sum()).clamp_min(1e-30)
+        total = (self.syy.sum() - n * (mu_y**2).sum()).clamp_min(1e-30)
         return mu_x, mu_y, gram, cross, total
 
     def full_map(self, ridge: float = 1e-3, shrink: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,7 +141,7 @@ class RRRStats:
     def heldout_error(self, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
         """Σ‖y − μ_y − (x − μ_x) B‖² / Σ‖y − ȳ‖² over THESE rows, for a map fitted elsewhere."""
         n = self.n
-        yy = self.syy - 2 * mu_y @ self.sy + n * mu_y @ mu_y
+        yy = self.syy.sum() - 2 * mu_y @ self.sy + n * mu_y @ mu_y
         xx = self.sxx - torch.outer(self.sx, mu_x) - torch.outer(mu_x, self.sx) + n * torch.outer(mu_x, mu_x)
         xy = self.sxy - torch.outer(self.sx, mu_y) - torch.outer(mu_x, self.sy) + n * torch.outer(mu_x, mu_y)
         err = yy - 2 * (b * xy).sum() + (b * (xx @ b)).sum()

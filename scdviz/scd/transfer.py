@@ -182,9 +182,10 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
                 k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
             keys[layer], values[layer] = _heads(dev(k), n_kv), _heads(dev(v), n_kv)
         elif mode == "code":
-            k_pre = dev(calib.key_codes[layer].decode(by[layer, "k_code"]))
-            keys[layer] = hf.rotate(_heads(k_pre, n_kv), cos, sin)
-            values[layer] = _heads(dev(calib.value_codes[layer].decode(by[layer, "v_code"])), n_kv)
+            k_pre, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
+                                    calib.value_codes[layer].decode(by[layer, "v_code"]))
+            keys[layer] = hf.rotate(_heads(dev(k_pre), n_kv), cos, sin)
+            values[layer] = _heads(dev(v), n_kv)
         elif mode == "patch":
             h = dev(calib.patch_for(layer).decode(by[layer, "h_code"]))
             keys[layer], values[layer] = hf.kv_from_hin(model, layer, h.unsqueeze(0), positions)
