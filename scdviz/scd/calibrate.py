@@ -193,11 +193,24 @@ class _Fits:
     """What the paired prefills of the fit windows give, per fold (domain) and layer."""
 
     kv_stats: list[list[RRRStats]]  # (folds, L) statistics of [pre-RoPE keys, values] rows, both sides
-    k_stats: list[list[RRRStats]]  # (folds, L) their key block (views)
-    v_stats: list[list[RRRStats]]  # (folds, L) their value block (views)
     rows: list[list[tuple]]  # (L,) per window: (fold, h_p, h_c, k_p, k_c, v_p, v_c), strided, fp16
     drift_k: list[float]  # (L,) raw reuse ‖K^P − K^C‖² / ‖K^C‖² (post-RoPE, token 0 excluded)
     drift_v: list[float]  # (L,)
+
+    def _half(self, which: int) -> list[list[RRRStats]]:
+        d = self.kv_stats[0][0].sx.numel() // 2
+        h = slice(which * d, (which + 1) * d)
+        return [[st.block(h, h) for st in fold] for fold in self.kv_stats]
+
+    @functools.cached_property
+    def k_stats(self) -> list[list[RRRStats]]:
+        """(folds, L) the key block of ``kv_stats`` (views)."""
+        return self._half(0)
+
+    @functools.cached_property
+    def v_stats(self) -> list[list[RRRStats]]:
+        """(folds, L) the value block of ``kv_stats`` (views)."""
+        return self._half(1)
 
 
 def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: CalibConfig, progress) -> _Fits:
@@ -221,10 +234,7 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
                 ((p.values[layer][1:] - c.values[layer][1:]) ** 2).sum(), (c.values[layer][1:] ** 2).sum(),
             ]).double()
             rows[layer].append((fold, *(t[layer][s].half() for t in (p.h_in, c.h_in, p.keys_pre, c.keys_pre, p.values, c.values))))
-    k, v = slice(0, d_kv), slice(d_kv, 2 * d_kv)
-    k_stats = [[st.block(k, k) for st in fold] for fold in kv_stats]
-    v_stats = [[st.block(v, v) for st in fold] for fold in kv_stats]
-    return _Fits(kv_stats, k_stats, v_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
+    return _Fits(kv_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
 
 
 def _summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> RRRStats:
@@ -505,17 +515,13 @@ def save(calib: Calibration, folder: str | Path, store_rank: int | None = None) 
     store_rank: keep codes only up to this rank (smaller files); default all.
     """
     tensors: dict[str, torch.Tensor] = {}
-    for kind, codes in (("k", calib.key_codes), ("v", calib.value_codes)):
-        for layer, code in enumerate(codes):
-            code = code.truncated(store_rank) if store_rank else code
-            for name in CODE_FIELDS:
-                t = getattr(code, name)
-                tensors[f"{kind}.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
-    for layer, code in enumerate(calib.joint or []):
-        if code is not None:
-            for name in CODE_FIELDS:
-                t = getattr(code, name)
-                tensors[f"j.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
+    codes = [("k", i, c.truncated(store_rank) if store_rank else c) for i, c in enumerate(calib.key_codes)]
+    codes += [("v", i, c.truncated(store_rank) if store_rank else c) for i, c in enumerate(calib.value_codes)]
+    codes += [("j", i, c) for i, c in enumerate(calib.joint or []) if c is not None]  # refinements: never truncated
+    for kind, layer, code in codes:
+        for name in CODE_FIELDS:
+            t = getattr(code, name)
+            tensors[f"{kind}.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
     for layer, p in calib.patches.items():
         for name in PATCH_FIELDS:
             tensors[f"p.{layer}.{name}"] = getattr(p, name)
