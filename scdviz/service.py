@@ -148,7 +148,7 @@ def calibration_summary(calib) -> str:
         parts.append(f"REUSE maps shrunk toward identity by {st['shrink']:g} (chosen on held-out domains); identity "
                      f"code on {len(st.get('identity_k', []))} K and {len(st.get('identity_v', []))} V layers.")
     if st.get("joint_layers"):
-        parts.append(f"Joint K+V refinement (rank {calib.config.joint_rank}, ridge {st['joint_shrink']:g}, chosen on held-out "
+        parts.append(f"Joint K+V refinement (rank {st.get('joint_rank', calib.config.joint_rank)}, ridge {st['joint_shrink']:g}, chosen on held-out "
                      f"domains) on {len(st['joint_layers'])} of {calib.n_layers} layers.")
     gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]] if calib.config.gate_patches else []
     parts.append(f"Patch order {calib.patch_order}" + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import struct
 
 import pandas as pd
@@ -87,6 +88,13 @@ def test_rrr_fit_error_matches_reconstruction_and_never_increases_with_rank():
         assert abs(float(direct) - float(code.fit_err[rank])) < 1e-4
     assert torch.all(code.fit_err[1:] <= code.fit_err[:-1] + 1e-7)
     assert torch.all(code.spectrum[1:] <= code.spectrum[:-1])
+    for shrink in (0.0, 0.5):  # a lower-rank fit is the higher-rank one truncated (choose_joint scores ranks so)
+        st = rrr.RRRStats(12, 12)
+        st.add(x, x @ torch.randn(12, 12, generator=g) + 0.3 * torch.randn(400, 12, generator=g))
+        for rank in (1, 4, 7):
+            low, cut = st.fit(1e-3, rank, shrink), st.fit(1e-3, 12, shrink).truncated(rank)
+            for name in ("mu_in", "mu_out", "enc", "dec", "spectrum", "fit_err"):
+                torch.testing.assert_close(getattr(low, name), getattr(cut, name))
 
 
 def test_rank_allocation_meets_the_budget_and_favours_the_harder_code():
@@ -252,7 +260,7 @@ def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, t
     d = tiny_pair.consumer.config.hidden_size
     ones, zeros = torch.ones(d), torch.zeros(d)
     identity = Patch(layer, zeros, ones, zeros, ones, None, Aligner(d, 8).eval(), 0.0)
-    calib = cal.Calibration(**{**tiny_calib.__dict__, "patches": {layer: identity}})
+    calib = dataclasses.replace(tiny_calib, patches={layer: identity})
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     case.state = transfer.producer_state(tiny_pair.consumer, case.state.ids)  # the true consumer H_in
     rk, rv = plans.full_ranks(calib)
@@ -510,17 +518,61 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     code = tiny_calib.joint[layer]
     rows = torch.cat([hf.unrotate(got[1][0], *hf.rope(tiny_pair.consumer, torch.arange(case.state.ids.shape[1])[None]))[0]
                       .transpose(0, 1).flatten(1), got[1][1][0].transpose(0, 1).flatten(1)], 1)[1:]
-    want = rows + code.decode(code.encode(rows, code.max_rank))
+    sent = {s.kind: s for s in payload.decode(transfer.build_payload(case.state, plan, tiny_calib)).sections if s.layer == layer}
+    gain = tiny_calib.refine_gain(layer, (sent["k_code"].noise, sent["v_code"].noise))  # int4 codes: weighed for their noise
+    assert 0 < gain < 1
+    want = rows + gain * code.decode(code.encode(rows, code.max_rank))
     d = rows.shape[1] // 2
     torch.testing.assert_close(got[0][1][0].transpose(0, 1).flatten(1)[1:], want[:, d:], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got[0][1], got[1][1])
     table = tiny_calib.stats["joint_lodo_error"]
-    chosen = tiny_calib.stats["joint_shrink"]
-    assert table["none" if chosen is None else str(chosen)] == min(table.values())  # chosen by held-out error
+    rank, chosen = tiny_calib.stats["joint_rank"], tiny_calib.stats["joint_shrink"]
+    assert table["none" if chosen is None else f"rank {rank}, {chosen:g}"] == min(table.values())  # chosen by held-out error
+    assert {c.max_rank for c in tiny_calib.joint if c is not None} == {min(rank, tiny_calib.key_codes[0].mu_out.numel() * 2)}
+    assert len(table) == 1 + len(tiny_calib.config.joint_rank_grid) * len(tiny_calib.config.joint_shrink_grid)
     cal.save(tiny_calib, tmp_path / "c")
     back = cal.load(tmp_path / "c")
     assert [c is None for c in back.joint] == [c is None for c in tiny_calib.joint]
     torch.testing.assert_close(back.joint[layer].enc, code.enc.half().float())
+
+
+def test_refinement_gain_is_one_for_clean_codes_and_falls_with_noise_and_truncation(tiny_calib):
+    """γ = S / (S + E‖eM‖²): 1 for clean full-rank codes; less as the codes get noisier or shorter."""
+    layer = tiny_calib.stats["joint_layers"][0]
+    k, v = tiny_calib.key_codes[layer], tiny_calib.value_codes[layer]
+    zeros = (torch.zeros(k.max_rank), torch.zeros(v.max_rank))
+    assert tiny_calib.refine_gain(layer, zeros) == 1.0
+    rows = tiny_calib.stats["fit_rows_per_layer"]
+    gains = [tiny_calib.refine_gain(layer, (torch.full((k.max_rank,), f * float(k.spectrum[0]) ** 2 / rows),
+                                            torch.full((v.max_rank,), f * float(v.spectrum[0]) ** 2 / rows)))
+             for f in (1e-6, 1e-4, 1e-2, 1e6)]
+    assert all(a > b for a, b in zip(gains, gains[1:])) and 0 < gains[-1]
+    assert gains[-1] == pytest.approx(tiny_calib.refine_gain(layer, (torch.zeros(0), torch.zeros(0))))  # capped at a
+    # channel's variance: as noisy as sending nothing at all
+    shorter = [tiny_calib.refine_gain(layer, (torch.zeros(r), torch.zeros(v.max_rank))) for r in (k.max_rank, k.max_rank // 2, 1)]
+    assert shorter[0] == 1.0 and shorter[0] > shorter[1] > shorter[2]
+    # by hand, for one case: S / (S + Σ_c var_c ‖d_c M‖²)
+    code = tiny_calib.joint[layer]
+    m = torch.block_diag(k.dec.double(), v.dec.double()) @ code.enc.double() @ code.dec.double()
+    var = torch.cat([torch.zeros(1), k.spectrum[1:].double() ** 2 / rows, torch.zeros(v.max_rank, dtype=torch.float64)])
+    s_energy = float((code.spectrum.double() ** 2).sum()) / rows
+    want = s_energy / (s_energy + float((var * (m**2).sum(1)).sum()))
+    assert tiny_calib.refine_gain(layer, (torch.zeros(1), torch.zeros(v.max_rank))) == pytest.approx(want)
+
+
+def test_decoded_sections_know_their_rounding_noise():
+    """The receiver's noise estimate, step²/12 per value, matches the real squared error of uniform data
+    (groups of many values: their extremes, which round exactly, are few)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(400, 6, generator=g) * torch.tensor([1.0, 2, 4, 8, 16, 32])
+    sec = payload.decode(payload.encode(400, 0, [payload.Section(0, "k_code", x, 4, 50, "channel")])).sections[0]
+    torch.testing.assert_close(sec.noise, ((sec.data - x) ** 2).mean(0).double(), rtol=0.2, atol=0)
+    wide = torch.rand(64, 192, generator=g) * torch.linspace(1, 4, 64)[:, None]  # token groups: one step per row and group
+    sec = payload.decode(payload.encode(64, 0, [payload.Section(0, "k_code", wide, 3, 48, "token")])).sections[0]
+    assert float(sec.noise.mean()) == pytest.approx(float(((sec.data - wide) ** 2).mean()), rel=0.15)
+    tc = payload.decode(payload.encode(400, 0, [payload.Section(0, "k_code", x, 0, step=0.5)])).sections[0]
+    assert tc.noise.tolist() == [0.5**2 / 12] * tc.data.shape[1]
+    assert payload.decode(payload.encode(400, 0, [payload.Section(0, "k_code", x)])).sections[0].noise is None  # fp16
 
 
 def test_shrinkage_toward_identity_lowers_error_on_the_other_domain():

@@ -56,7 +56,8 @@ class CalibConfig:
     shrink: float | None = opt(None, "REUSE maps: ridge on the correction toward identity, relative to the mean input eigenvalue (default: chosen from shrink_grid by leave-one-domain-out error)")
     shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the leave-one-domain-out choice")
     identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out domains")
-    joint_rank: int = opt(64, "REUSE: rank of the joint refinement that maps the decoded keys and values together (each alone misses what the other carries of the producer's hidden state); 0: none")
+    joint_rank: int | None = opt(None, "REUSE: rank of the joint refinement that maps the decoded keys and values together (each alone misses what the other carries of the producer's hidden state); 0: none (default: chosen from joint_rank_grid with the ridge by leave-one-domain-out error)")
+    joint_rank_grid: tuple[int, ...] = opt((16, 32, 64), "candidate refinement ranks (64 at most keeps a shipped calibration under 18 MB)")
     joint_shrink_grid: tuple[float, ...] = opt((0.0, 0.1, 0.3, 1.0), "candidate ridges of the joint refinement (relative), chosen by leave-one-domain-out error; a layer where it does not lower that error gets none")
     gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out domains")
     patch_shrink: float | None = opt(None, "aligners: ridge on the linear correction toward the identity aligner, relative (default: chosen per layer from patch_shrink_grid and the identity aligner by held-out-domain K/V error)")
@@ -107,14 +108,54 @@ class Calibration:
     rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
     joint: list[LinearCode | None] | None = None  # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
 
-    def refine(self, layer: int, keys_pre: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any)."""
+    def refine(self, layer: int, keys_pre: Tensor, values: Tensor, noise: tuple | None = None) -> tuple[Tensor, Tensor]:
+        """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any);
+        ``noise``: the codes' quantisation noise (see ``refine_gain``), None for clean full-rank codes."""
         code = self.joint[layer] if self.joint else None
         if code is None:
             return keys_pre, values
         rows = torch.cat([keys_pre, values], 1)
-        rows = rows + code.decode(code.encode(rows, code.max_rank))
+        gain = 1.0 if noise is None else self.refine_gain(layer, noise)
+        rows = rows + gain * code.decode(code.encode(rows, code.max_rank))
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
+
+    def refine_gain(self, layer: int, noise: tuple[Tensor, Tensor]) -> float:
+        """The refinement's weight γ = S / (S + E‖eM‖²) when its input is decoded codes, not clean ones.
+
+        The refinement (fitted on clean codes) is a least-squares predictor of the first maps'
+        residual, so its clean output r has E⟨r, residual⟩ = E‖r‖² = S, the energy per row it
+        explained at calibration. Quantisation adds an error e to its input, so eM to its output
+        (M its 384 × 384 map); with e independent of the rest, the γ that minimises
+        E‖residual − γ(r + eM)‖² is S / (S + E‖eM‖²). ``noise`` (keys, values): per SENT code channel
+        the expected squared error of a decoded value (payload.Section.noise; zeros at fp16).
+        Channels not sent (a truncated code) miss their whole variance, and no sent channel's
+        error exceeds its variance. Energies per row come from the calibration's fit rows.
+        """
+        rows = self.stats.get("fit_rows_per_layer")
+        if not rows:
+            return 1.0
+        var = []
+        for n, c in zip(noise, (self.key_codes[layer], self.value_codes[layer])):
+            signal = c.spectrum.double() ** 2 / rows  # variance of each code channel per row
+            sent = torch.minimum(signal[: n.numel()], n.double().to(signal.device))
+            var.append(torch.cat([sent, signal[sent.numel():]]))
+        explained = float((self.joint[layer].spectrum.double() ** 2).sum()) / rows
+        added = float((torch.cat(var) * self._refine_leverage[layer]).sum())
+        return explained / (explained + added) if explained > 0 else 0.0
+
+    @functools.cached_property
+    def _refine_leverage(self) -> list[Tensor | None]:
+        """Per layer (r_K + r_V,) ‖d_c M‖²: how far a unit error in key or value code channel c moves
+        the refinement's output (d_c the channel's decoder row). Derived from the codes, computed at the
+        first use (a calibration's codes do not change after it is made or loaded)."""
+        out = []
+        for layer, code in enumerate(self.joint or [None] * self.n_layers):
+            if code is None:
+                out.append(None)
+                continue
+            dec = torch.block_diag(self.key_codes[layer].dec.double(), self.value_codes[layer].dec.double())
+            out.append(((dec @ code.enc.double()) @ code.dec.double()).pow(2).sum(1))
+        return out
 
     @property
     def n_layers(self) -> int:
@@ -290,9 +331,14 @@ def joint_map(st: RRRStats, ridge: float, alpha_k: float, alpha_v: float, beta: 
     if beta is None:
         return mu_x, mu_y, b, None
     code = st.residual_of(mu_x, b, mu_y).fit(ridge + beta, rank)
+    return (*_refined(mu_x, mu_y, b, code), code)
+
+
+def _refined(mu_x: Tensor, mu_y: Tensor, b: Tensor, code: LinearCode) -> tuple[Tensor, Tensor, Tensor]:
+    """(μ_x, μ_y, B) of the first maps (μ_x, μ_y, B₀) followed by the refinement ``code``."""
     enc, dec = code.enc.double(), code.dec.double()
     shift = (mu_y - code.mu_in.double()) @ enc @ dec + code.mu_out.double()
-    return mu_x, mu_y + shift, b + b @ enc @ dec, code
+    return mu_x, mu_y + shift, b + b @ enc @ dec
 
 
 def _kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
@@ -303,28 +349,37 @@ def _kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
 
 
 def choose_joint(fits: _Fits, shrinks: dict, cfg: CalibConfig) -> dict:
-    """The joint refinement's ridge β and the layers that get it, by leave-one-domain-out error.
+    """The joint refinement's rank and ridge β, and the layers that get it, by leave-one-domain-out error.
 
-    Returns {"shrink" (β, None when no layer gains), "lodo_error" ("none" / β -> mean error over
-    layers), "layers" (per layer: β or None)}.
+    Returns {"rank", "shrink" (β; both None when no layer gains), "lodo_error" ("none" / "rank r, β"
+    -> mean error over layers), "layers" (per layer: β or None)}.
     """
     n, n_folds = len(fits.kv_stats[0]), len(fits.kv_stats)
-    grid = [None, *cfg.joint_shrink_grid] if cfg.joint_rank else [None]
+    ranks = [cfg.joint_rank] if cfg.joint_rank is not None else list(cfg.joint_rank_grid)
+    grid = [(None, None)] + [(r, beta) for r in ranks if r for beta in cfg.joint_shrink_grid]
 
-    def lodo(layer: int, beta: float | None) -> float:
-        errs = []
+    def lodo(layer: int) -> dict:
+        """(rank, β) -> mean held-out error at this layer; the lower ranks are truncations of the
+        highest-rank fit (the same as fitting them: RRR keeps the leading directions)."""
+        errs = dict.fromkeys(grid, 0.0)
         for f in range(n_folds):
             train = _summed(fits.kv_stats, layer, lambda i, f=f: i != f)
-            mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], beta, cfg.joint_rank)
-            errs.append(_kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b))
-        return sum(errs) / len(errs)
+            mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], None, 0)
+            errs[None, None] += _kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b) / n_folds
+            for beta in cfg.joint_shrink_grid if any(ranks) else ():
+                code = train.residual_of(mu_x, b, mu_y).fit(cfg.ridge + beta, max(ranks))
+                for r in filter(None, ranks):
+                    errs[r, beta] += _kv_error(fits.kv_stats[f][layer], *_refined(mu_x, mu_y, b, code.truncated(r))) / n_folds
+        return errs
 
-    per_layer = {beta: [lodo(layer, beta) for layer in range(n)] for beta in grid}
-    table = {beta: sum(errs) / n for beta, errs in per_layer.items()}
+    by_layer = [lodo(layer) for layer in range(n)]
+    per_layer = {choice: [e[choice] for e in by_layer] for choice in grid}
+    table = {choice: sum(errs) / n for choice, errs in per_layer.items()}
     best = min(table, key=table.get)
-    layers = [best if best is not None and per_layer[best][i] < per_layer[None][i] else None for i in range(n)]
-    return {"shrink": best, "lodo_error": {("none" if k is None else str(k)): round(v, 5) for k, v in table.items()},
-            "layers": layers}
+    rank, beta = best
+    layers = [beta if rank is not None and per_layer[best][i] < per_layer[(None, None)][i] else None for i in range(n)]
+    return {"rank": rank, "shrink": beta, "layers": layers,
+            "lodo_error": {("none" if r is None else f"rank {r}, {b:g}"): round(v, 5) for (r, b), v in table.items()}}
 
 
 def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
@@ -333,12 +388,12 @@ def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
     return [torch.cat(col).float() for col in zip(*picked)]
 
 
-def _patch_choice(fits: _Fits, layer: int, shrinks: dict, beta: float | None, weight, cfg: CalibConfig) -> dict:
+def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight, cfg: CalibConfig) -> dict:
     """The aligner's shrinkage, whether its MLP helps, and the gate, all by held-out-domain K/V error.
 
     Domains are grouped round-robin into ``cfg.gate_folds`` folds. Per fold, the linear
     aligners of every shrinkage (and the identity aligner), the MLP on top of the best one,
-    and the REUSE codes (with the layer's joint refinement, ridge ``beta``) are fitted without the
+    and the REUSE codes (with the layer's joint refinement, ``refine`` = (rank, ridge)) are fitted without the
     fold and scored on it. Returns {"shrink"
     (a number, or "identity"), "lodo_sse" (shrink -> linear aligner's held-out SSE),
     "mlp" (the MLP lowered it), "patch_sse", "code_sse", "kept"}.
@@ -365,7 +420,7 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, beta: float | None, we
                                      seed=cfg.seed, shrink=best, ridge=cfg.ridge), held)
         _, _, kp, kc, vp, vc = held
         mu_x, mu_y, b, _ = joint_map(_summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
-                                     shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], beta, cfg.joint_rank)
+                                     shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], refine[1], refine[0] or 0)
         code_sse += float((((torch.cat([kp, vp], 1).double() - mu_x) @ b + mu_y - torch.cat([kc, vc], 1).double()) ** 2).sum())
     use_mlp = bool(cfg.aligner_steps) and mlp_sse < lodo[best]
     patch_sse = mlp_sse if use_mlp else lodo[best]
@@ -445,7 +500,7 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
     joint = choose_joint(fits, shrinks, cfg)
     refinements = [None if beta is None else joint_map(_summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
-                                                       shrinks["shrink_v"][layer], beta, cfg.joint_rank)[3]
+                                                       shrinks["shrink_v"][layer], beta, joint["rank"])[3]
                    for layer, beta in enumerate(joint["layers"])]
     t_fit = time.perf_counter() - t0
     n = len(key_codes)
@@ -462,7 +517,7 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     gates = {}
     for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
         weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
-        choice = gates[layer] = _patch_choice(fits, layer, shrinks, joint["layers"][layer], weight, cfg)
+        choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]), weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
         calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
                                          cfg.aligner_hidden, cfg.aligner_steps if choice["mlp"] else 0, seed=cfg.seed,
@@ -487,6 +542,7 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
         "shrink_lodo_error": shrinks["lodo_error"],
         "identity_k": [i for i, a in enumerate(shrinks["shrink_k"]) if a == float("inf")],
         "identity_v": [i for i, a in enumerate(shrinks["shrink_v"]) if a == float("inf")],
+        "joint_rank": joint["rank"],
         "joint_shrink": joint["shrink"],
         "joint_lodo_error": joint["lodo_error"],
         "joint_layers": [i for i, beta in enumerate(joint["layers"]) if beta is not None],

@@ -61,6 +61,7 @@ class Section:
     axis: str = "channel"  # quantisation grouping, see scdviz.scd.quant
     coded: bool = False  # entropy-code the integers when that makes the section smaller
     step: float = 0.0  # bits 0: the uniform quantiser's step (transform coding)
+    noise: Tensor | None = None  # decoded quantised sections: (cols,) expected squared error per value (quant.error_variance)
 
 
 @dataclass
@@ -169,11 +170,12 @@ def decode(payload: bytes) -> Message:
         body = payload[sp.start : sp.end]
         if sp.bits == 0:
             data, step = entropy.decode_uniform(body, sp.rows, sp.cols)
-            sections.append(Section(sp.layer, sp.kind, data, 0, sp.group, sp.axis, step=step))
+            noise = torch.full((sp.cols,), step**2 / 12, dtype=torch.float64, device="cpu")
+            sections.append(Section(sp.layer, sp.kind, data, 0, sp.group, sp.axis, step=step, noise=noise))
             continue
         n = quant.n_groups(sp.rows, sp.cols, sp.group, sp.axis) if sp.bits < 16 else 0
-        data = _body(body, sp.rows, sp.cols, sp.bits, sp.group, sp.axis, sp.ints, n, sp.coded)
-        sections.append(Section(sp.layer, sp.kind, data, sp.bits, sp.group, sp.axis, sp.coded))
+        data, noise = _body(body, sp.rows, sp.cols, sp.bits, sp.group, sp.axis, sp.ints, n, sp.coded)
+        sections.append(Section(sp.layer, sp.kind, data, sp.bits, sp.group, sp.axis, sp.coded, noise=noise))
     return Message(n_tokens, token0, sections)
 
 
@@ -184,13 +186,16 @@ def _ints_len(body: bytes, rows: int, cols: int, bits: int, coded: bool) -> int:
     return entropy.body_len(body, bits) if coded else quant.packed_len(rows * cols, bits)
 
 
-def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str, ints: int, n: int, coded: bool) -> Tensor:
-    """A section's values: fp16, or integers (packed or entropy coded, ``ints`` bytes) then n minima and n steps."""
+def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str, ints: int, n: int,
+          coded: bool) -> tuple[Tensor, Tensor | None]:
+    """A section's values (fp16, or integers, packed or entropy coded in ``ints`` bytes, then n minima
+    and n steps) and, quantised, each column's expected squared error (None at fp16)."""
     if not rows * cols:  # an empty section (a rank-0 code): host-side like every decoded section
-        return torch.zeros(rows, cols, device="cpu")
+        return torch.zeros(rows, cols, device="cpu"), None
     if bits == 16:
-        return torch.frombuffer(bytearray(body), dtype=torch.float16).float().reshape(rows, cols)
+        return torch.frombuffer(bytearray(body), dtype=torch.float16).float().reshape(rows, cols), None
     lo = torch.frombuffer(bytearray(body[ints : ints + 2 * n]), dtype=torch.float16)
     step = torch.frombuffer(bytearray(body[ints + 2 * n :]), dtype=torch.float16)
     q = entropy.decode(body[:ints], bits, rows * cols) if coded else quant._unpack(body[:ints], bits, rows * cols)
-    return quant.dequantize_ints(q, lo, step, (rows, cols), group, axis)
+    return (quant.dequantize_ints(q, lo, step, (rows, cols), group, axis),
+            quant.error_variance(step, (rows, cols), group, axis))

@@ -166,6 +166,7 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
     n_kv = hf.attn_heads(model)[1]
     param = next(model.parameters())
     by = {(s.layer, s.kind): s.data for s in msg.sections}  # float32, CPU
+    noise_of = {(s.layer, s.kind): s.noise for s in msg.sections}  # quantisation error variance per column
 
     def dev(t: Tensor) -> Tensor:
         return t.to(device=param.device, dtype=param.dtype)
@@ -182,8 +183,10 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
                 k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
             keys[layer], values[layer] = _heads(dev(k), n_kv), _heads(dev(v), n_kv)
         elif mode == "code":
+            noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None else noise_of[layer, kind]
+                          for kind in ("k_code", "v_code"))
             k_pre, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
-                                    calib.value_codes[layer].decode(by[layer, "v_code"]))
+                                    calib.value_codes[layer].decode(by[layer, "v_code"]), noise)
             keys[layer] = hf.rotate(_heads(dev(k_pre), n_kv), cos, sin)
             values[layer] = _heads(dev(v), n_kv)
         elif mode == "patch":
