@@ -149,7 +149,7 @@ def calibration_summary(calib) -> str:
                      f"code on {len(st.get('identity_k', []))} K and {len(st.get('identity_v', []))} V layers.")
     if st.get("joint_layers"):
         parts.append(f"Joint K+V refinement (rank {st.get('joint_rank', calib.config.joint_rank)}, ridge {st['joint_shrink']:g}, chosen on held-out "
-                     f"domains) on {len(st['joint_layers'])} of {calib.n_layers} layers.")
+                     f"domains) on {len(st['joint_layers'])} of {calib.n_layers} layers, weighed down for the codes' quantisation noise.")
     gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]] if calib.config.gate_patches else []
     parts.append(f"Patch order {calib.patch_order}" + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))
     mlp = [int(k) for k, v in st.get("patch_gate", {}).items() if v.get("mlp")]
