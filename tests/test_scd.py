@@ -547,8 +547,8 @@ def test_refinement_gain_is_one_for_clean_codes_and_falls_with_noise_and_truncat
                                             torch.full((v.max_rank,), f * float(v.spectrum[0]) ** 2 / rows)))
              for f in (1e-6, 1e-4, 1e-2, 1e6)]
     assert all(a > b for a, b in zip(gains, gains[1:])) and 0 < gains[-1]
-    assert gains[-1] == pytest.approx(tiny_calib.refine_gain(layer, (torch.zeros(0), torch.zeros(0))))  # capped at a
-    # channel's variance: as noisy as sending nothing at all
+    # no sent channel's error exceeds its variance: very coarse codes are as noisy as sending nothing at all
+    assert gains[-1] == pytest.approx(tiny_calib.refine_gain(layer, (torch.zeros(0), torch.zeros(0))))
     shorter = [tiny_calib.refine_gain(layer, (torch.zeros(r), torch.zeros(v.max_rank))) for r in (k.max_rank, k.max_rank // 2, 1)]
     assert shorter[0] == 1.0 and shorter[0] > shorter[1] > shorter[2]
     # by hand, for one case: S / (S + Σ_c var_c ‖d_c M‖²)

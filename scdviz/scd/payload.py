@@ -170,7 +170,7 @@ def decode(payload: bytes) -> Message:
         body = payload[sp.start : sp.end]
         if sp.bits == 0:
             data, step = entropy.decode_uniform(body, sp.rows, sp.cols)
-            noise = torch.full((sp.cols,), step**2 / 12, dtype=torch.float64, device="cpu")
+            noise = torch.full((sp.cols,), quant.rounding_variance(step), dtype=torch.float64, device="cpu")
             sections.append(Section(sp.layer, sp.kind, data, 0, sp.group, sp.axis, step=step, noise=noise))
             continue
         n = quant.n_groups(sp.rows, sp.cols, sp.group, sp.axis) if sp.bits < 16 else 0

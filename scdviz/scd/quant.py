@@ -83,11 +83,16 @@ def dequantize_ints(q: Tensor, lo: Tensor, step: Tensor, shape: tuple[int, int],
     return m if axis == "token" else m.T.contiguous()
 
 
+def rounding_variance(step):
+    """Expected squared error of rounding to a grid of ``step`` (uniform-error model): step²/12."""
+    return step**2 / 12
+
+
 def error_variance(step: Tensor, shape: tuple[int, int], group: int, axis: str) -> Tensor:
     """(cols,) expected squared rounding error of each column's values, step²/12 per value (the
     uniform-error model) averaged over the column's rows: what a receiver knows of its noise."""
     rows, cols = shape
-    s2 = step.double() ** 2 / 12
+    s2 = rounding_variance(step.double())
     if axis == "token":
         return s2.reshape(rows, -1).mean(0).repeat_interleave(group)[:cols]
     return s2.reshape(cols, -1).repeat_interleave(group, dim=1)[:, :rows].mean(1)
