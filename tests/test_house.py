@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from scdviz import artefact, cli, config, records
+from scdviz import artefact, cli, config, records, settings
 from scdviz.evict.compare import EvalConfig
 from scdviz.evict.policy import Policy, PolicyConfig
 from scdviz.evict.trainer import TrainConfig
@@ -232,3 +232,25 @@ def test_a_config_file_value_is_used_and_a_flag_beside_it_wins(tmp_path):
     args.parser.set_defaults(**config.read_toml(cli.BenchScd, str(path)))
     cmd = config.from_args(cli.BenchScd, top.parse_args(["bench", "scd", "--limit", "7"]))
     assert cmd.producer == "builtin:x" and cmd.bench.budgets == (2500.0, 3800.0) and cmd.bench.limit == 7
+
+
+def test_compare_records_script_pairs_prompts_and_reports_the_ratio(tmp_path, capsys):
+    """scripts/compare_records.py: a record against itself with every per-prompt KL halved gives 0.5 [0.5, 0.5]."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("compare_records", settings.REPO_DIR / "scripts" / "compare_records.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = settings.ASSETS_DIR / "scd" / "jargon" / "bench.json"
+    rec = json.loads(src.read_text())
+    for row in rec["rows"]:
+        if row.get("kl_per_prompt"):
+            row["kl_per_prompt"] = [v / 2 for v in row["kl_per_prompt"]]
+    half = tmp_path / "half.json"
+    half.write_text(json.dumps(rec))
+    mod.main([str(src), str(half), "--methods", "SCD full"])
+    out = capsys.readouterr().out
+    assert "SCD full: new / old KL 0.500 [0.500, 0.500] (16 prompts)" in out
+    with pytest.raises(SystemExit):
+        mod.main([str(src), str(half), "--methods", "no such method"])
