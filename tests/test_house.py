@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from scdviz import artefact, cli, config, records, settings
+from scdviz import artefact, cli, config, records
 from scdviz.evict.compare import EvalConfig
 from scdviz.evict.policy import Policy, PolicyConfig
 from scdviz.evict.trainer import TrainConfig
@@ -239,10 +239,12 @@ def test_compare_records_script_pairs_prompts_and_reports_the_ratio(tmp_path, ca
     import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("compare_records", settings.REPO_DIR / "scripts" / "compare_records.py")
+    from scdviz import settings as where
+
+    spec = importlib.util.spec_from_file_location("compare_records", where.REPO_DIR / "scripts" / "compare_records.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    src = settings.ASSETS_DIR / "scd" / "jargon" / "bench.json"
+    src = where.ASSETS_DIR / "scd" / "jargon" / "bench.json"
     rec = json.loads(src.read_text())
     for row in rec["rows"]:
         if row.get("kl_per_prompt"):
