@@ -1,0 +1,199 @@
+"""Where SCD's KL stops falling: more input for the REUSE maps, and other reconstructions of the coded values.
+
+    python scripts/scd_floor_check.py                 # both built-in specialists
+    python scripts/scd_floor_check.py bible-qkv       # one
+    python scripts/scd_floor_check.py --eval          # part 3 only
+
+Everything here is measured on calibration text (the shipped calibration's fit windows, split by
+domain, and its selection windows), never on eval text: these are the checks that decide whether an
+idea is worth building, so they may not see the text the README's tables report on.
+
+Part 1, more input for the maps: the leave-one-domain-out relative error (mean of keys' and
+values') of a full-rank ridge map predicting the consumer's [pre-RoPE K, V] of layer l from the
+producer's [K, V] of layers l-w .. l+w (w = 0: the layer alone, the input the shipped maps have),
+at several ridges. If neighbouring layers carried much of what one layer's 384 dimensions miss of
+the 576-dimensional hidden state, this error would fall with w.
+
+Part 2, the floor and the quantiser, on the selection windows (18 for the shipped calibrations):
+KL of raw reuse, of the full-rank codes sent in fp16 (nothing lost to quantisation: the floor any
+coder at any budget approaches), and of the transform-coded plan at 2,304 and 3,840 B/token with
+three reconstructions of each quantised value: the bin centre (what the decoder does), the bin's
+conditional mean under a per-channel Laplacian whose rate follows from the channel's sent scale
+(the least-squares reconstruction: lower error per value), and an energy-keeping gain
+(E[x²] / E[x·x̂] per channel under the same model, so that the reconstruction is not shrunk
+toward zero). Ratios are paired over the windows (percentile bootstrap).
+
+Part 3 (``--eval`` alone), the floor on the text the README reports: the same floor on the
+specialist's own eval split, the 16 prompts of 256 + 32 tokens of the budget table
+(``bench scd --config assets/scd/NAME/bench.toml``): raw reuse, the full-rank codes in fp16 and
+in int4 (the table's "SCD reuse-only") and transform coded at both budgets, so a budget target
+can be set against what the maps allow at any number of bytes. It chooses nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
+from scdviz import data, metrics  # noqa: E402
+from scdviz.models import builtin, hf  # noqa: E402
+from scdviz.models.pair import load_pair  # noqa: E402
+from scdviz.scd import calibrate as cal  # noqa: E402
+from scdviz.scd import entropy, payload, transfer  # noqa: E402
+from scdviz.scd import plan as plans  # noqa: E402
+from scdviz.scd.rrr import RRRStats  # noqa: E402
+
+SPECIALISTS = ("jargon", "bible-qkv")
+WIDTHS = (0, 1, 2)
+RIDGES = (1e-3, 1e-2, 3e-2, 0.1)
+BUDGETS = (2304, 3840)
+
+
+def neighbours(layer: int, width: int, n: int) -> list[int]:
+    return [j for j in range(layer - width, layer + width + 1) if 0 <= j < n]
+
+
+def more_input(pair, calib, name: str) -> None:
+    cfg = calib.config
+    windows, folds, _ = cal._windows(pair, cfg)
+    n, n_folds = calib.n_layers, max(folds) + 1
+    d = 2 * calib.key_codes[0].dec.shape[1]
+    stats = {w: [[RRRStats(d * len(neighbours(i, w, n)), d) for i in range(n)] for _ in range(n_folds)] for w in WIDTHS}
+    for window, fold in zip(windows, folds):
+        prefix = hf.ids_tensor(window[: cfg.prompt_len - 1])
+        p, c = transfer.producer_state(pair.producer, prefix), transfer.producer_state(pair.consumer, prefix)
+        x = [torch.cat([p.keys_pre[i][1:], p.values[i][1:]], 1) for i in range(n)]
+        y = [torch.cat([c.keys_pre[i][1:], c.values[i][1:]], 1) for i in range(n)]
+        for w in WIDTHS:
+            for i in range(n):
+                stats[w][fold][i].add(torch.cat([x[j] for j in neighbours(i, w, n)], 1), y[i])
+    halves = (slice(0, d // 2), slice(d // 2, d))
+    for ridge in RIDGES:
+        errs = {}
+        for w in WIDTHS:
+            total = 0.0
+            for i in range(n):
+                for f in range(n_folds):
+                    train = sum((stats[w][g][i] for g in range(n_folds) if g != f), RRRStats(stats[w][f][i].sx.numel(), d))
+                    mu_x, mu_y, b = train.full_map(ridge, 0.0)
+                    total += sum(stats[w][f][i].block(slice(None), h).heldout_error(mu_x, mu_y[h], b[:, h]) for h in halves) / 2
+            errs[w] = total / (n * n_folds)
+        cells = "  ".join(f"layers l±{w}: {e:.4f}" for w, e in errs.items())
+        print(f"more input  {name:10s} ridge {ridge:<6g} held-out-domain K/V error  {cells}", flush=True)
+    print(f"more input  {name:10s} shipped maps + joint refinement: {calib.stats.get('joint_lodo_error')}", flush=True)
+
+
+def _laplace_rate(ms: torch.Tensor) -> torch.Tensor:
+    """Rate λ (per step) of the zero-mean Laplacian whose rounded integers have mean square ``ms``."""
+    lo, hi = torch.full_like(ms, -12.0), torch.full_like(ms, 6.0)
+    for _ in range(48):
+        mid = (lo + hi) / 2
+        lam = torch.exp(mid)
+        above = torch.exp(-lam / 2) * (1 + torch.exp(-lam)) / (-torch.expm1(-lam)) ** 2 > ms
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    return torch.exp((lo + hi) / 2)
+
+
+def conditional_mean(q: torch.Tensor) -> torch.Tensor:
+    """Integers (rows, cols) -> values in steps at each bin's conditional mean (Laplacian per channel)."""
+    codes = entropy._scale_codes(q.to(torch.int32))
+    lam = _laplace_rate(entropy._stds(codes) ** 2)
+    delta = torch.where(codes > 0, -0.5 + 1 / lam - 1 / torch.expm1(lam), torch.zeros_like(lam))
+    return q + torch.sign(q) * delta
+
+
+def energy_kept(q: torch.Tensor) -> torch.Tensor:
+    """Integers -> values in steps scaled per channel by E[x²] / E[x·q] under the same Laplacian."""
+    codes = entropy._scale_codes(q.to(torch.int32))
+    lam = _laplace_rate(entropy._stds(codes) ** 2)[:, None]
+    k = torch.arange(1, 4000, dtype=torch.float64)[None]
+    a, b = k - 0.5, k + 0.5
+    exq = (k * ((a + 1 / lam) * torch.exp(-lam * a) - (b + 1 / lam) * torch.exp(-lam * b))).sum(1)
+    gain = (2 / lam[:, 0] ** 2) / exq.clamp_min(1e-30)
+    return q * torch.where(codes > 0, gain, torch.ones_like(gain))
+
+
+RECONSTRUCTIONS = {"bin centre (shipped)": None, "conditional mean": conditional_mean, "energy kept": energy_kept}
+
+
+def _rebuilt(how):
+    """payload.decode with transform-coded sections rebuilt by ``how`` (their noise left as decoded)."""
+    decode = payload.decode
+
+    def run(blob: bytes):
+        msg = decode(blob)
+        for s in msg.sections:
+            if s.bits == 0 and how is not None:
+                s.data = (how(torch.round(s.data.double() / s.step)) * s.step).float()
+        return msg
+    return run
+
+
+def _kls(pair, calib, cases, plan) -> list[float]:
+    return [float(metrics.kl_per_token(c.oracle_logits, transfer.run_plan(pair.consumer, c, plan, calib).logits).mean())
+            for c in cases]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _versus(label: str, raw: list[float], got: list[float]) -> str:
+    boot = metrics.paired_bootstrap(raw, got)
+    return f"{label} {_mean(got):.4f} = {boot['ratio']:.3f}x raw [{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"
+
+
+def floor_and_quantiser(pair, calib, name: str) -> None:
+    select = cal._windows(pair, calib.config)[2]
+    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, calib.config.cont_len) for w in select]
+    kls = lambda plan: _kls(pair, calib, cases, plan)  # noqa: E731
+    mean = _mean
+    raw = kls(plans.raw_plan(calib.n_layers))
+    fp16 = kls(plans.scd_plan(*plans.full_ranks(calib), code_bits=16, name="fp16"))
+    print(f"floor       {name:10s} raw KL {mean(raw):.4f}; {_versus('full-rank codes in fp16', raw, fp16)} "
+          f"({len(cases)} selection windows)", flush=True)
+    original = payload.decode
+    try:
+        for budget in BUDGETS:
+            plan = plans.tc_plan(calib, budget)
+            base = None
+            for label, how in RECONSTRUCTIONS.items():
+                payload.decode = _rebuilt(how)
+                got = kls(plan)  # the same windows, the same payloads, rebuilt another way
+                base = base or got
+                vs = metrics.paired_bootstrap(base, got)
+                print(f"quantiser   {name:10s} @{budget} B/token {label:22s} KL {mean(got):.4f} ({mean(got) / mean(raw):.3f}x raw), "
+                      f"vs bin centre {vs['ratio']:.3f} [{vs['ratio_ci'][0]:.3f}, {vs['ratio_ci'][1]:.3f}]", flush=True)
+    finally:
+        payload.decode = original
+
+
+def eval_floor(pair, calib, name: str, limit: int = 16, prompt_len: int = 256, cont_len: int = 32) -> None:
+    corpus = builtin.training_corpus(name)
+    windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval"), prompt_len + cont_len, limit)
+    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cont_len) for w in windows]
+    raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
+    rows = [("full-rank codes in fp16", plans.scd_plan(*plans.full_ranks(calib), code_bits=16, name="fp16")),
+            ("full-rank codes in int4", plans.full_rank_plan(calib))]
+    rows += [(f"transform coded @{b}", plans.tc_plan(calib, b)) for b in BUDGETS]
+    cells = "; ".join(_versus(label, raw, _kls(pair, calib, cases, plan)) for label, plan in rows)
+    print(f"eval floor  {name:10s} raw KL {_mean(raw):.4f}; {cells} ({len(cases)} eval prompts of {corpus})", flush=True)
+
+
+def main() -> None:
+    names = [a for a in sys.argv[1:] if a in SPECIALISTS] or list(SPECIALISTS)
+    for name in names:
+        pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
+        calib = cal.load(cal.shipped_folder(f"builtin:{name}"), pair)
+        if "--eval" in sys.argv:
+            eval_floor(pair, calib, name)
+            continue
+        more_input(pair, calib, name)
+        floor_and_quantiser(pair, calib, name)
+
+
+if __name__ == "__main__":
+    main()
