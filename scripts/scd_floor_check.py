@@ -3,10 +3,12 @@
     python scripts/scd_floor_check.py                 # both built-in specialists
     python scripts/scd_floor_check.py bible-qkv       # one
     python scripts/scd_floor_check.py --eval          # part 3 only
+    python scripts/scd_floor_check.py --error         # part 2's squared errors only (no KL run)
 
-Everything here is measured on calibration text (the shipped calibration's fit windows, split by
-domain, and its selection windows), never on eval text: these are the checks that decide whether an
-idea is worth building, so they may not see the text the README's tables report on.
+Parts 1 and 2 are measured on calibration text (the shipped calibration's fit windows, split by
+domain, and its selection windows), never on eval text: they decide whether an idea is worth
+building, so they may not see the text the README's tables report on. Part 3 reads eval text and
+decides nothing.
 
 Part 1, more input for the maps: the leave-one-domain-out relative error (mean of keys' and
 values') of a full-rank ridge map predicting the consumer's [pre-RoPE K, V] of layer l from the
@@ -21,7 +23,8 @@ three reconstructions of each quantised value: the bin centre (what the decoder 
 conditional mean under a per-channel Laplacian whose rate follows from the channel's sent scale
 (the least-squares reconstruction: lower error per value), and an energy-keeping gain
 (E[x²] / E[x·x̂] per channel under the same model, so that the reconstruction is not shrunk
-toward zero). Ratios are paired over the windows (percentile bootstrap).
+toward zero). Ratios are paired over the windows (percentile bootstrap). First, on the same
+payloads, each reconstruction's squared error per value (equal-slope weights), against the centre's.
 
 Part 3 (``--eval`` alone), the floor on the text the README reports: the same floor on the
 specialist's own eval split, the 16 prompts of 256 + 32 tokens of the budget table
@@ -70,45 +73,41 @@ def more_input(pair, calib, name: str) -> None:
         for w in WIDTHS:
             for i in range(n):
                 stats[w][fold][i].add(torch.cat([x[j] for j in neighbours(i, w, n)], 1), y[i])
-    halves = (slice(0, d // 2), slice(d // 2, d))
     for ridge in RIDGES:
         errs = {}
         for w in WIDTHS:
-            total = 0.0
-            for i in range(n):
-                for f in range(n_folds):
-                    train = sum((stats[w][g][i] for g in range(n_folds) if g != f), RRRStats(stats[w][f][i].sx.numel(), d))
-                    mu_x, mu_y, b = train.full_map(ridge, 0.0)
-                    total += sum(stats[w][f][i].block(slice(None), h).heldout_error(mu_x, mu_y[h], b[:, h]) for h in halves) / 2
-            errs[w] = total / (n * n_folds)
+            errs[w] = sum(cal._kv_error(stats[w][f][i], *cal._summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
+                          for i in range(n) for f in range(n_folds)) / (n * n_folds)
         cells = "  ".join(f"layers l±{w}: {e:.4f}" for w, e in errs.items())
         print(f"more input  {name:10s} ridge {ridge:<6g} held-out-domain K/V error  {cells}", flush=True)
     print(f"more input  {name:10s} shipped maps + joint refinement: {calib.stats.get('joint_lodo_error')}", flush=True)
 
 
-def _laplace_rate(ms: torch.Tensor) -> torch.Tensor:
-    """Rate λ (per step) of the zero-mean Laplacian whose rounded integers have mean square ``ms``."""
-    lo, hi = torch.full_like(ms, -12.0), torch.full_like(ms, 6.0)
+def _channel_rates(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers (rows, cols) -> (each channel's scale code as sent, the rate λ per step of the
+    zero-mean Laplacian whose rounded integers have that code's mean square)."""
+    codes = entropy._scale_codes(q.to(torch.int32))
+    ms = entropy._stds(codes) ** 2
+    lo, hi = torch.full_like(ms, -12.0), torch.full_like(ms, 6.0)  # bisection on log λ: E[q²] falls as λ grows
     for _ in range(48):
         mid = (lo + hi) / 2
         lam = torch.exp(mid)
         above = torch.exp(-lam / 2) * (1 + torch.exp(-lam)) / (-torch.expm1(-lam)) ** 2 > ms
         lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
-    return torch.exp((lo + hi) / 2)
+    return codes, torch.exp((lo + hi) / 2)
 
 
 def conditional_mean(q: torch.Tensor) -> torch.Tensor:
     """Integers (rows, cols) -> values in steps at each bin's conditional mean (Laplacian per channel)."""
-    codes = entropy._scale_codes(q.to(torch.int32))
-    lam = _laplace_rate(entropy._stds(codes) ** 2)
+    codes, lam = _channel_rates(q)
     delta = torch.where(codes > 0, -0.5 + 1 / lam - 1 / torch.expm1(lam), torch.zeros_like(lam))
     return q + torch.sign(q) * delta
 
 
 def energy_kept(q: torch.Tensor) -> torch.Tensor:
     """Integers -> values in steps scaled per channel by E[x²] / E[x·q] under the same Laplacian."""
-    codes = entropy._scale_codes(q.to(torch.int32))
-    lam = _laplace_rate(entropy._stds(codes) ** 2)[:, None]
+    codes, lam = _channel_rates(q)
+    lam = lam[:, None]
     k = torch.arange(1, 4000, dtype=torch.float64)[None]
     a, b = k - 0.5, k + 0.5
     exq = (k * ((a + 1 / lam) * torch.exp(-lam * a) - (b + 1 / lam) * torch.exp(-lam * b))).sum(1)
@@ -146,13 +145,41 @@ def _versus(label: str, raw: list[float], got: list[float]) -> str:
     return f"{label} {_mean(got):.4f} = {boot['ratio']:.3f}x raw [{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"
 
 
+def value_error(calib, states: list, name: str) -> None:
+    """Squared error of the coded values per reconstruction, relative to the bin centre's, summed over
+    sections with the equal-slope weights (1 / relative step², so every section counts as its
+    predicted KL does), on the transform-coded payloads of the producer prefills ``states`` at each budget."""
+    for budget in BUDGETS:
+        plan = plans.tc_plan(calib, budget)
+        rel = {(i, kind): s for kind, steps in (("k_code", plan.steps_k), ("v_code", plan.steps_v)) for i, s in enumerate(steps)}
+        err = dict.fromkeys(RECONSTRUCTIONS, 0.0)
+        for st in states:
+            for s in payload.decode(transfer.build_payload(st, plan, calib)).sections:
+                if s.bits != 0:
+                    continue
+                code, rows = (calib.key_codes, st.keys_pre) if s.kind == "k_code" else (calib.value_codes, st.values)
+                z = code[s.layer].encode(rows[s.layer][1:], code[s.layer].max_rank).double()  # token 0 is recomputed
+                q = torch.round(s.data.double() / s.step)
+                for label, how in RECONSTRUCTIONS.items():
+                    got = q if how is None else how(q)
+                    err[label] += float(((z[:, : q.shape[1]] - got * s.step) ** 2).sum() + (z[:, q.shape[1]:] ** 2).sum()) / rel[s.layer, s.kind] ** 2
+        cells = ", ".join(f"{label} {e / err['bin centre (shipped)']:.3f}" for label, e in err.items())
+        print(f"value error {name:10s} @{budget} B/token, weighted squared error vs bin centre: {cells} "
+              f"({len(states)} selection windows)", flush=True)
+
+
+def _fp16_plan(calib):
+    """The full-rank codes sent in fp16: nothing lost to quantisation."""
+    return plans.scd_plan(*plans.full_ranks(calib), code_bits=16, name="fp16")
+
+
 def floor_and_quantiser(pair, calib, name: str) -> None:
     select = cal._windows(pair, calib.config)[2]
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, calib.config.cont_len) for w in select]
-    kls = lambda plan: _kls(pair, calib, cases, plan)  # noqa: E731
+    value_error(calib, [c.state for c in cases], name)
     mean = _mean
-    raw = kls(plans.raw_plan(calib.n_layers))
-    fp16 = kls(plans.scd_plan(*plans.full_ranks(calib), code_bits=16, name="fp16"))
+    raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
+    fp16 = _kls(pair, calib, cases, _fp16_plan(calib))
     print(f"floor       {name:10s} raw KL {mean(raw):.4f}; {_versus('full-rank codes in fp16', raw, fp16)} "
           f"({len(cases)} selection windows)", flush=True)
     original = payload.decode
@@ -162,7 +189,7 @@ def floor_and_quantiser(pair, calib, name: str) -> None:
             base = None
             for label, how in RECONSTRUCTIONS.items():
                 payload.decode = _rebuilt(how)
-                got = kls(plan)  # the same windows, the same payloads, rebuilt another way
+                got = _kls(pair, calib, cases, plan)  # the same windows, the same payloads, rebuilt another way
                 base = base or got
                 vs = metrics.paired_bootstrap(base, got)
                 print(f"quantiser   {name:10s} @{budget} B/token {label:22s} KL {mean(got):.4f} ({mean(got) / mean(raw):.3f}x raw), "
@@ -176,7 +203,7 @@ def eval_floor(pair, calib, name: str, limit: int = 16, prompt_len: int = 256, c
     windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval"), prompt_len + cont_len, limit)
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cont_len) for w in windows]
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
-    rows = [("full-rank codes in fp16", plans.scd_plan(*plans.full_ranks(calib), code_bits=16, name="fp16")),
+    rows = [("full-rank codes in fp16", _fp16_plan(calib)),
             ("full-rank codes in int4", plans.full_rank_plan(calib))]
     rows += [(f"transform coded @{b}", plans.tc_plan(calib, b)) for b in BUDGETS]
     cells = "; ".join(_versus(label, raw, _kls(pair, calib, cases, plan)) for label, plan in rows)
@@ -190,6 +217,10 @@ def main() -> None:
         calib = cal.load(cal.shipped_folder(f"builtin:{name}"), pair)
         if "--eval" in sys.argv:
             eval_floor(pair, calib, name)
+            continue
+        if "--error" in sys.argv:
+            prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in cal._windows(pair, calib.config)[2]]
+            value_error(calib, [transfer.producer_state(pair.producer, p) for p in prefixes], name)
             continue
         more_input(pair, calib, name)
         floor_and_quantiser(pair, calib, name)

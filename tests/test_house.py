@@ -234,16 +234,25 @@ def test_a_config_file_value_is_used_and_a_flag_beside_it_wins(tmp_path):
     assert cmd.producer == "builtin:x" and cmd.bench.budgets == (2500.0, 3800.0) and cmd.bench.limit == 7
 
 
+def _script(name: str):
+    """A module of scripts/ (not a package), loaded from its file."""
+    import importlib.util
+
+    from scdviz import settings as where
+
+    spec = importlib.util.spec_from_file_location(name, where.REPO_DIR / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_compare_records_script_pairs_prompts_and_reports_the_ratio(tmp_path, capsys):
     """scripts/compare_records.py: a record against itself with every per-prompt KL halved gives 0.5 [0.5, 0.5]."""
-    import importlib.util
     import json
 
     from scdviz import settings as where
 
-    spec = importlib.util.spec_from_file_location("compare_records", where.REPO_DIR / "scripts" / "compare_records.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("compare_records")
     src = where.ASSETS_DIR / "scd" / "jargon" / "bench.json"
     rec = json.loads(src.read_text())
     for row in rec["rows"]:
@@ -262,13 +271,7 @@ def test_scd_floor_script_reconstructions_do_what_they_claim():
     """scripts/scd_floor_check.py: on Laplacian channels quantised with a unit step, the conditional mean
     lowers the squared error against the bin centre (most on coarse channels), and the energy-keeping
     gain restores E[x·x̂] = E[x²]; zeros stay zero and signs are kept by both."""
-    import importlib.util
-
-    from scdviz import settings as where
-
-    spec = importlib.util.spec_from_file_location("scd_floor_check", where.REPO_DIR / "scripts" / "scd_floor_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("scd_floor_check")
     g = torch.Generator().manual_seed(3)
     scales = torch.tensor([0.3, 0.6, 1.0, 4.0], dtype=torch.float64)  # channel RMS in steps
     mag = torch.empty(40_000, 4, dtype=torch.float64).exponential_(generator=g)

@@ -342,8 +342,9 @@ def _refined(mu_x: Tensor, mu_y: Tensor, b: Tensor, code: LinearCode) -> tuple[T
 
 
 def _kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
-    """Mean of the relative key error and the relative value error of a joint map on THESE rows."""
-    d = st.sx.numel() // 2
+    """Mean of the relative key error and the relative value error of a joint map on THESE rows
+    (outputs [K, V]; its input may be any rows)."""
+    d = st.sy.numel() // 2
     return sum(st.block(slice(None), h).heldout_error(mu_x, mu_y[h], b[:, h])
                for h in (slice(0, d), slice(d, 2 * d))) / 2
 
