@@ -28,7 +28,7 @@ from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
 SOURCE_HELP = ("model source: builtin:NAME (builtin:smollm2-135m, builtin:gemma3-270m, or a built-in specialist: "
-               "builtin:jargon, builtin:bible-qkv), a local folder (a transformers model, or a LoRA adapter folder such "
+               "builtin:jargon, builtin:austen-qkv), a local folder (a transformers model, or a LoRA adapter folder such "
                "as `finetune` writes, applied to the producer), or a hub id (needs network)")
 TEXTS_HELP = ("your text: a .txt (passages separated by blank lines) or .jsonl ('text' field) file, split by passage "
               "60/20/20 into train/calib/eval, or a folder of train/calib/eval files; each command reads its own split")

@@ -1,6 +1,6 @@
 """Can a per-token map from producer features predict the consumer's K and V better than the REUSE code?
 
-    python scripts/aligner_features.py [CONSUMER] [LAYERS]     # default builtin:bible-qkv 8,14,20,23,26
+    python scripts/aligner_features.py [CONSUMER] [LAYERS]     # default builtin:austen-qkv 8,14,20,23,26
 
 Paired prefills of 3 calibration windows per shipped domain (255 tokens, token 0 left out). For
 each layer and feature set, a ridge map (strength 1e-3, 1e-2 or 0.1 of the mean input eigenvalue,
@@ -52,7 +52,7 @@ def ridge(x, y, lam):
 
 
 def main() -> None:
-    consumer = sys.argv[1] if len(sys.argv) > 1 else "builtin:bible-qkv"
+    consumer = sys.argv[1] if len(sys.argv) > 1 else "builtin:austen-qkv"
     layers = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [8, 14, 20, 23, 26]
     pair = load_pair("builtin:smollm2-135m", consumer)
     domains = data.corpora()

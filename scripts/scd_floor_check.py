@@ -1,7 +1,7 @@
 """Where SCD's KL stops falling: more input for the REUSE maps, and other reconstructions of the coded values.
 
     python scripts/scd_floor_check.py                 # both built-in specialists
-    python scripts/scd_floor_check.py bible-qkv       # one
+    python scripts/scd_floor_check.py austen-qkv      # one
     python scripts/scd_floor_check.py --eval          # part 3 only
     python scripts/scd_floor_check.py --error         # part 2's squared errors only (no KL run)
 
@@ -49,7 +49,7 @@ from scdviz.scd import entropy, payload, transfer  # noqa: E402
 from scdviz.scd import plan as plans  # noqa: E402
 from scdviz.scd.rrr import RRRStats  # noqa: E402
 
-SPECIALISTS = ("jargon", "bible-qkv")
+SPECIALISTS = ("jargon", "austen-qkv")
 WIDTHS = (0, 1, 2)
 RIDGES = (1e-3, 1e-2, 3e-2, 0.1)
 BUDGETS = (2304, 3840)

@@ -29,7 +29,7 @@ from scdviz.scd import calibrate as cal  # noqa: E402
 from scdviz.scd import entropy, payload, transfer  # noqa: E402
 from scdviz.scd import plan as plans  # noqa: E402
 
-SPECIALISTS = {"jargon": "jargon", "bible-qkv": "bible"}  # specialist -> its own corpus
+SPECIALISTS = {"jargon": "jargon", "austen-qkv": "austen"}  # specialist -> its own corpus
 BUDGETS = (2304, 3840)
 
 

@@ -199,14 +199,14 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
     from scdviz import records, settings
 
     page.get_by_role("tab", name="Results").click()
-    for name in ("assets/scd/jargon/bench.json", "assets/scd/bible-qkv/bench.json"):
+    for name in ("assets/scd/jargon/bench.json", "assets/scd/austen-qkv/bench.json"):
         _choose(page, "#res-shipped", name)
     page.keyboard.press("Escape")
     page.locator("#res-info").get_by_text("2 records (scd)").wait_for(timeout=60_000)
     _plots_drawn(page, "res", ("payload_vs_kl",))
-    assert _legend_groups(page, "res-payload_vs_kl") == {"scd/jargon/bench", "scd/bible-qkv/bench"}
+    assert _legend_groups(page, "res-payload_vs_kl") == {"scd/jargon/bench", "scd/austen-qkv/bench"}
     legend = page.locator("#res-payload_vs_kl .legend").text_content()
-    assert "scd/jargon/bench" in legend and "scd/bible-qkv/bench" in legend
+    assert "scd/jargon/bench" in legend and "scd/austen-qkv/bench" in legend
     modes = page.evaluate("() => document.querySelector('#res-payload_vs_kl .js-plotly-plot').data.map(t => t.mode)")
     assert modes and not any("text" in m for m in modes)  # no labels on the clustered points
     assert not page.locator("#res-kl_vs_budget").is_visible()  # no eviction record yet: no eviction plot
@@ -214,7 +214,7 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
     assert "scd/jargon/bench" in rows and "SCD full" in rows
     assert "0.08944" in rows and not LONG_FLOAT.search(rows)  # 0.089438647031784, rounded for display
     differ = page.locator("#res-settings").inner_text()  # the settings that differ, a column per record
-    assert "consumers" in differ and "scd/jargon/bench" in differ and "scd/bible-qkv/bench" in differ
+    assert "consumers" in differ and "scd/jargon/bench" in differ and "scd/austen-qkv/bench" in differ
     assert "KB" in page.locator("#res-export").inner_text()  # the exported CSV is offered
     _downloads_work(page, "res", "res", ("payload_vs_kl",))
 

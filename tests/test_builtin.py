@@ -26,7 +26,7 @@ def test_builtin_pair_facts(builtin_pair):
 def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
     from scdviz.scd import calibrate as cal
 
-    assert {"jargon", "bible-qkv"} <= set(builtin.specialists())
+    assert {"jargon", "austen-qkv"} <= set(builtin.specialists())
     for name in builtin.specialists():
         folder = builtin.adapter_dir(name)
         assert (folder / "README.md").is_file() and (folder / "eval.json").is_file()
@@ -35,16 +35,18 @@ def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
 
 
 def test_the_qkv_specialist_drifts_where_the_others_do_not():
-    """Its card: on the same bible prompts raw reuse is far worse than for the light all-linear
-    jargon adapter, and the producer alone agrees with it less often than raw reuse does (the floor)."""
-    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text())["corpora"]["bible"]
-             for n in ("jargon", "bible-qkv")}
-    strong, light = cards["bible-qkv"], cards["jargon"]
-    assert strong["kl_reuse"] > 2.5 * light["kl_reuse"] and strong["top1_reuse"] < light["top1_reuse"] - 0.05
+    """Their cards, each on its own training corpus: raw reuse breaks for the q/k/v specialist (top-1
+    at most 0.75, issue 10) and not for the light all-linear jargon adapter, and the producer alone
+    agrees with it less often than raw reuse does (the floor raw reuse tends toward)."""
+    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text())["corpora"][builtin.training_corpus(n)]
+             for n in ("jargon", "austen-qkv")}
+    strong, light = cards["austen-qkv"], cards["jargon"]
+    assert strong["kl_reuse"] > 2 * light["kl_reuse"] and strong["top1_reuse"] < light["top1_reuse"] - 0.05
+    assert strong["top1_reuse"] <= 0.75 < light["top1_reuse"]
     assert strong["top1_producer"] < strong["top1_reuse"]
 
 
-@pytest.mark.parametrize("name", ["jargon", "bible-qkv"])
+@pytest.mark.parametrize("name", ["jargon", "austen-qkv"])
 def test_specialist_differs_from_producer_as_its_card_says(name):
     card = json.loads((builtin.adapter_dir(name) / "eval.json").read_text())
     pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
@@ -58,7 +60,7 @@ def test_specialist_differs_from_producer_as_its_card_says(name):
     got, want = report["corpora"][corpus], card["corpora"][corpus]
     # the specialist is better than the producer on its own domain, in the card and now
     assert want["ppl_consumer"] < want["ppl_producer"]  # over the card's 16 prompts
-    # on 3 prompts only that it moved: bible-qkv is worse than the producer on the first 3 (5.16 vs 4.65)
+    # on 3 prompts only that it moved (the retired bible-qkv was worse than the producer on its first 3: 5.16 vs 4.65)
     assert abs(got["ppl_consumer"] / got["ppl_producer"] - 1) > 0.01
     # raw reuse drifts: same order of magnitude as the card's 16-prompt measurement
     assert want["kl_reuse"] / 3 < got["kl_reuse"] < want["kl_reuse"] * 3
@@ -67,13 +69,13 @@ def test_specialist_differs_from_producer_as_its_card_says(name):
 
 def test_the_qkv_specialist_moves_further_from_the_producer_than_jargon():
     """The stronger specialist (rank 64 on q/k/v, lr 5e-3) also shifts perplexity off its own domain."""
-    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "bible-qkv")}
+    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "austen-qkv")}
 
     def off_domain_shift(name, other):
         row = cards[name]["corpora"][other]
         return abs(row["ppl_consumer"] / row["ppl_producer"] - 1)
 
-    assert off_domain_shift("bible-qkv", "jargon") > 3 * off_domain_shift("jargon", "bible")
+    assert off_domain_shift("austen-qkv", "jargon") > 3 * off_domain_shift("jargon", "bible")
 
 
 def test_generation_runs_on_both(builtin_pair):

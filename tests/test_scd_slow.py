@@ -36,10 +36,10 @@ def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
     assert len(jargon.key_codes) == 30 and len(jargon.stats["domains"]) == 6
     kept = {int(layer) for layer, gate in jargon.stats["patch_gate"].items() if gate["kept"]}
     assert jargon.stats["patch_gate"] and set(jargon.patch_order) <= kept  # only patches that passed the gate
-    for name in ("jargon", "bible-qkv"):  # the budget planner's curves ship with every calibration
+    for name in ("jargon", "austen-qkv"):  # the budget planner's curves ship with every calibration
         curves = cal.load(cal.SHIPPED_DIR / name).rate
         assert curves is not None and curves.n_windows >= 6 and (curves.sens_k > 0).all() and (curves.sens_v > 0).all()
         full = curves.err_k[:, curves.bits.index(16)]  # fp16 codes: error falls as rank rises (on text it was not fitted on)
         assert (full[:, -1] < full[:, 0]).all() and (full[:, 96] <= full[:, 8] + 1e-3).all()
-    with pytest.raises(PairError, match="builtin:bible-qkv"):
-        cal.load(cal.SHIPPED_DIR / "bible-qkv", builtin_pair)
+    with pytest.raises(PairError, match="builtin:austen-qkv"):
+        cal.load(cal.SHIPPED_DIR / "austen-qkv", builtin_pair)
