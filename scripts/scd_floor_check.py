@@ -1,6 +1,6 @@
 """Where SCD's KL stops falling: more input for the REUSE maps, and other reconstructions of the coded values.
 
-    python scripts/scd_floor_check.py                 # both built-in specialists
+    python scripts/scd_floor_check.py                 # every built-in specialist
     python scripts/scd_floor_check.py austen-qkv      # one
     python scripts/scd_floor_check.py --eval          # part 3 only
     python scripts/scd_floor_check.py --error         # part 2's squared errors only (no KL run)
@@ -44,12 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 from scdviz import data, metrics  # noqa: E402
 from scdviz.models import builtin, hf  # noqa: E402
 from scdviz.models.pair import load_pair  # noqa: E402
+from scdviz.scd import bench, entropy, measure, payload, transfer  # noqa: E402
 from scdviz.scd import calibrate as cal  # noqa: E402
-from scdviz.scd import entropy, payload, transfer  # noqa: E402
 from scdviz.scd import plan as plans  # noqa: E402
 from scdviz.scd.rrr import RRRStats  # noqa: E402
 
-SPECIALISTS = ("jargon", "austen-qkv")
 WIDTHS = (0, 1, 2)
 RIDGES = (1e-3, 1e-2, 3e-2, 0.1)
 BUDGETS = (2304, 3840)
@@ -132,8 +131,8 @@ def _rebuilt(how):
 
 
 def _kls(pair, calib, cases, plan) -> list[float]:
-    return [float(metrics.kl_per_token(c.oracle_logits, transfer.run_plan(pair.consumer, c, plan, calib).logits).mean())
-            for c in cases]
+    """KL per prompt of ``plan``, measured as the bench measures it."""
+    return measure.run_plan_on_cases(pair, cases, plan, calib).kl_per_prompt
 
 
 def _mean(values: list[float]) -> float:
@@ -175,12 +174,11 @@ def _fp16_plan(calib):
 
 def floor_and_quantiser(pair, calib, name: str) -> None:
     select = cal._windows(pair, calib.config)[2]
-    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, calib.config.cont_len) for w in select]
+    cases = measure.prepare_cases(pair, select, calib.config.cont_len, progress=False)
     value_error(calib, [c.state for c in cases], name)
-    mean = _mean
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
     fp16 = _kls(pair, calib, cases, _fp16_plan(calib))
-    print(f"floor       {name:10s} raw KL {mean(raw):.4f}; {_versus('full-rank codes in fp16', raw, fp16)} "
+    print(f"floor       {name:10s} raw KL {_mean(raw):.4f}; {_versus('full-rank codes in fp16', raw, fp16)} "
           f"({len(cases)} selection windows)", flush=True)
     original = payload.decode
     try:
@@ -192,16 +190,16 @@ def floor_and_quantiser(pair, calib, name: str) -> None:
                 got = _kls(pair, calib, cases, plan)  # the same windows, the same payloads, rebuilt another way
                 base = base or got
                 vs = metrics.paired_bootstrap(base, got)
-                print(f"quantiser   {name:10s} @{budget} B/token {label:22s} KL {mean(got):.4f} ({mean(got) / mean(raw):.3f}x raw), "
+                print(f"quantiser   {name:10s} @{budget} B/token {label:22s} KL {_mean(got):.4f} ({_mean(got) / _mean(raw):.3f}x raw), "
                       f"vs bin centre {vs['ratio']:.3f} [{vs['ratio_ci'][0]:.3f}, {vs['ratio_ci'][1]:.3f}]", flush=True)
     finally:
         payload.decode = original
 
 
-def eval_floor(pair, calib, name: str, limit: int = 16, prompt_len: int = 256, cont_len: int = 32) -> None:
+def eval_floor(pair, calib, name: str) -> None:
     corpus = builtin.training_corpus(name)
-    windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval"), prompt_len + cont_len, limit)
-    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cont_len) for w in windows]
+    cfg = bench.ScdBenchConfig()  # the bench's defaults: 16 prompts of 256 + 32 tokens
+    cases = measure.prepare_cases(pair, bench._eval_windows(None, cfg, pair, corpus), cfg.cont_len, progress=False)
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
     rows = [("full-rank codes in fp16", _fp16_plan(calib)),
             ("full-rank codes in int4", plans.full_rank_plan(calib))]
@@ -211,7 +209,7 @@ def eval_floor(pair, calib, name: str, limit: int = 16, prompt_len: int = 256, c
 
 
 def main() -> None:
-    names = [a for a in sys.argv[1:] if a in SPECIALISTS] or list(SPECIALISTS)
+    names = [a for a in sys.argv[1:] if a in builtin.specialists()] or builtin.specialists()
     for name in names:
         pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
         calib = cal.load(cal.shipped_folder(f"builtin:{name}"), pair)

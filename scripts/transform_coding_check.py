@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
 from scdviz import data, metrics  # noqa: E402
+from scdviz.models import builtin  # noqa: E402
 from scdviz.models.pair import load_pair  # noqa: E402
 from scdviz.scd import calibrate as cal  # noqa: E402
 from scdviz.scd import entropy, payload, transfer  # noqa: E402
 from scdviz.scd import plan as plans  # noqa: E402
 
-SPECIALISTS = {"jargon": "jargon", "austen-qkv": "austen"}  # specialist -> its own corpus
 BUDGETS = (2304, 3840)
 
 
@@ -68,7 +68,7 @@ def entropy_share(pair, calib, name: str, corpus: str, n_prompts: int = 4) -> No
 def records_account() -> None:
     import json
 
-    for name in SPECIALISTS:
+    for name in builtin.specialists():
         path = Path(__file__).resolve().parents[1] / "assets" / "scd" / name / "bench.json"
         rows = json.loads(path.read_text())["rows"]
         by = {row["method"]: row for row in rows if row.get("group") == "budget sweep"}
@@ -91,11 +91,11 @@ def main() -> None:
     records_account()
     if "--records" in sys.argv:
         return
-    for name, corpus in SPECIALISTS.items():
+    for name in builtin.specialists():
         pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
         calib = cal.load(cal.shipped_folder(f"builtin:{name}"), pair)
         validation(pair, calib, name)
-        entropy_share(pair, calib, name, corpus)
+        entropy_share(pair, calib, name, builtin.training_corpus(name))
 
 
 if __name__ == "__main__":
