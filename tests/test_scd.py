@@ -656,6 +656,9 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     table = bench.domain_table(reports)
     assert table["held_out"].all() and list(table["domain"]) == ["jargon", "bible"]
     assert (table["n"] == 2).all() and table["ratio_ci"].str.startswith("[").all()
+    for rep, above in zip(reports, table["above_raw"]):  # prompts where SCD full is worse than raw reuse
+        raw = next(r for r in rep.methods if r.method.startswith("raw KV"))
+        assert above == sum(s > r for s, r in zip(rep.methods[-1].kl_per_prompt, raw.kl_per_prompt)) <= 2
     qa_rows = bench.qa_table(reports)
     assert set(qa_rows["items"]) == {4} and "SCD full" in set(qa_rows["method"])
     one = bench.run(dataclasses.replace(run, domains=["bible"]), tiny_pair, calib, progress=False)  # leave out only bible

@@ -321,7 +321,8 @@ def rank_claim_table(reports: list[BenchReport]) -> pd.DataFrame:
 
 
 def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
-    """Per domain: raw reuse vs SCD full (KL ± se, ratio, top-1, bytes/token) with the same token-0 handling."""
+    """Per domain: raw reuse vs SCD full (KL ± se, ratio, top-1, bytes/token) with the same token-0 handling,
+    and on how many prompts SCD's KL is above raw's."""
     rows_ = []
     for rep in reports:
         by = {r.method: r for r in rep.methods}
@@ -336,6 +337,7 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
             "raw_top1": round(raw.top1, 3), "scd_top1": round(scd.top1, 3),
             "scd_bytes": round(scd.payload_bytes_per_token), "4bit_bytes": round(four.payload_bytes_per_token),
             "n": scd.n_prompts,
+            "above_raw": sum(s > r for s, r in zip(scd.kl_per_prompt, raw.kl_per_prompt)),
             "ratio_ci": _ratio_ci(raw, scd)[1],
         })
     return pd.DataFrame(rows_)
