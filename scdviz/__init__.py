@@ -1,9 +1,69 @@
 """scdviz: see what happens to a KV cache moved between two models (SCD) or pruned (DistillCache).
 
-Subpackages: ``models`` (loading pairs; the one HF-internals module), ``scd``, ``evict``;
-modules: ``cli`` (commands), ``config`` (settings dataclasses), ``artefact`` (saved
-calibrations and policies), ``records`` (benchmark records), ``metrics``, ``drift``,
-``data``, ``plots``. Importing scdviz loads no model.
+The public API is ``__all__`` below; everything else is internal. Importing scdviz loads no
+model and no torch: each name is imported on first use.
+
+Pairs and data
+  ``load_pair(producer, consumer) -> Pair``: two compatible causal LMs (``builtin:NAME``, a folder,
+  a LoRA folder or a hub id) with their tokenizer; ``PairError`` names every mismatch.
+  ``load_split(corpus, split) -> list[str]``: passages of a shipped corpus ("train" / "calib" / "eval").
+SCD (semantic cache distillation)
+  ``calibrate(pair, CalibConfig()) -> Calibration``; ``Calibration.save(folder)`` /
+  ``Calibration.load(folder, pair=None)``. ``Codec(plan, calibration)`` or ``Codec.shipped(pair, ...)``:
+  ``encode(producer, ids (1, T)) -> bytes`` and ``decode(consumer, bytes) -> DynamicCache``.
+  ``Plan``: per-layer decisions (raw, code, patch, recompute). ``bench_text(pair, codec, text)``:
+  every method and baseline on one text.
+DistillCache (learned eviction)
+  ``train(TrainConfig(), model, tokenizer, source) -> Policy``; ``Policy.save(folder)`` /
+  ``Policy.load(path)``; ``DistillCachePress.keeping(policy, keep)`` is a kvpress press;
+  ``eviction_view(model, tokenizer, context, keep=0.25)`` compares it with kvpress's presses.
+Records and figures
+  ``BenchRecord`` is what every bench writes; ``read_record(path)`` reads one. ``plots``: pure
+  Plotly figures from results (``plots.layer_drift(report.methods, "K")``, ``plots.budget_sweep``);
+  ``figures.export(figs, folder)`` writes them as PNG, SVG and HTML.
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_WHERE = {  # public name -> the module that defines it
+    "load_pair": "scdviz.models.pair",
+    "Pair": "scdviz.models.pair",
+    "PairError": "scdviz.models.pair",
+    "load_split": "scdviz.data",
+    "BenchRecord": "scdviz.records",
+    "read_record": "scdviz.records",
+    "CalibConfig": "scdviz.scd.calibration",
+    "Calibration": "scdviz.scd.calibration",
+    "calibrate": "scdviz.scd.calibrate",
+    "Plan": "scdviz.scd.plan",
+    "Codec": "scdviz.scd.codec",
+    "bench_text": "scdviz.scd.bench",
+    "PolicyConfig": "scdviz.evict.policy",
+    "Policy": "scdviz.evict.policy",
+    "TrainConfig": "scdviz.evict.trainer",
+    "train": "scdviz.evict.trainer",
+    "DistillCachePress": "scdviz.evict.press",
+    "eviction_view": "scdviz.evict.view",
+}
+_ALIASES = {"read_record": "read"}  # public name -> the name in its module
+_MODULES = ("plots", "figures")  # public submodules
+
+__all__ = sorted([*_WHERE, *_MODULES])
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"scdviz.{name}")
+    if name not in _WHERE:
+        raise AttributeError(f"module 'scdviz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), _ALIASES.get(name, name))
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -23,7 +23,7 @@ from scdviz.evict.compare import EvalConfig
 from scdviz.evict.trainer import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
-from scdviz.scd.calibrate import CalibConfig
+from scdviz.scd.calibration import CalibConfig
 from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
@@ -206,13 +206,14 @@ def _model_card(cmd: ModelCard) -> None:
 def _calibrate(cmd: Calibrate) -> None:
     from scdviz.models.pair import load_pair
     from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
-    name = cmd.name or cal.specialist_name(cmd.consumer)
-    out = _out_folder(cmd.out, "calibrations", name, cmd.maintainer, cal.shipped_folder(cmd.consumer))
+    name = cmd.name or calibration.specialist_name(cmd.consumer)
+    out = _out_folder(cmd.out, "calibrations", name, cmd.maintainer, calibration.shipped_folder(cmd.consumer))
     pair = load_pair(cmd.producer, cmd.consumer)
     t0 = time.perf_counter()
     calib = cal.calibrate(pair, cmd.calib)
-    cal.save(calib, out, cmd.store_rank)
+    calib.save(out, cmd.store_rank)
     _save_run(cmd, out, "calibrate", cmd.calib.seed, str(pair.device), time.perf_counter() - t0)
     print(f"patch order ({calib.config.selection}): {calib.patch_order}; drift order: {calib.drift_order}")
     if calib.selection_kl:
@@ -222,30 +223,29 @@ def _calibrate(cmd: Calibrate) -> None:
 
 def _calib_folder(consumer: str) -> Path:
     """A consumer's calibration by default: the user's own in the runs folder, else the shipped one."""
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
-    mine = runs.root() / "calibrations" / cal.specialist_name(consumer)
-    folder = mine if (mine / "calibration.safetensors").is_file() else cal.shipped_folder(consumer)
+    mine = runs.root() / "calibrations" / calibration.specialist_name(consumer)
+    folder = mine if (mine / "calibration.safetensors").is_file() else calibration.shipped_folder(consumer)
     print(f"calibration of {consumer}: {folder}")
     return folder
 
 
 def _rate(cmd: Rate) -> None:
     from scdviz.models.pair import load_pair
-    from scdviz.scd import calibrate as cal
-    from scdviz.scd import rate
+    from scdviz.scd import calibration, rate
 
     if cmd.windows < 1:
         raise ValueError(f"--windows must be at least 1, got {cmd.windows}")
     folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
     pair = load_pair(cmd.producer, cmd.consumer)
-    calib = cal.load(folder, pair)
+    calib = calibration.Calibration.load(folder, pair)
     calib.rate = rate.measure(pair, calib, cmd.windows)
     calib.stats["seconds_rate"] = round(calib.rate.seconds, 1)
     out = folder
     if _in_assets(folder) and not cmd.maintainer:  # shipped artefacts are read-only: the result is a new run
         out = runs.new("calibrations", runs.auto_name(f"{folder.name}-rate"))
-    cal.save(calib, out)
+    calib.save(out)
     print(f"rate curves of {len(calib.rate.bits)} code precisions x ranks 0..{calib.rate.err_k.shape[2] - 1}, "
           f"{len(calib.rate.patch_layers)} patch layers, measured on {calib.rate.n_windows} windows in "
           f"{calib.rate.seconds:.0f} s; saved into {out}")
@@ -254,8 +254,7 @@ def _rate(cmd: Rate) -> None:
 def _bench_scd(cmd: BenchScd) -> None:
     from scdviz.models import builtin
     from scdviz.models.pair import load_pair
-    from scdviz.scd import bench
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import bench, calibration
 
     consumers = cmd.consumers or [f"builtin:{s}" for s in builtin.specialists()]
     if not consumers:
@@ -268,7 +267,7 @@ def _bench_scd(cmd: BenchScd) -> None:
     for consumer, folder in zip(consumers, folders):
         pair = load_pair(cmd.producer, consumer)
         device = str(pair.device)
-        for report in bench.run(cmd.bench, pair, cal.load(folder, pair)):
+        for report in bench.run(cmd.bench, pair, calibration.Calibration.load(folder, pair)):
             n = report.methods[0].n_prompts
             seen = "held out of" if report.domain not in report.calibrated_on else "in"
             print(f"\n== {report.specialist} on {report.domain} ({seen} the calibration's domains; {n} prompts of "
@@ -345,16 +344,15 @@ def _bench_ttft(cmd: BenchTtft) -> None:
     import pandas as pd
 
     from scdviz.models.pair import load_pair
-    from scdviz.scd import calibrate as cal
-    from scdviz.scd import ttft
+    from scdviz.scd import calibration, ttft
 
     pair = load_pair(cmd.producer, cmd.consumer)
-    calib = cal.load(cmd.calib or _calib_folder(cmd.consumer), pair)
+    calib = calibration.Calibration.load(cmd.calib or _calib_folder(cmd.consumer), pair)
     t0 = time.perf_counter()
     table = ttft.run(cmd.ttft, pair, calib)
     c = cmd.ttft
     print(f"\n== time to first token, {c.prompt_len}-token prompts, {c.limit} prompts x {c.reps} interleaved rounds after "
-          f"{c.warmup} warm-up, medians; device {pair.device}, {cal.specialist_name(cmd.consumer)} ==")
+          f"{c.warmup} warm-up, medians; device {pair.device}, {calibration.specialist_name(cmd.consumer)} ==")
     print(f"oracle (consumer prefill + first step): {table['oracle_ms'].iloc[0]} ms; producer prefill: "
           f"{table['producer_prefill_ms'].iloc[0]} ms")
     with pd.option_context("display.width", 250, "display.max_columns", 40):

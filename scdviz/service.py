@@ -161,19 +161,19 @@ def calibration_summary(calib) -> str:
 
 def get_calibration(pair: Pair, session: Session | None = None):
     """The pair's SCD calibration: the one this session made or loaded, else the shipped one."""
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
     key = (pair.producer_source, pair.consumer_source)
     if session is not None and key in session.calibrations:
         return session.calibrations[key]
     with _SHIPPED_LOCK:
         if key not in _SHIPPED_CALIBS:
-            folder = cal.shipped_folder(pair.consumer_source)
+            folder = calibration.shipped_folder(pair.consumer_source)
             shipped = pair.producer_source == builtin_choices()[0] and pair.consumer_source in builtin_choices()[1]
-            if not shipped or not (folder / cal.FILE).is_file():
+            if not shipped or not (folder / calibration.FILE).is_file():
                 raise UserError(f"no SCD calibration for {pair.consumer_source} yet; make one in the Calibrate / train "
                                 f"tab or with `python -m scdviz calibrate --producer ... --consumer ...` (saved in the runs folder), then load it there")
-            _SHIPPED_CALIBS[key] = cal.load(folder, pair)
+            _SHIPPED_CALIBS[key] = calibration.Calibration.load(folder, pair)
         return _SHIPPED_CALIBS[key]
 
 
@@ -325,16 +325,17 @@ def calibrate_for(pair: Pair, session: Session, domains, n_fit: int, op_k: int, 
     """Calibrate SCD for a loaded pair on a mixture of shipped corpora, save it in a new run
     folder, and make it this session's calibration for the pair (no one else's changes)."""
     from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
     domains = inputs.choices(domains, "Calibration domains", data.corpora())
     n_fit = inputs.integer(n_fit, "Windows for the fits", 4, 64)
     op_k = inputs.integer(op_k, "Patch layers at the operating point", 0, 6)
     bits = _code_bits(bits, "Code bits")
     folder = session.new_run(name, "calibrations")
-    cfg = cal.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
+    cfg = calibration.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
                           patch_k=max(op_k, 2))
     calib = cal.calibrate(pair, cfg)
-    cal.save(calib, folder)
+    calib.save(folder)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
     return calib, folder
 
@@ -344,10 +345,10 @@ def load_calibration_for(pair: Pair, session: Session, folder) -> object:
 
     In hosted mode only this session's own run folders can be named.
     """
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
     path = hosting.user_folder(folder, "calibration folder", roots=(session.folder,))
-    calib = cal.load(path, pair)
+    calib = calibration.Calibration.load(path, pair)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
     return calib
 

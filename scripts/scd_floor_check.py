@@ -44,7 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 from scdviz import data, metrics  # noqa: E402
 from scdviz.models import builtin, hf  # noqa: E402
 from scdviz.models.pair import load_pair  # noqa: E402
-from scdviz.scd import bench, entropy, measure, payload, transfer  # noqa: E402
+from scdviz.scd import (  # noqa: E402
+    bench,
+    calibration,  # noqa: E402
+    entropy,
+    measure,
+    payload,
+    transfer,
+)
 from scdviz.scd import calibrate as cal  # noqa: E402
 from scdviz.scd import plan as plans  # noqa: E402
 from scdviz.scd.rrr import RRRStats  # noqa: E402
@@ -60,7 +67,7 @@ def neighbours(layer: int, width: int, n: int) -> list[int]:
 
 def more_input(pair, calib, name: str) -> None:
     cfg = calib.config
-    windows, folds, _ = cal._windows(pair, cfg)
+    windows, folds, _ = calibration.windows(pair, cfg)
     n, n_folds = calib.n_layers, max(folds) + 1
     d = 2 * calib.key_codes[0].dec.shape[1]
     stats = {w: [[RRRStats(d * len(neighbours(i, w, n)), d) for i in range(n)] for _ in range(n_folds)] for w in WIDTHS}
@@ -173,7 +180,7 @@ def _fp16_plan(calib):
 
 
 def floor_and_quantiser(pair, calib, name: str) -> None:
-    select = cal._windows(pair, calib.config)[2]
+    select = calibration.windows(pair, calib.config)[2]
     cases = measure.prepare_cases(pair, select, calib.config.cont_len, progress=False)
     value_error(calib, [c.state for c in cases], name)
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
@@ -212,12 +219,12 @@ def main() -> None:
     names = [a for a in sys.argv[1:] if a in builtin.specialists()] or builtin.specialists()
     for name in names:
         pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
-        calib = cal.load(cal.shipped_folder(f"builtin:{name}"), pair)
+        calib = calibration.Calibration.load(calibration.shipped_folder(f"builtin:{name}"), pair)
         if "--eval" in sys.argv:
             eval_floor(pair, calib, name)
             continue
         if "--error" in sys.argv:
-            prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in cal._windows(pair, calib.config)[2]]
+            prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in calibration.windows(pair, calib.config)[2]]
             value_error(calib, [transfer.producer_state(pair.producer, p) for p in prefixes], name)
             continue
         more_input(pair, calib, name)

@@ -26,15 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 from scdviz import data, metrics  # noqa: E402
 from scdviz.models import builtin  # noqa: E402
 from scdviz.models.pair import load_pair  # noqa: E402
-from scdviz.scd import calibrate as cal  # noqa: E402
-from scdviz.scd import entropy, payload, transfer  # noqa: E402
+from scdviz.scd import (  # noqa: E402
+    calibration,  # noqa: E402
+    entropy,
+    payload,
+    transfer,
+)
 from scdviz.scd import plan as plans  # noqa: E402
 
 BUDGETS = (2304, 3840)
 
 
 def validation(pair, calib, name: str) -> None:
-    select = cal._windows(pair, calib.config)[2]
+    select = calibration.windows(pair, calib.config)[2]
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, calib.config.cont_len) for w in select]
     n = cases[0].state.ids.shape[1]
     lineup = [plans.raw_plan(calib.n_layers)]
@@ -53,7 +57,7 @@ def entropy_share(pair, calib, name: str, corpus: str, n_prompts: int = 4) -> No
         for w in windows:
             state = transfer.producer_state(pair.producer, torch.tensor([w[:256]]))
             blob = transfer.build_payload(state, plans.tc_plan(calib, b), calib)
-            for sp in payload.spans(blob)[2]:
+            for sp in payload.spans(blob)[1]:
                 data_, step = entropy.decode_uniform(blob[sp.start : sp.end], sp.rows, sp.cols)
                 q = torch.round(data_.double() / step).long()
                 coded += sp.end - sp.start
@@ -93,7 +97,7 @@ def main() -> None:
         return
     for name in builtin.specialists():
         pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
-        calib = cal.load(cal.shipped_folder(f"builtin:{name}"), pair)
+        calib = calibration.Calibration.load(calibration.shipped_folder(f"builtin:{name}"), pair)
         validation(pair, calib, name)
         entropy_share(pair, calib, name, builtin.training_corpus(name))
 

@@ -180,7 +180,7 @@ def files(tmp_path_factory):
 
     from scdviz import data, settings
     from scdviz.models import builtin
-    from scdviz.scd.calibrate import shipped_folder
+    from scdviz.scd.calibration import shipped_folder
 
     root = tmp_path_factory.mktemp("bad")
     out = {}
@@ -202,7 +202,7 @@ def files(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from scdviz import artefact
-    from scdviz.scd.calibrate import FILE
+    from scdviz.scd.calibration import FILE
 
     shipped = artefact.load(jargon / FILE, "scd-calibration")
     with safe_open(str(jargon / FILE), "pt") as fh:

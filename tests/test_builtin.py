@@ -24,13 +24,13 @@ def test_builtin_pair_facts(builtin_pair):
 
 
 def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
     assert {"jargon", "austen-qkv"} <= set(builtin.specialists())
     for name in builtin.specialists():
         folder = builtin.adapter_dir(name)
         assert (folder / "README.md").is_file() and (folder / "eval.json").is_file()
-        assert (cal.shipped_folder(f"builtin:{name}") / cal.FILE).is_file()
+        assert (calibration.shipped_folder(f"builtin:{name}") / calibration.FILE).is_file()
         assert sum(f.stat().st_size for f in folder.iterdir()) < 20 * 2**20  # adapters stay small
 
 

@@ -86,8 +86,8 @@ def _scd_paths(pair, calib, dtype):
         if plan.rate_target:  # transform coded: the length is the data's, under the target
             assert len(blob) <= plan.rate_target * cases[0].state.ids.shape[1]
         else:
-            assert len(blob) == payload.payload_len(payload.decode(blob).sections)
-        got = transfer.receive(pair.consumer, blob, plan, calib)
+            assert len(blob) == payload.payload_len(payload.decode(blob).sections, len(plan.modes))
+        got = transfer.receive(pair.consumer, blob, calib)
         assert {k.dtype for k in hf.Trace(None, got.cache, None).keys} == {dtype}, plan.name
     results = measure.run_methods(pair, calib, cases, lineup, gen_tokens=3, oracle_gen=gens, progress=False)
     assert all(math.isfinite(r.kl) and r.kl >= 0 for r in results)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scdviz import service
-from scdviz.scd import bench
-from scdviz.scd import calibrate as cal
+from scdviz.scd import bench, calibration
 from scdviz.scd import plan as plans
 
 pytestmark = pytest.mark.slow
@@ -100,7 +99,7 @@ def test_a_loaded_calibration_belongs_to_one_visitor(builtin_pair, tmp_path, mon
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
     a, b = Session(), Session()
-    shutil.copytree(cal.shipped_folder("builtin:jargon"), tmp_path / "mine")
+    shutil.copytree(calibration.shipped_folder("builtin:jargon"), tmp_path / "mine")
     shipped = service.get_calibration(builtin_pair)
     mine = service.load_calibration_for(builtin_pair, a, str(tmp_path / "mine"))
     assert mine is not shipped

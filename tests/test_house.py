@@ -150,7 +150,7 @@ def test_record_is_strict_json_with_settings_versions_and_seed(tmp_path):
 def test_shipped_records_and_artefacts_are_current():
     """Every shipped bench file is a record of its kind; every shipped artefact loads in this format."""
     from scdviz import settings
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
     for path in [*settings.ASSETS_DIR.glob("scd/*/*.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
         rec = records.read(path)
@@ -161,15 +161,15 @@ def test_shipped_records_and_artefacts_are_current():
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
         assert Policy.load(path).identity["model_source"] == "builtin:smollm2-135m"
     for folder in settings.ASSETS_DIR.glob("scd/*/"):
-        art = artefact.load(folder / cal.FILE, cal.KIND)
+        art = artefact.load(folder / calibration.FILE, calibration.KIND)
         assert art.identity["consumer_source"] == f"builtin:{folder.name}"
-        assert config.from_dict(cal.CalibConfig, art.config)[1] == []
+        assert config.from_dict(calibration.CalibConfig, art.config)[1] == []
 
 
 def test_configs_have_help_on_every_field():
     from scdviz.finetune import FinetuneConfig
     from scdviz.scd.bench import ScdBenchConfig
-    from scdviz.scd.calibrate import CalibConfig
+    from scdviz.scd.calibration import CalibConfig
 
     for cls in (EvalConfig, TrainConfig, PolicyConfig, FinetuneConfig, ScdBenchConfig, CalibConfig):
         for f in fields(cls):

@@ -11,6 +11,7 @@ from conftest import tiny_folder, user_text
 
 from scdviz.models.pair import load_pair
 from scdviz.scd import calibrate as cal
+from scdviz.scd import calibration
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "walkthrough.ipynb"
 
@@ -20,10 +21,10 @@ def test_the_example_notebook_runs_and_draws_its_figures(tmp_path, monkeypatch):
     producer = tiny_folder(tmp_path / "producer", text)
     consumer = tiny_folder(tmp_path / "consumer", text)  # same tokenizer; its own random weights (seed 0 again)
     pair = load_pair(str(producer), str(consumer))
-    calib = cal.calibrate(pair, cal.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
+    calib = cal.calibrate(pair, calibration.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
                                                 cont_len=8, aligner_steps=5, n_candidates=2, patch_k=1, op_patch_k=1,
                                                 rate_windows=0), progress=False)
-    cal.save(calib, tmp_path / "calib")
+    calib.save(tmp_path / "calib")
     for key, value in {"PRODUCER": producer, "CONSUMER": consumer, "CALIBRATION": tmp_path / "calib",
                        "CHARS": 400}.items():
         monkeypatch.setenv(f"SCDVIZ_EXAMPLE_{key}", str(value))

@@ -15,7 +15,7 @@ from scdviz import artefact, metrics
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, facts_of
 from scdviz.scd import calibrate as cal
-from scdviz.scd import measure, payload, quant, rrr, transfer
+from scdviz.scd import calibration, measure, payload, quant, rrr, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.patch import Aligner, Patch
 from scdviz.scd.rrr import allocate_ranks, fit_rrr
@@ -55,9 +55,9 @@ def texts(tmp_path_factory):
     return str(path)
 
 
-def small_cfg(texts: str, **kw) -> cal.CalibConfig:
+def small_cfg(texts: str, **kw) -> calibration.CalibConfig:
     base = dict(texts=texts, n_fit=6, n_select=2, prompt_len=40, cont_len=8, aligner_steps=20, n_candidates=2, patch_k=2, op_patch_k=1)
-    return cal.CalibConfig(**{**base, **kw})
+    return calibration.CalibConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +119,15 @@ def test_quantisation_error_is_within_half_a_step(bits, axis):
 
 def test_bit_packing_is_dense_little_endian_and_round_trips():
     q = torch.tensor([1, 2, 3, 0, 15, 7], dtype=torch.uint8)
-    assert quant._pack(q, 4) == bytes([0x21, 0x03, 0x7F])  # low nibble first
-    assert quant._pack(q[:4], 2) == bytes([0b00111001])  # four 2-bit values in one byte
+    assert quant.pack(q, 4) == bytes([0x21, 0x03, 0x7F])  # low nibble first
+    assert quant.pack(q[:4], 2) == bytes([0b00111001])  # four 2-bit values in one byte
     for bits in quant.BITS:
         vals = torch.randint(0, 2**bits, (101,), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
-        blob = quant._pack(vals, bits)
+        blob = quant.pack(vals, bits)
         assert len(blob) == quant.packed_len(101, bits)
-        assert torch.equal(quant._unpack(blob, bits, 101), vals)
+        assert torch.equal(quant.unpack(blob, bits, 101), vals)
     with pytest.raises(ValueError, match="unsupported bit width 5"):
-        quant._pack(q, 5)
+        quant.pack(q, 5)
     blob, lo, step = quant.quantize(torch.zeros(9, 0), 3, 4, "channel")  # a rank-0 code section
     assert blob == b"" and lo.numel() == 0 and quant.dequantize(blob, lo, step, (9, 0), 3, 4, "channel").shape == (9, 0)
 
@@ -140,11 +140,11 @@ def test_entropy_coded_sections_decode_to_the_same_values_and_are_never_longer()
     for x, bits in ((peaked, 3), (peaked, 4), (flat, 8), (tiny, 4), (torch.zeros(50, 0), 2)):
         plain = [payload.Section(1, "k_code", x, bits, 16, "channel")]
         coded = [payload.Section(1, "k_code", x, bits, 16, "channel", coded=True)]
-        a, b = payload.encode(50, 7, plain), payload.encode(50, 7, coded)
+        a, b = payload.encode(payload.Layout(50, 7), plain), payload.encode(payload.Layout(50, 7), coded)
         assert len(b) <= len(a) == payload.payload_len(plain)
         assert torch.equal(payload.decode(a).sections[0].data, payload.decode(b).sections[0].data)  # lossless
-    a = payload.encode(50, 7, [payload.Section(1, "k_code", peaked, 3, 64, "channel")])
-    b = payload.encode(50, 7, [payload.Section(1, "k_code", peaked, 3, 64, "channel", coded=True)])
+    a = payload.encode(payload.Layout(50, 7), [payload.Section(1, "k_code", peaked, 3, 64, "channel")])
+    b = payload.encode(payload.Layout(50, 7), [payload.Section(1, "k_code", peaked, 3, 64, "channel", coded=True)])
     assert len(b) < 0.95 * len(a)  # a peaked histogram codes below 3 bits per value
     assert payload.decode(b).sections[0].coded and not payload.decode(a).sections[0].coded
     with pytest.raises(ValueError, match="truncated"):
@@ -158,19 +158,19 @@ def test_transform_coded_sections_decode_within_half_a_step_and_drop_the_channel
     z = torch.randn(120, 32, generator=g) * torch.logspace(1, -3, 32)  # channel scales fall, like a code's spectrum
     lengths, sent = [], []
     for step in (2e-3, 0.01, 0.1, 1.0, 10.0, 1e3):
-        blob = payload.encode(121, 7, [payload.Section(2, "v_code", z, 0, step=step)])
+        blob = payload.encode(payload.Layout(121, 7), [payload.Section(2, "v_code", z, 0, step=step)])
         got = payload.decode(blob).sections[0]
         cols = got.data.shape[1]
         assert (got.kind, got.bits, got.data.shape[0]) == ("v_code", 0, 120) and got.step == pytest.approx(step, rel=1e-6)
         assert ((got.data - z[:, :cols]).abs() <= step / 2 * (1 + 1e-5)).all()  # a uniform quantiser
         assert (z[:, cols:].abs() < step / 2).all()  # only channels that round to zero everywhere are left out
         q = entropy.quantise_uniform(z, struct.unpack("<f", struct.pack("<f", step))[0])
-        assert abs(len(blob) - payload.HEADER.size - payload.SECTION.size - entropy.estimated_len(q)) <= 64  # a few words
+        assert abs(len(blob) - payload.header_len(0) - payload.SECTION.size - entropy.estimated_len(q)) <= 64  # a few words
         lengths.append(len(blob))
         sent.append(cols)
     assert lengths == sorted(lengths, reverse=True) and sent == sorted(sent, reverse=True)  # coarser: fewer bytes, lower rank
     assert sent[0] == 32 and sent[-1] == 0
-    blob = payload.encode(121, 7, [payload.Section(2, "v_code", z, 0, step=0.1)])
+    blob = payload.encode(payload.Layout(121, 7), [payload.Section(2, "v_code", z, 0, step=0.1)])
     with pytest.raises(ValueError, match="truncated"):
         payload.decode(blob[:-5])
     with pytest.raises(ValueError, match="depends on its data"):
@@ -187,13 +187,13 @@ def test_transform_coded_plan_is_a_hard_byte_limit_and_its_error_falls_as_the_bu
     n_tokens = case.state.ids.shape[1]
     full = plans.full_rank_plan(calib)
     exact = dataclasses.replace(full, code_bits=16)  # what the codes give with no quantisation at all
-    ref_k, ref_v = hf.cache_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, exact, calib), exact, calib).cache)
+    ref_k, ref_v = hf.cache_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, exact, calib), calib).cache)
     errors = []
     for budget in (8.0, 16.0, 32.0, 64.0):
         plan = plans.tc_plan(calib, budget)
         blob = transfer.build_payload(case.state, plan, calib)
         assert budget * 0.97 <= len(blob) / n_tokens <= budget  # headers included; it spends what it is given
-        keys, values = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, plan, calib).cache)
+        keys, values = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, calib).cache)
         errors.append(sum(float(((a - b) ** 2).sum()) for a, b in zip(keys + values, ref_k + ref_v)))
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.05 * errors[0]
     with pytest.raises(ValueError, match="below the smallest transform-coded payload"):
@@ -222,8 +222,8 @@ def test_payload_length_equals_the_format_formula():
         payload.Section(1, "k_code", torch.randn(33, 7, generator=g), 8, 64, "channel"),
         payload.Section(2, "resid", torch.randn(34, 32, generator=g), 16),
     ]
-    blob = payload.encode(34, 5, sections)
-    expected = 14 + sum(13 + (2 * r * c if b == 16 else -(-r * c * b // 8) + 4 * quant.n_groups(r, c, gr, ax))
+    blob = payload.encode(payload.Layout(34, 5), sections)
+    expected = 25 + sum(13 + (2 * r * c if b == 16 else -(-r * c * b // 8) + 4 * quant.n_groups(r, c, gr, ax))
                         for r, c, b, gr, ax in [(*s.data.shape, s.bits, s.group, s.axis) for s in sections])
     assert len(blob) == payload.payload_len(sections) == expected
     msg = payload.decode(blob)
@@ -231,6 +231,15 @@ def test_payload_length_equals_the_format_formula():
     torch.testing.assert_close(msg.sections[3].data, sections[3].data.half().float())
     with pytest.raises(ValueError, match="magic"):
         payload.decode(b"nope" + blob[4:])
+    with pytest.raises(ValueError, match="format 1"):  # the first format's messages did not say how layers were sent
+        payload.decode(b"SCD1" + blob[4:])
+    # the header's layout: one byte per layer, the sink rule and the calibration travel with the sections
+    head = payload.Layout(34, 5, ["raw", "code", "patch", "recompute", "recompute"], "recompute", 0xABCDEF0123)
+    blob = payload.encode(head, sections)
+    assert len(blob) == payload.payload_len(sections, 5) == expected + 5
+    assert payload.decode(blob).layout == head
+    with pytest.raises(ValueError, match="truncated"):
+        payload.decode(blob[:27])
 
 
 def test_plan_rejects_unknown_modes():
@@ -265,7 +274,7 @@ def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, t
     case.state = transfer.producer_state(tiny_pair.consumer, case.state.ids)  # the true consumer H_in
     rk, rv = plans.full_ranks(calib)
     plan = plans.scd_plan(rk, rv, [layer], code_bits=16)
-    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, calib), plan, calib).cache
+    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, calib), calib).cache
     own = case.oracle_cache.layers[layer]
     torch.testing.assert_close(got.layers[layer].keys, own.keys, atol=5e-3, rtol=1e-3)
     torch.testing.assert_close(got.layers[layer].values, own.values, atol=5e-3, rtol=1e-3)
@@ -274,7 +283,7 @@ def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, t
 def test_sink_recompute_gives_the_consumer_its_own_token0(tiny_pair):
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     plan = plans.raw_plan(3, sink="recompute")
-    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan), plan).cache
+    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan)).cache
     sent = hf.forward(tiny_pair.producer, case.state.ids).cache.layers
     for mine, own, prod in zip(got.layers, case.oracle_cache.layers, sent):
         torch.testing.assert_close(mine.keys[:, :, :1], own.keys[:, :, :1])
@@ -290,8 +299,8 @@ def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, tiny_calib)
         msg = payload.decode(blob)
-        assert len(blob) == payload.payload_len(msg.sections)
-        got = transfer.receive(tiny_pair.consumer, blob, plan, tiny_calib)
+        assert len(blob) == payload.payload_len(msg.sections, len(msg.layout.modes))
+        got = transfer.receive(tiny_pair.consumer, blob, tiny_calib)
         assert hf.cache_len(got.cache) == [cases[0].state.ids.shape[1]] * 3
     oracle, gens = measure.oracle_result(tiny_pair, cases, 4)
     results = measure.run_methods(tiny_pair, tiny_calib, cases, lineup, gen_tokens=4, oracle_gen=gens, progress=False)
@@ -307,8 +316,8 @@ def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
 
 
 def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_calib, tmp_path):
-    cal.save(tiny_calib, tmp_path / "c")
-    back = cal.load(tmp_path / "c", tiny_pair)
+    tiny_calib.save(tmp_path / "c")
+    back = calibration.Calibration.load(tmp_path / "c", tiny_pair)
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     plan = plans.operating_plan(back)
     a = transfer.run_plan(tiny_pair.consumer, case, plan, tiny_calib)
@@ -321,9 +330,9 @@ def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_
     assert plans.rd_plan(back.rate, 30.0, 47)[0] == plans.rd_plan(tiny_calib.rate, 30.0, 47)[0]
     other = make_pair(tiny_pair.producer, perturbed(2), "tiny:other")
     with pytest.raises(PairError, match="(?s)made for producer 'tiny:p' -> consumer 'tiny:c'.*consumer weights"):
-        cal.load(tmp_path / "c", other)
+        calibration.Calibration.load(tmp_path / "c", other)
     with pytest.raises(ValueError, match="no SCD calibration"):
-        cal.load(tmp_path / "missing", tiny_pair)
+        calibration.Calibration.load(tmp_path / "missing", tiny_pair)
 
 
 def test_aligners_keep_their_mlp_only_where_fitted_and_round_trip_exactly(tiny_calib, tmp_path):
@@ -343,11 +352,11 @@ def test_aligners_keep_their_mlp_only_where_fitted_and_round_trip_exactly(tiny_c
             aligner.add_mlp(8)
             torch.nn.init.normal_(aligner.down.weight, std=0.1)
         p.aligner = aligner.eval()
-    cal.save(calib, tmp_path / "c")
-    with safe_open(str(tmp_path / "c" / cal.FILE), "pt") as fh:
+    calib.save(tmp_path / "c")
+    with safe_open(str(tmp_path / "c" / calibration.FILE), "pt") as fh:
         mlp_keys = {k for k in fh.keys() if ".aligner.up." in k or ".aligner.down." in k}
     assert {k.split(".")[1] for k in mlp_keys} == {str(first)}  # no zero MLPs stored
-    back = cal.load(tmp_path / "c")
+    back = calibration.Calibration.load(tmp_path / "c")
     x = torch.randn(16, calib.patches[first].in_mean.numel())
     for layer, p in calib.patches.items():
         assert back.patches[layer].aligner.hidden == (8 if layer == first else 0)
@@ -380,7 +389,7 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     n_tokens = report.methods[0].prompt_tokens  # one window: the tokens its payloads carry
     for r in (r for r in measured if r["method"] != "oracle"):  # the per-layer account adds up to the real payload
         per_layer = sum(sum(r["sent"][f"bytes_{kind}"]) for kind in "kvh")
-        assert per_layer + payload.HEADER.size / n_tokens == pytest.approx(r["payload_bytes_per_token"], rel=1e-9), r["method"]
+        assert per_layer + payload.header_len(tiny_calib.n_layers) / n_tokens == pytest.approx(r["payload_bytes_per_token"], rel=1e-9), r["method"]
     tc = next(r for r in measured if r["method"].startswith("SCD transform-coded"))
     assert max(tc["sent"]["cols_k"] + tc["sent"]["cols_v"]) <= max(tiny_calib.key_codes[0].max_rank, 1)
     raw_row = next(r for r in measured if r["method"] == "raw KV")
@@ -513,7 +522,7 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     plan = plans.full_rank_plan(tiny_calib)
     plain = copy.deepcopy(tiny_calib)
     plain.joint = None
-    got = [hf.layer_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, c), plan, c).cache, layer)
+    got = [hf.layer_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, c), c).cache, layer)
            for c in (tiny_calib, plain)]
     code = tiny_calib.joint[layer]
     rows = torch.cat([hf.unrotate(got[1][0], *hf.rope(tiny_pair.consumer, torch.arange(case.state.ids.shape[1])[None]))[0]
@@ -530,8 +539,8 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     assert table["none" if chosen is None else f"rank {rank}, {chosen:g}"] == min(table.values())  # chosen by held-out error
     assert {c.max_rank for c in tiny_calib.joint if c is not None} == {min(rank, tiny_calib.key_codes[0].mu_out.numel() * 2)}
     assert len(table) == 1 + len(tiny_calib.config.joint_rank_grid) * len(tiny_calib.config.joint_shrink_grid)
-    cal.save(tiny_calib, tmp_path / "c")
-    back = cal.load(tmp_path / "c")
+    tiny_calib.save(tmp_path / "c")
+    back = calibration.Calibration.load(tmp_path / "c")
     assert [c is None for c in back.joint] == [c is None for c in tiny_calib.joint]
     torch.testing.assert_close(back.joint[layer].enc, code.enc.half().float())
 
@@ -565,14 +574,14 @@ def test_decoded_sections_know_their_rounding_noise():
     (groups of many values: their extremes, which round exactly, are few)."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand(400, 6, generator=g) * torch.tensor([1.0, 2, 4, 8, 16, 32])
-    sec = payload.decode(payload.encode(400, 0, [payload.Section(0, "k_code", x, 4, 50, "channel")])).sections[0]
+    sec = payload.decode(payload.encode(payload.Layout(400, 0), [payload.Section(0, "k_code", x, 4, 50, "channel")])).sections[0]
     torch.testing.assert_close(sec.noise, ((sec.data - x) ** 2).mean(0).double(), rtol=0.2, atol=0)
     wide = torch.rand(64, 192, generator=g) * torch.linspace(1, 4, 64)[:, None]  # token groups: one step per row and group
-    sec = payload.decode(payload.encode(64, 0, [payload.Section(0, "k_code", wide, 3, 48, "token")])).sections[0]
+    sec = payload.decode(payload.encode(payload.Layout(64, 0), [payload.Section(0, "k_code", wide, 3, 48, "token")])).sections[0]
     assert float(sec.noise.mean()) == pytest.approx(float(((sec.data - wide) ** 2).mean()), rel=0.15)
-    tc = payload.decode(payload.encode(400, 0, [payload.Section(0, "k_code", x, 0, step=0.5)])).sections[0]
+    tc = payload.decode(payload.encode(payload.Layout(400, 0), [payload.Section(0, "k_code", x, 0, step=0.5)])).sections[0]
     assert tc.noise.tolist() == [0.5**2 / 12] * tc.data.shape[1]
-    assert payload.decode(payload.encode(400, 0, [payload.Section(0, "k_code", x)])).sections[0].noise is None  # fp16
+    assert payload.decode(payload.encode(payload.Layout(400, 0), [payload.Section(0, "k_code", x)])).sections[0].noise is None  # fp16
 
 
 def test_shrinkage_toward_identity_lowers_error_on_the_other_domain():
@@ -617,7 +626,7 @@ def test_kivi_window_sends_the_recent_tokens_exactly(tiny_pair):
     grown = len(transfer.build_payload(case.state, kivi)) - len(transfer.build_payload(case.state, plain))
     saved = sum(payload.section_len(n, d, 4, 32, ax) - payload.section_len(n - 8, d, 4, 32, ax) for ax in ("channel", "token"))
     assert grown == 3 * (2 * (payload.SECTION.size + 8 * d * 2) - saved)  # per layer: two fp16 sections, shorter int4 ones
-    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, kivi), kivi)
+    got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, kivi))
     keys, values = hf.cache_kv(got.cache)
     for layer in range(3):
         sent = case.state.keys[layer][-8:].half().float()
@@ -735,7 +744,7 @@ def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches
 
 def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_pair, texts):
     calib = cal.calibrate(tiny_pair, small_cfg(texts, gate_patches=False, n_candidates=3, patch_k=3), progress=False)
-    windows = cal._windows(tiny_pair, calib.config)[2]
+    windows = calibration.windows(tiny_pair, calib.config)[2]
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, calib.config.cont_len) for w in windows]
     assert len(calib.patch_order) == 3
     for k, want in enumerate(calib.selection_kl):
@@ -794,7 +803,7 @@ def test_rd_plan_is_a_hard_byte_limit_on_the_real_payload(tiny_pair, tiny_calib,
         assert len(blob) / n_tokens <= budget  # headers and scales included
         assert len(blob) / n_tokens == pytest.approx(info["bytes_per_token"])  # the planner counts real bytes
         assert budget - len(blob) / n_tokens < 2.0 or budget == 200.0  # and uses what it is given
-        transfer.receive(tiny_pair.consumer, blob, plan, tiny_calib)  # and the consumer can build its cache
+        transfer.receive(tiny_pair.consumer, blob, tiny_calib)  # and the consumer can build its cache
         predicted.append(info["predicted_kl"])
     assert predicted == sorted(predicted, reverse=True)  # more bytes, never a worse predicted KL
     with pytest.raises(ValueError, match="below the smallest SCD payload"):

@@ -7,7 +7,7 @@ import pytest
 from scdviz import data
 from scdviz.models.pair import PairError
 from scdviz.scd import calibrate as cal
-from scdviz.scd import measure
+from scdviz.scd import calibration, measure
 from scdviz.scd import plan as plans
 
 pytestmark = pytest.mark.slow
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def quick_calib(builtin_pair):
-    cfg = cal.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2, patch_k=1, op_patch_k=1)
+    cfg = calibration.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2, patch_k=1, op_patch_k=1)
     return cal.calibrate(builtin_pair, cfg, progress=False)
 
 
@@ -32,14 +32,14 @@ def test_full_rank_codes_with_own_sink_beat_raw_reuse_on_held_out_text(builtin_p
 
 
 def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
-    jargon = cal.load(cal.SHIPPED_DIR / "jargon", builtin_pair)
+    jargon = calibration.Calibration.load(calibration.SHIPPED_DIR / "jargon", builtin_pair)
     assert len(jargon.key_codes) == 30 and len(jargon.stats["domains"]) == 6
     kept = {int(layer) for layer, gate in jargon.stats["patch_gate"].items() if gate["kept"]}
     assert jargon.stats["patch_gate"] and set(jargon.patch_order) <= kept  # only patches that passed the gate
     for name in ("jargon", "austen-qkv"):  # the budget planner's curves ship with every calibration
-        curves = cal.load(cal.SHIPPED_DIR / name).rate
+        curves = calibration.Calibration.load(calibration.SHIPPED_DIR / name).rate
         assert curves is not None and curves.n_windows >= 6 and (curves.sens_k > 0).all() and (curves.sens_v > 0).all()
         full = curves.err_k[:, curves.bits.index(16)]  # fp16 codes: error falls as rank rises (on text it was not fitted on)
         assert (full[:, -1] < full[:, 0]).all() and (full[:, 96] <= full[:, 8] + 1e-3).all()
     with pytest.raises(PairError, match="builtin:austen-qkv"):
-        cal.load(cal.SHIPPED_DIR / "austen-qkv", builtin_pair)
+        calibration.Calibration.load(calibration.SHIPPED_DIR / "austen-qkv", builtin_pair)

@@ -132,9 +132,9 @@ def test_rate_on_a_shipped_calibration_saves_a_new_run_and_leaves_the_shipped_on
     assert (shipped / "calibration.safetensors").read_bytes() == before
     (made,) = [p for p in (runs.root() / "calibrations").iterdir() if p.name.startswith("tiny-rate-")]
     from scdviz.models.pair import load_pair
-    from scdviz.scd import calibrate as cal
+    from scdviz.scd import calibration
 
-    assert cal.load(made, load_pair(tiny, tiny)).rate is not None
+    assert calibration.Calibration.load(made, load_pair(tiny, tiny)).rate is not None
     assert cli.main(["rate", "--producer", tiny, "--consumer", tiny, "--calib", str(shipped), "--windows", "1",
                      "--maintainer"]) == 0
     assert (shipped / "calibration.safetensors").read_bytes() != before

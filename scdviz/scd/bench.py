@@ -22,8 +22,9 @@ from scdviz.config import opt
 from scdviz.models import builtin
 from scdviz.models.pair import Pair
 from scdviz.scd import calibrate as cal
-from scdviz.scd import measure, rate
+from scdviz.scd import calibration, measure, rate
 from scdviz.scd import plan as plans
+from scdviz.scd.codec import Codec
 from scdviz.scd.plan import SINKS, Plan
 
 CODERS = ("transform", "rd")  # how a byte budget becomes a plan (budget_plan)
@@ -53,7 +54,7 @@ class ScdBenchConfig:
     seed: int = opt(0, "torch seed set before the run")
 
 
-def budget_plan(calib: cal.Calibration, curves, budget: float, n_tokens: int, sink: str, coder: str, name: str | None = None) -> Plan:
+def budget_plan(calib: calibration.Calibration, curves, budget: float, n_tokens: int, sink: str, coder: str, name: str | None = None) -> Plan:
     """The SCD plan for a byte budget: transform coded or rate-distortion planned (both a hard limit)."""
     if coder == "transform":
         return plans.tc_plan(dataclasses.replace(calib, rate=curves), budget, sink, name)
@@ -83,7 +84,7 @@ class BenchReport:
         return measure.table(self.methods + self.sweeps)
 
 
-def consumer_flops_per_token(plan: Plan, calib: cal.Calibration, small_d_kv: int, big: links.ModelShape) -> float:
+def consumer_flops_per_token(plan: Plan, calib: calibration.Calibration, small_d_kv: int, big: links.ModelShape) -> float:
     """Consumer FLOPs per prompt token of ``plan`` scaled to model ``big`` (ranks scale with d_kv)."""
     d_kv = big.kv_heads * big.head_dim
     per_layer = []
@@ -102,7 +103,7 @@ def consumer_flops_per_token(plan: Plan, calib: cal.Calibration, small_d_kv: int
     return sum(per_layer) * big.layers / len(plan.modes)
 
 
-def hf_hidden(calib: cal.Calibration) -> int:
+def hf_hidden(calib: calibration.Calibration) -> int:
     """Hidden size of the calibrated pair."""
     return int(calib.identity["facts"]["hidden"])
 
@@ -110,11 +111,11 @@ def hf_hidden(calib: cal.Calibration) -> int:
 def pair_shape(pair: Pair) -> links.ModelShape:
     """The loaded consumer's own shape, named after it: the projection's first model."""
     f = pair.consumer_facts
-    return links.ModelShape(f"this pair ({cal.specialist_name(pair.consumer_source)}, {f.params / 1e6:.3g}M)",
+    return links.ModelShape(f"this pair ({calibration.specialist_name(pair.consumer_source)}, {f.params / 1e6:.3g}M)",
                             f.layers, f.kv_heads, f.head_dim, f.hidden, float(f.params))
 
 
-def projection(report: BenchReport, calib: cal.Calibration, small_d_kv: int,
+def projection(report: BenchReport, calib: calibration.Calibration, small_d_kv: int,
                own: links.ModelShape | None = None) -> list[dict]:
     """Projected TTFT speed-up of every method on the pair's own shape (``own``) and each named preset
     (Mistral-7B, Llama-3-8B, Qwen-32B), each GPU, 10 and 100 Gbit/s."""
@@ -133,7 +134,7 @@ def projection(report: BenchReport, calib: cal.Calibration, small_d_kv: int,
 
 def bench(
     pair: Pair,
-    calib: cal.Calibration,
+    calib: calibration.Calibration,
     windows: list[list[int]],
     cont_len: int = 32,
     gen_tokens: int = 32,
@@ -191,7 +192,7 @@ def bench(
     return report
 
 
-def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: cal.Calibration) -> list[str]:
+def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: calibration.Calibration) -> list[str]:
     """The domains measured: the given ones, else the specialist's own corpus (a built-in's training
     corpus), else every calibration domain."""
     if cfg.texts:
@@ -210,7 +211,7 @@ def _eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: st
     return windows
 
 
-def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str | None = None,
+def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, specialist: str | None = None,
         progress: bool = True) -> list[BenchReport]:
     """``bench`` on held-out eval windows, one report per domain.
 
@@ -218,7 +219,7 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: cal.Calibration, specialist: str
     with a calibration made again without it (the loaded calibration's settings, that domain
     left out): text the calibration never saw. Otherwise every domain is measured with ``calib`` itself.
     """
-    name = specialist or cal.specialist_name(pair.consumer_source)
+    name = specialist or calibration.specialist_name(pair.consumer_source)
     seen = list(calib.stats.get("domains") or [])
     domains = (list(cfg.domains) or seen) if cfg.lodo else eval_domains(cfg, name, calib)
     if cfg.lodo and len(seen) < 2:
@@ -397,15 +398,18 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
     return list(ids)
 
 
-def bench_text(pair: Pair, calib: cal.Calibration, text: str, plan: Plan | None, cont_len: int = 32,
-               gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024, budget: float | None = None,
-               coder: str = "transform") -> BenchReport:
+def bench_text(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
+               cont_len: int = 32, gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024,
+               budget: float | None = None, coder: str = "transform") -> BenchReport:
     """The app's view: ``bench`` on the one window made from the user's text.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
     (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
+    ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full.
     """
+    if isinstance(calib, Codec):
+        calib, plan = calib.calibration, calib.plan
     window = window_of(pair, text, cont_len, max_tokens)
     return bench(pair, calib, [window], cont_len, gen_tokens, sweeps, (), pair.consumer_source,
                  progress=False, scd_full=plan, budget=budget, coder=coder)

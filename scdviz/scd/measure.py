@@ -22,8 +22,7 @@ from scdviz import link as links
 from scdviz import metrics, qa
 from scdviz.models import hf
 from scdviz.models.pair import Pair
-from scdviz.scd import calibrate as cal
-from scdviz.scd import transfer
+from scdviz.scd import calibration, transfer
 
 
 @dataclass
@@ -217,7 +216,7 @@ def table(results: list[MethodResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def spectra(calib: cal.Calibration) -> pd.DataFrame:
+def spectra(calib: calibration.Calibration) -> pd.DataFrame:
     """Rank spectra: per layer and K/V, the fit error (1 − explained energy) at every rank."""
     rows = []
     for kind, codes in (("K", calib.key_codes), ("V", calib.value_codes)):

@@ -2,7 +2,8 @@
 
 Layout (little endian):
 
-  header   magic b"SCD1" | n_tokens u32 | token0 u32 | n_sections u16          (14 bytes)
+  header   magic b"SCD2" | n_tokens u32 | token0 u32 | n_sections u16 | sink u8 |
+           calibration u64 | n_layers u16 | n_layers mode bytes          (25 + n_layers bytes)
   section  layer u16 | kind u8 | bits u8 | axis u8 | group u16 | rows u32 | cols u16  (13 bytes)
            then the body:
              bits 16:   rows*cols fp16 values, row-major
@@ -15,7 +16,12 @@ Layout (little endian):
                         matrix, each channel's integers rANS-coded under a Gaussian; cols is
                         the channels sent (the trailing all-zero ones are dropped)
 
-``payload_len`` is this formula for sections that are not entropy coded (a coded section is
+The header makes a message decodable alone: ``sink`` says how token 0 is handled (SINKS:
+0 sent like any token, 1 left out of every section and recomputed by the consumer),
+``calibration`` names the calibration whose codes it holds (``Calibration.tag``, 0 for a
+message without codes), and the mode bytes say what the consumer does at each layer
+(MODES: raw, code, patch, recompute; a run of recompute layers starts at its "resid"
+section). ``payload_len`` is this formula for sections that are not entropy coded (a coded section is
 never longer; a transform-coded one has no formula: its length is the data's); tests check it
 against real messages. ``spans`` walks the section headers alone. Kinds say what a section
 holds (KINDS); which rows (with or without token 0) and what the receiver does with them is
@@ -25,15 +31,17 @@ the plan's business (scdviz.scd.plan). This module only (de)serialises.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from scdviz.scd import entropy, quant
 
-MAGIC = b"SCD1"
-HEADER = struct.Struct("<4sIIH")
+MAGIC = b"SCD2"
+HEADER = struct.Struct("<4sIIHBQH")  # then one byte per layer: its mode
+MODES = ("raw", "code", "patch", "recompute")  # a layer's mode byte is its index here
+SINKS = ("send", "recompute")  # the sink byte is its index here
 SECTION = struct.Struct("<HBBBHIH")
 KINDS = {
     "k": 0,  # post-RoPE keys, heads flattened (rows tokens, cols Hkv*D)
@@ -65,12 +73,50 @@ class Section:
 
 
 @dataclass
-class Message:
-    """A decoded payload."""
+class Layout:
+    """What a message says about itself, beside its sections."""
 
     n_tokens: int  # prompt tokens the cache covers
     token0: int  # id of the first token (the consumer recomputes the sink from it)
+    modes: list[str] = field(default_factory=list)  # (L,) one of MODES per layer; empty: no plan
+    sink: str = "send"  # token-0 handling, one of SINKS
+    calibration: int = 0  # Calibration.tag of the codes' calibration; 0: none
+
+    def header(self, n_sections: int) -> bytes:
+        """The header bytes of a message with this layout."""
+        return HEADER.pack(MAGIC, self.n_tokens, self.token0, n_sections, SINKS.index(self.sink), self.calibration,
+                           len(self.modes)) + bytes(MODES.index(m) for m in self.modes)
+
+
+@dataclass
+class Message:
+    """A decoded payload."""
+
+    layout: Layout  # tokens, token 0, modes, sink, calibration
     sections: list[Section]  # data dequantised to float32
+
+    @property
+    def n_tokens(self) -> int:
+        """Prompt tokens the cache covers."""
+        return self.layout.n_tokens
+
+    @property
+    def token0(self) -> int:
+        """Id of the first token."""
+        return self.layout.token0
+
+
+def recompute_runs(modes: list[str]) -> list[tuple[int, int]]:
+    """Maximal runs [start, stop) of consecutive "recompute" layers in ``modes``."""
+    out: list[tuple[int, int]] = []
+    for i, mode in enumerate(modes):
+        if mode != "recompute":
+            continue
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 def section_len(rows: int, cols: int, bits: int, group: int, axis: str) -> int:
@@ -82,14 +128,19 @@ def section_len(rows: int, cols: int, bits: int, group: int, axis: str) -> int:
     return SECTION.size + quant.packed_len(rows * cols, bits) + 4 * quant.n_groups(rows, cols, group, axis)
 
 
-def payload_len(sections: list[Section]) -> int:
-    """Bytes of the message holding these sections (the format's formula)."""
-    return HEADER.size + sum(section_len(*s.data.shape, s.bits, s.group, s.axis) for s in sections)
+def header_len(n_layers: int) -> int:
+    """Bytes of a message's header for a plan of ``n_layers`` layers."""
+    return HEADER.size + n_layers
 
 
-def encode(n_tokens: int, token0: int, sections: list[Section]) -> bytes:
-    """Serialise sections into one payload."""
-    parts = [HEADER.pack(MAGIC, n_tokens, token0, len(sections))]
+def payload_len(sections: list[Section], n_layers: int = 0) -> int:
+    """Bytes of the message holding these sections for a plan of ``n_layers`` layers (the format's formula)."""
+    return header_len(n_layers) + sum(section_len(*s.data.shape, s.bits, s.group, s.axis) for s in sections)
+
+
+def encode(layout: Layout, sections: list[Section]) -> bytes:
+    """Serialise sections into one payload with ``layout``'s header."""
+    parts = [layout.header(len(sections))]
     for s in sections:
         rows, cols = s.data.shape
         if s.bits == 0:
@@ -103,7 +154,7 @@ def encode(n_tokens: int, token0: int, sections: list[Section]) -> bytes:
             parts.append(s.data.detach().to(torch.float16).cpu().contiguous().numpy().tobytes())
             continue
         q, lo, step = quant.quantize_ints(s.data.detach().cpu(), s.bits, s.group, s.axis)
-        blob = quant._pack(q, s.bits)
+        blob = quant.pack(q, s.bits)
         coded = entropy.encode(q, s.bits, len(blob)) if s.coded else None
         axis = AXIS_CODES[s.axis] | (CODED if coded is not None else 0)
         parts.append(SECTION.pack(s.layer, KINDS[s.kind], s.bits, axis, s.group, rows, cols))
@@ -133,15 +184,31 @@ class Span:
         return SECTION.size + self.end - self.start
 
 
-def spans(payload: bytes) -> tuple[int, int, list[Span]]:
-    """(n_tokens, token0, the sections' spans) of a payload, without decoding any body;
-    ValueError on a foreign or truncated message."""
+def layout(payload: bytes) -> tuple[Layout, int, int]:
+    """(the header's layout, its section count, the header's length); ValueError on a foreign,
+    older-format or truncated message."""
+    if len(payload) >= 4 and payload[:3] == MAGIC[:3] and payload[:4] != MAGIC:
+        raise ValueError(f"an SCD payload of format {payload[3:4].decode(errors='replace')}; this scdviz reads format "
+                         f"{MAGIC[3:].decode()} (its header says how each layer was sent): encode it again")
     if len(payload) < HEADER.size or payload[:4] != MAGIC:
         raise ValueError("not an SCD payload (bad magic)")
-    _, n_tokens, token0, n_sections = HEADER.unpack_from(payload, 0)
+    _, n_tokens, token0, n_sections, sink, calibration, n_layers = HEADER.unpack_from(payload, 0)
+    modes = payload[HEADER.size : HEADER.size + n_layers]
+    if len(modes) < n_layers:
+        raise ValueError("truncated SCD payload")
+    if sink >= len(SINKS) or any(m >= len(MODES) for m in modes):
+        raise ValueError("damaged SCD payload header (unknown sink or layer mode)")
+    return (Layout(n_tokens, token0, [MODES[m] for m in modes], SINKS[sink], calibration), n_sections,
+            HEADER.size + n_layers)
+
+
+def spans(payload: bytes) -> tuple[Layout, list[Span]]:
+    """(the header's layout, the sections' spans) of a payload, without decoding any body;
+    ValueError on a foreign or truncated message."""
+    head, n_sections, pos = layout(payload)
     kinds = {v: k for k, v in KINDS.items()}
     axes = {v: k for k, v in AXIS_CODES.items()}
-    pos, out = HEADER.size, []
+    out = []
     for _ in range(n_sections):
         if pos + SECTION.size > len(payload):
             raise ValueError("truncated SCD payload")
@@ -159,12 +226,12 @@ def spans(payload: bytes) -> tuple[int, int, list[Span]]:
             raise ValueError("truncated SCD payload")
         out.append(Span(layer, kinds[kind], bits, axis, group, rows, cols, coded, start, end, ints))
         pos = end
-    return n_tokens, token0, out
+    return head, out
 
 
 def decode(payload: bytes) -> Message:
     """Parse a payload; ValueError on a foreign or truncated message."""
-    n_tokens, token0, found = spans(payload)
+    head, found = spans(payload)
     sections = []
     for sp in found:
         body = payload[sp.start : sp.end]
@@ -176,7 +243,7 @@ def decode(payload: bytes) -> Message:
         n = quant.n_groups(sp.rows, sp.cols, sp.group, sp.axis) if sp.bits < 16 else 0
         data, noise = _body(body, sp.rows, sp.cols, sp.bits, sp.group, sp.axis, sp.ints, n, sp.coded)
         sections.append(Section(sp.layer, sp.kind, data, sp.bits, sp.group, sp.axis, sp.coded, noise=noise))
-    return Message(n_tokens, token0, sections)
+    return Message(head, sections)
 
 
 def _ints_len(body: bytes, rows: int, cols: int, bits: int, coded: bool) -> int:
@@ -196,6 +263,6 @@ def _body(body: bytes, rows: int, cols: int, bits: int, group: int, axis: str, i
         return torch.frombuffer(bytearray(body), dtype=torch.float16).float().reshape(rows, cols), None
     lo = torch.frombuffer(bytearray(body[ints : ints + 2 * n]), dtype=torch.float16)
     step = torch.frombuffer(bytearray(body[ints + 2 * n :]), dtype=torch.float16)
-    q = entropy.decode(body[:ints], bits, rows * cols) if coded else quant._unpack(body[:ints], bits, rows * cols)
+    q = entropy.decode(body[:ints], bits, rows * cols) if coded else quant.unpack(body[:ints], bits, rows * cols)
     return (quant.dequantize_ints(q, lo, step, (rows, cols), group, axis),
             quant.error_variance(step, (rows, cols), group, axis))

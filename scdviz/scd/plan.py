@@ -32,11 +32,10 @@ from scdviz.scd import payload
 from scdviz.scd.rrr import allocate_ranks
 
 if TYPE_CHECKING:
-    from scdviz.scd.calibrate import Calibration
-    from scdviz.scd.rate import RateCurves
+    from scdviz.scd.calibration import Calibration, RateCurves
 
-MODES = ("raw", "code", "patch", "recompute")
-SINKS = ("send", "recompute")
+MODES = payload.MODES  # layer modes, as the payload header writes them
+SINKS = payload.SINKS  # token-0 handling
 CODE_BITS = (2, 3, 4, 8, 16)  # code precisions: packed integers (scdviz.scd.quant.BITS) or fp16
 
 
@@ -92,13 +91,7 @@ class Plan:
 
     def runs(self) -> list[tuple[int, int]]:
         """Maximal runs [start, stop) of consecutive recompute layers."""
-        out: list[tuple[int, int]] = []
-        for i in self.layers_in("recompute"):
-            if out and out[-1][1] == i:
-                out[-1] = (out[-1][0], i + 1)
-            else:
-                out.append((i, i + 1))
-        return out
+        return payload.recompute_runs(self.modes)
 
 
 SENT = " (token 0 sent)"  # label suffix of a plan that sends the producer's token 0
@@ -315,7 +308,7 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     p_cost = torch.tensor([[payload.section_len(rows, d, b, g, "channel") for b in bits] for d in curves.patch_dims], **f64)
     p_dist = torch.stack([curves.sens_k.double()[curves.patch_layers], curves.sens_v.double()[curves.patch_layers]], 1)
     p_dist = (curves.patch_err.double() * p_dist[:, None, :]).sum(2) if curves.patch_layers else p_cost * 0
-    allowed = budget_bytes * n_tokens - payload.HEADER.size
+    allowed = budget_bytes * n_tokens - payload.header_len(curves.n_layers)
 
     def choose(lam: float) -> dict:
         pick = {kind: (dist[kind] + lam * cost).argmin(1) for kind in ("k", "v")}
@@ -339,7 +332,7 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     lo, hi = -30.0, 6.0  # log10 λ
     choice = choose(10**hi)
     if spent(choice) > allowed:
-        least = (spent(choice) + payload.HEADER.size) / n_tokens
+        least = (spent(choice) + payload.header_len(curves.n_layers)) / n_tokens
         raise ValueError(f"a budget of {budget_bytes:g} B/token is below the smallest SCD payload for {n_tokens} tokens "
                          f"({least:.0f} B/token)")
     for _ in range(60):
@@ -363,7 +356,7 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     )
     predicted = sum(float(p_dist[curves.patch_layers.index(i), choice["patch"][i]]) if i in choice["patch"]
                     else float(dist["k"][i, choice["k"][i]] + dist["v"][i, choice["v"][i]]) for i in range(n))
-    return plan, {"predicted_kl": predicted, "bytes_per_token": (spent(choice) + payload.HEADER.size) / n_tokens,
+    return plan, {"predicted_kl": predicted, "bytes_per_token": (spent(choice) + payload.header_len(curves.n_layers)) / n_tokens,
                   "lambda": 10**hi}
 
 

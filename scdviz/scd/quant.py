@@ -62,12 +62,12 @@ def quantize_ints(x: Tensor, bits: int, group: int, axis: str) -> tuple[Tensor, 
 def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor, Tensor]:
     """x (rows, cols) -> (packed codes, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
     q, lo, step = quantize_ints(x, bits, group, axis)
-    return _pack(q, bits), lo, step
+    return pack(q, bits), lo, step
 
 
 def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bits: int, group: int, axis: str) -> Tensor:
     """Inverse of ``quantize`` up to rounding: (rows, cols) float32."""
-    return dequantize_ints(_unpack(blob, bits, shape[0] * shape[1]), lo, step, shape, group, axis)
+    return dequantize_ints(unpack(blob, bits, shape[0] * shape[1]), lo, step, shape, group, axis)
 
 
 def dequantize_ints(q: Tensor, lo: Tensor, step: Tensor, shape: tuple[int, int], group: int, axis: str) -> Tensor:
@@ -101,7 +101,7 @@ def error_variance(step: Tensor, shape: tuple[int, int], group: int, axis: str) 
 BITS = (2, 3, 4, 8)  # integer widths the packer writes (16 = fp16 is the payload's business)
 
 
-def _pack(q: Tensor, bits: int) -> bytes:
+def pack(q: Tensor, bits: int) -> bytes:
     """uint8 values < 2**bits -> bytes: each value's bits least significant first, values back to
     back (bits 8: the bytes as is; bits 4: low nibble first; bits 2: four per byte; bits 3: eight
     values in three bytes)."""
@@ -119,7 +119,7 @@ def _pack(q: Tensor, bits: int) -> bytes:
     return out[: -(-n * bits // 8)].tobytes()
 
 
-def _unpack(blob: bytes, bits: int, n: int) -> Tensor:
+def unpack(blob: bytes, bits: int, n: int) -> Tensor:
     raw = np.frombuffer(blob, dtype=np.uint8)
     if bits == 8:
         return torch.from_numpy(raw[:n].copy())

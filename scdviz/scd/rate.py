@@ -18,7 +18,6 @@ the same before and after it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,34 +25,12 @@ from tqdm.auto import tqdm
 
 from scdviz import metrics
 from scdviz.models import hf
+from scdviz.scd import calibration, quant, transfer
 from scdviz.scd import plan as plans
-from scdviz.scd import quant, transfer
+from scdviz.scd.calibration import RateCurves
 
 BITS = plans.CODE_BITS  # precisions measured (16 = fp16)
 HOST64 = dict(dtype=torch.float64, device=hf.HOST)  # curves are host-side statistics, like the codes
-RATE_TENSORS = ("err_k", "err_v", "patch_err", "sens_k", "sens_v")  # stored in the calibration file as rd.<name>
-RATE_META = ("bits", "patch_layers", "patch_dims", "group", "n_windows", "seconds")  # stored in its header
-
-
-@dataclass
-class RateCurves:
-    """Per-layer error curves and sensitivities of one calibration (see the module docstring)."""
-
-    bits: list[int]  # code precisions, the second axis of the error tensors
-    err_k: Tensor  # (L, n_bits, r_max + 1) relative key error at rank r
-    err_v: Tensor  # (L, n_bits, r_max + 1) relative value error at rank r
-    patch_layers: list[int]  # layers that can be patches (the calibration's patch order)
-    patch_err: Tensor  # (P, n_bits, 2) relative key, value error of each patch layer
-    patch_dims: list[int]  # (P,) width of each patch code (rank_h)
-    sens_k: Tensor  # (L,) KL per unit of relative key error, measured
-    sens_v: Tensor  # (L,) KL per unit of relative value error, measured
-    group: int  # tokens per quantisation group of the codes
-    n_windows: int  # calibration windows measured
-    seconds: float  # time to measure
-
-    @property
-    def n_layers(self) -> int:
-        return int(self.err_k.shape[0])
 
 
 def _quantised(z: Tensor, bits: int, group: int) -> Tensor:
@@ -92,9 +69,7 @@ def _centred_energy(ys: list[Tensor]) -> float:
 
 def calibration_windows(pair, calib, n_windows: int) -> list[list[int]]:
     """``n_windows`` of the calibration's selection windows (its text, never its fit windows), spread over its domains."""
-    from scdviz.scd.calibrate import _windows  # the same windows the calibration drew
-
-    select = _windows(pair, calib.config)[2]
+    select = calibration.windows(pair, calib.config)[2]  # the same windows the calibration drew
     step = max(1, len(select) // max(1, n_windows))
     return select[::step][:n_windows]
 
@@ -117,10 +92,10 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
         cos, sin = hf.rope(pair.consumer, torch.arange(case.state.ids.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0))
         for layer in range(n):  # the consumer's own rows, from the oracle's cache (pre-RoPE keys: rotated back)
             rows["kp"][layer].append(case.state.keys_pre[layer][1:])
-            rows["kc"][layer].append(transfer._flat(hf.unrotate(oracle_k[layer], cos, sin))[1:].float().cpu())
+            rows["kc"][layer].append(transfer.flat(hf.unrotate(oracle_k[layer], cos, sin))[1:].float().cpu())
             rows["vp"][layer].append(case.state.values[layer][1:])
-            rows["vc"][layer].append(transfer._flat(oracle_v[layer])[1:].float().cpu())
-        got_k, got_v = hf.cache_kv(transfer.receive(pair.consumer, transfer.build_payload(case.state, base, calib), base, calib).cache)
+            rows["vc"][layer].append(transfer.flat(oracle_v[layer])[1:].float().cpu())
+        got_k, got_v = hf.cache_kv(transfer.transferred(pair.consumer, case.state, base, calib))
         start = case.state.ids.shape[1]
         for layer in range(n):
             for which, got, kl, sse in ((0, got_k, kl_k, sse_k), (1, got_v, kl_v, sse_v)):

@@ -86,7 +86,7 @@ def _one_length(model, shape, t, g, device, dtype, n_timed, reps, warmup, rk, rv
 
     sections = [payload.Section(0, "k_code", torch.randn(t - 1, rk, generator=g), bits, 64),
                 payload.Section(0, "v_code", torch.randn(t - 1, rv, generator=g), bits, 64)]
-    blob = payload.encode(t, 0, sections)
+    blob = payload.encode(payload.Layout(t, 0), sections)
     with torch.no_grad():
         oracle = _median_seconds(lambda: hf.decoder_cache(model, ids), device, reps, warmup) * scale
         token0 = _median_seconds(lambda: hf.decoder_cache(model, ids[:, :1]), device, reps, warmup) * scale

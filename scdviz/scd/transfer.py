@@ -22,7 +22,7 @@ from torch import Tensor
 from scdviz import data
 from scdviz.models import hf
 from scdviz.scd import entropy, payload
-from scdviz.scd.payload import Section
+from scdviz.scd.payload import Layout, Section
 from scdviz.scd.plan import Plan
 
 
@@ -80,12 +80,12 @@ class PlanRun:
     spans: list = field(default_factory=list)  # scdviz.scd.payload.Span of every section of the payload
 
 
-def _flat(x: Tensor) -> Tensor:
+def flat(x: Tensor) -> Tensor:
     """(1, Hkv, T, D) -> (T, Hkv*D)."""
     return x[0].transpose(0, 1).reshape(x.shape[2], -1)
 
 
-def _heads(x: Tensor, n_kv: int) -> Tensor:
+def heads(x: Tensor, n_kv: int) -> Tensor:
     """(T, Hkv*D) -> (1, Hkv, T, D)."""
     return x.reshape(x.shape[0], n_kv, -1).transpose(0, 1).unsqueeze(0)
 
@@ -98,9 +98,9 @@ def producer_state(model, prefix: Tensor) -> ProducerState:
     cpu = lambda t: t.detach().float().cpu()  # noqa: E731  (codes and aligners live on the CPU)
     return ProducerState(
         ids=prefix.cpu(),
-        keys_pre=[cpu(_flat(k)) for k in tr.keys_pre],
-        keys=[cpu(_flat(k)) for k in tr.keys],
-        values=[cpu(_flat(v)) for v in tr.values],
+        keys_pre=[cpu(flat(k)) for k in tr.keys_pre],
+        keys=[cpu(flat(k)) for k in tr.keys],
+        values=[cpu(flat(v)) for v in tr.values],
         h_in=[cpu(h[0]) for h in tr.h_in],
         resid=[cpu(r[0]) for r in tr.resid],
         seconds=seconds,
@@ -132,17 +132,20 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
     for start, _ in plan.runs():
         sections.append(Section(start, "resid", state.resid[start]))
     n_tokens = state.ids.shape[1]
+    uses_codes = any(m in ("code", "patch") for m in plan.modes)
+    head = Layout(n_tokens, int(state.ids[0, 0]), list(plan.modes), plan.sink, calib.tag if uses_codes else 0)
     if plan.rate_target:
-        return _rate_controlled(n_tokens, int(state.ids[0, 0]), sections, int(plan.rate_target * n_tokens))
-    return payload.encode(n_tokens, int(state.ids[0, 0]), sections)
+        return _rate_controlled(head, sections, int(plan.rate_target * n_tokens))
+    return payload.encode(head, sections)
 
 
-def _rate_controlled(n_tokens: int, token0: int, sections: list[Section], allowed: int) -> bytes:
+def _rate_controlled(head: Layout, sections: list[Section], allowed: int) -> bytes:
     """The payload with every transform-coded section's relative step scaled by one factor whose
     real length is at most ``allowed`` bytes: the finest scale the coder's estimate puts 0.4–0.6%
     under it (``entropy.fit_scale``), then coarser by 1% steps until the real message fits."""
     coded = [s for s in sections if s.bits == 0]
-    fixed = payload.payload_len([s for s in sections if s.bits != 0])
+    n_tokens = head.n_tokens
+    fixed = payload.payload_len([s for s in sections if s.bits != 0], len(head.modes))
     rel = [s.step for s in coded]
     least = fixed + len(coded) * (payload.SECTION.size + entropy.EMPTY_LEN)  # every coded section all zero
     if least > allowed:
@@ -153,16 +156,28 @@ def _rate_controlled(n_tokens: int, token0: int, sections: list[Section], allowe
     while True:
         for s, r in zip(coded, rel):
             s.step = scale * r
-        blob = payload.encode(n_tokens, token0, sections)
+        blob = payload.encode(head, sections)
         if len(blob) <= allowed:
             return blob
         scale *= 1.01
 
 
-def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
-    """Build the consumer's cache from a payload, timing the consumer's compute."""
+def receive(model, blob: bytes, calib=None) -> Received:
+    """Build the consumer's cache from a payload, timing the consumer's compute.
+
+    The payload's header says what to do at each layer and with token 0; ``calib`` (the
+    calibration the header names) decodes its REUSE and PATCH codes. ValueError for a
+    message with codes and no calibration, or codes of another calibration.
+    """
     t0 = time.perf_counter()
     msg = payload.decode(blob)
+    head = msg.layout
+    if head.calibration and calib is None:
+        raise ValueError("this payload holds SCD codes: decode it with the calibration that made them")
+    if head.calibration and head.calibration != calib.tag:
+        raise ValueError(f"this payload was coded with calibration {head.calibration:016x}, not with the given "
+                         f"{calib.tag:016x} ({calib.identity.get('consumer_source')!r}): use the sender's calibration")
+    modes = head.modes
     n_kv = hf.attn_heads(model)[1]
     param = next(model.parameters())
     by = {(s.layer, s.kind): s.data for s in msg.sections}  # float32, CPU
@@ -171,35 +186,40 @@ def receive(model, blob: bytes, plan: Plan, calib=None) -> Received:
     def dev(t: Tensor) -> Tensor:
         return t.to(device=param.device, dtype=param.dtype)
 
-    skip = 1 if plan.sink == "recompute" else 0
+    skip = 1 if head.sink == "recompute" else 0
     positions = torch.arange(skip, msg.n_tokens, device=hf.device_of(model)).unsqueeze(0)
     cos, sin = hf.rope(model, positions)
-    keys: list[Tensor | None] = [None] * len(plan.modes)
-    values: list[Tensor | None] = [None] * len(plan.modes)
-    for layer, mode in enumerate(plan.modes):
+    keys: list[Tensor | None] = [None] * len(modes)
+    values: list[Tensor | None] = [None] * len(modes)
+    for layer, mode in enumerate(modes):
         if mode == "raw":
             k, v = by[layer, "k"], by[layer, "v"]
             if (layer, "k_recent") in by:
                 k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
-            keys[layer], values[layer] = _heads(dev(k), n_kv), _heads(dev(v), n_kv)
+            keys[layer], values[layer] = heads(dev(k), n_kv), heads(dev(v), n_kv)
         elif mode == "code":
             noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None else noise_of[layer, kind]
                           for kind in ("k_code", "v_code"))
             k_pre, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
                                     calib.value_codes[layer].decode(by[layer, "v_code"]), noise)
-            keys[layer] = hf.rotate(_heads(dev(k_pre), n_kv), cos, sin)
-            values[layer] = _heads(dev(v), n_kv)
+            keys[layer] = hf.rotate(heads(dev(k_pre), n_kv), cos, sin)
+            values[layer] = heads(dev(v), n_kv)
         elif mode == "patch":
             h = dev(calib.patch_for(layer).decode(by[layer, "h_code"]))
             keys[layer], values[layer] = hf.kv_from_hin(model, layer, h.unsqueeze(0), positions)
     all_positions = torch.arange(msg.n_tokens, device=hf.device_of(model)).unsqueeze(0)
-    for start, stop in plan.runs():
+    for start, stop in payload.recompute_runs(modes):
         _, ks, vs = hf.run_layers(model, dev(by[start, "resid"]).unsqueeze(0), all_positions, start, stop)
         keys[start:stop], values[start:stop] = ks, vs
-    if plan.sink == "recompute":
+    if head.sink == "recompute":
         _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
     cache = hf.make_cache(model, keys, values)
     return Received(cache, time.perf_counter() - t0)
+
+
+def transferred(model, state: ProducerState, plan: Plan, calib=None):
+    """The consumer's cache after ``state`` went through ``plan``'s payload (no timing kept)."""
+    return receive(model, build_payload(state, plan, calib), calib).cache
 
 
 def _put_own_sink(model, token0: int, n_tokens: int, keys: list[Tensor], values: list[Tensor]) -> None:
@@ -226,12 +246,12 @@ def prepare_case(producer, consumer, window: list[int], cont_len: int) -> Case:
     t0 = time.perf_counter()
     cache = hf.decoder_cache(consumer, prefix)
     prefill = time.perf_counter() - t0
-    step = _first_step_seconds(consumer, cache, fed, prefix.shape[1])
+    step = first_step_seconds(consumer, cache, fed, prefix.shape[1])
     logits, resid = continuation(consumer, cache, fed, prefix.shape[1])
     return Case(state, fed, targets, logits, resid, cache, prefill, step)
 
 
-def _first_step_seconds(model, cache, fed: Tensor, start: int) -> float:
+def first_step_seconds(model, cache, fed: Tensor, start: int) -> float:
     """Time of one decode step (the last prompt token) on a copy of the cache."""
     copy = hf.clone_cache(model, cache)
     t0 = time.perf_counter()
@@ -244,7 +264,7 @@ def run_plan(consumer, case: Case, plan: Plan, calib=None) -> PlanRun:
     t0 = time.perf_counter()
     blob = build_payload(case.state, plan, calib)
     encode = time.perf_counter() - t0
-    got = receive(consumer, blob, plan, calib)
+    got = receive(consumer, blob, calib)
     start = case.state.ids.shape[1]
     logits, resid = continuation(consumer, got.cache, case.fed, start)
-    return PlanRun(len(blob), encode, got.seconds + case.step_seconds, got.cache, logits, resid, payload.spans(blob)[2])
+    return PlanRun(len(blob), encode, got.seconds + case.step_seconds, got.cache, logits, resid, payload.spans(blob)[1])

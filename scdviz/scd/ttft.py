@@ -32,9 +32,8 @@ from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin, hf
 from scdviz.models.pair import Pair
-from scdviz.scd import calibrate as cal
+from scdviz.scd import calibration, transfer
 from scdviz.scd import plan as plans
-from scdviz.scd import transfer
 
 BANDWIDTHS = (1.0, 10.0, 100.0)  # Gbit/s
 
@@ -65,7 +64,7 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
-def methods(calib: cal.Calibration, budget: float, n_tokens: int) -> list[plans.Plan]:
+def methods(calib: calibration.Calibration, budget: float, n_tokens: int) -> list[plans.Plan]:
     """The lineup, and at ``budget`` the transform-coded plan and the rate-distortion plan packed and entropy coded."""
     rd = plans.rd_plan(calib.rate, budget, n_tokens)[0] if calib.rate is not None else None
     extra = [] if rd is None else [plans.tc_plan(calib, budget), rd,
@@ -73,11 +72,11 @@ def methods(calib: cal.Calibration, budget: float, n_tokens: int) -> list[plans.
     return [*plans.lineup(calib), *extra]
 
 
-def run(cfg: TtftConfig, pair: Pair, calib: cal.Calibration, progress: bool = True) -> pd.DataFrame:
+def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: bool = True) -> pd.DataFrame:
     """One row per method (oracle first): medians of every timed step and the TTFT columns."""
     if cfg.reps < 1 or cfg.limit < 1:
         raise ValueError("--reps and --limit must be at least 1")
-    name = cal.specialist_name(pair.consumer_source)
+    name = calibration.specialist_name(pair.consumer_source)
     domain = cfg.domain or builtin.training_corpus(name) or (calib.stats.get("domains") or data.corpora())[0]
     windows = data.token_windows(pair.tokenizer, data.passages(data.USER if cfg.texts else domain, "eval", cfg.texts), cfg.prompt_len + 1, cfg.limit)
     if not windows:
@@ -103,14 +102,14 @@ def run(cfg: TtftConfig, pair: Pair, calib: cal.Calibration, progress: bool = Tr
             if item == "oracle":
                 seconds, cache = _timed(hf.decoder_cache, pair.consumer, prefix)
                 timings[item, "prefill"] = seconds
-                timings[item, "first_step"] = transfer._first_step_seconds(pair.consumer, cache, fed, n)
+                timings[item, "first_step"] = transfer.first_step_seconds(pair.consumer, cache, fed, n)
                 continue
             plan = next(p for p in plan_list if p.name == item)
             seconds, blob = _timed(transfer.build_payload, state, plan, calib)
             timings[item, "encode"] = seconds
-            got = transfer.receive(pair.consumer, blob, plan, calib)
+            got = transfer.receive(pair.consumer, blob, calib)
             timings[item, "receive"] = got.seconds
-            timings[item, "first_step"] = transfer._first_step_seconds(pair.consumer, got.cache, fed, n)
+            timings[item, "first_step"] = transfer.first_step_seconds(pair.consumer, got.cache, fed, n)
             sizes[item] = len(blob) / n
         if rnd >= cfg.warmup:
             for key, value in timings.items():

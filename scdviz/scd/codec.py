@@ -1,0 +1,80 @@
+"""SCD's wire API: one object that turns a producer's prefill into bytes and bytes into a consumer's cache.
+
+A ``Codec`` is a plan (what each layer sends: raw K/V, REUSE codes, a PATCH code, or a
+residual to recompute from; scdviz.scd.plan) and the calibration whose codes it uses
+(scdviz.scd.calibration). ``encode`` runs on the producer's side, ``decode`` on the
+consumer's; the bytes between them describe themselves (scdviz.scd.payload: the layer
+modes, the token-0 rule and the calibration's tag travel in the header), so the receiver
+needs only the calibration, never the plan. This is what an engine connector calls
+(docs/serving.md). It evaluates nothing (scdviz.scd.bench does).
+
+Shapes: ``ids`` (1, T) token ids of the prefix whose cache moves; the decoded cache holds T
+positions per layer, (1, Hkv, T, D) keys and values on the consumer's device and dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from scdviz.models import hf
+from scdviz.scd import plan as plans
+from scdviz.scd import transfer
+from scdviz.scd.calibration import Calibration, shipped_folder
+from scdviz.scd.plan import Plan
+from scdviz.scd.transfer import ProducerState
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A plan and its calibration: ``encode(producer, ids) -> bytes``, ``decode(consumer, bytes) -> cache``."""
+
+    plan: Plan  # per-layer decisions (scdviz.scd.plan)
+    calibration: Calibration | None = None  # the codes' calibration; None for plans without codes (raw, 4-bit, recompute)
+
+    def __post_init__(self) -> None:
+        coded = [m for m in self.plan.modes if m in ("code", "patch")]
+        if coded and self.calibration is None:
+            raise ValueError(f"the plan {self.plan.name!r} sends REUSE / PATCH codes: give its calibration")
+        if self.calibration is not None and len(self.plan.modes) != self.calibration.n_layers:
+            raise ValueError(f"the plan has {len(self.plan.modes)} layers, the calibration {self.calibration.n_layers}")
+
+    @classmethod
+    def shipped(cls, pair, patch_k: int | None = None, bits: int | None = None, placement: str = "selected",
+                budget: float | None = None) -> Codec:
+        """The shipped calibration of ``pair``'s consumer (identity-checked) with SCD full's plan:
+        ``patch_k`` PATCH layers in ``placement`` order ("selected" or "drift") and codes at ``bits``
+        (default: the calibration's operating point); or, with ``budget`` (payload bytes/token),
+        transform-coded REUSE codes held to that budget."""
+        calib = Calibration.load(shipped_folder(pair.consumer_source), pair)
+        return cls.of(calib, patch_k=patch_k, bits=bits, placement=placement, budget=budget)
+
+    @classmethod
+    def of(cls, calib: Calibration, patch_k: int | None = None, bits: int | None = None, placement: str = "selected",
+           budget: float | None = None) -> Codec:
+        """SCD full's plan on ``calib`` (see ``shipped``)."""
+        if budget is not None:
+            return cls(plans.tc_plan(calib, budget), calib)
+        return cls(plans.user_plan(calib, patch_k=patch_k, placement=placement, bits=bits), calib)
+
+    @classmethod
+    def raw(cls, n_layers: int, bits: int = 16) -> Codec:
+        """The baseline that sends the producer's own K, V (fp16, or KIVI-style ``bits`` 4 / 8)."""
+        return cls(plans.raw_plan(n_layers, bits=bits))
+
+    def encode(self, producer, ids: Tensor | None = None) -> bytes:
+        """The payload for the prefix ``ids`` (1, T): prefills ``producer`` on it, or takes an
+        already captured ``transfer.ProducerState`` as ``producer`` (then no ``ids``)."""
+        if isinstance(producer, ProducerState):
+            state = producer
+        else:
+            if ids is None or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+                raise ValueError("encode needs ids of shape (1, T) with T >= 2 (one prompt prefix)")
+            state = transfer.producer_state(producer, ids.to(hf.device_of(producer)))
+        return transfer.build_payload(state, self.plan, self.calibration)
+
+    def decode(self, consumer, blob: bytes):
+        """The consumer's DynamicCache over the payload's T tokens (its device and dtype); feed the
+        next token at position T. ValueError for a foreign, damaged or other-calibration payload."""
+        return transfer.receive(consumer, blob, self.calibration).cache
