@@ -48,7 +48,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     choose_threads()
-    gguf = builtin._fetch_gemma_gguf()
+    gguf = builtin.fetch_gemma_gguf()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     theirs = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ours = builtin.gemma_tokenizer(gguf)

@@ -60,7 +60,7 @@ def neighbours(layer: int, width: int, n: int) -> list[int]:
 
 def more_input(pair, calib, name: str) -> None:
     cfg = calib.config
-    windows, folds, _ = cal._windows(pair, cfg)
+    windows, folds, _ = cal.windows(pair, cfg)
     n, n_folds = calib.n_layers, max(folds) + 1
     d = 2 * calib.key_codes[0].dec.shape[1]
     stats = {w: [[RRRStats(d * len(neighbours(i, w, n)), d) for i in range(n)] for _ in range(n_folds)] for w in WIDTHS}
@@ -75,7 +75,7 @@ def more_input(pair, calib, name: str) -> None:
     for ridge in RIDGES:
         errs = {}
         for w in WIDTHS:
-            errs[w] = sum(cal._kv_error(stats[w][f][i], *cal._summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
+            errs[w] = sum(cal.kv_error(stats[w][f][i], *cal.summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
                           for i in range(n) for f in range(n_folds)) / (n * n_folds)
         cells = "  ".join(f"layers l±{w}: {e:.4f}" for w, e in errs.items())
         print(f"more input  {name:10s} ridge {ridge:<6g} held-out-domain K/V error  {cells}", flush=True)
@@ -85,8 +85,8 @@ def more_input(pair, calib, name: str) -> None:
 def _channel_rates(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Integers (rows, cols) -> (each channel's scale code as sent, the rate λ per step of the
     zero-mean Laplacian whose rounded integers have that code's mean square)."""
-    codes = entropy._scale_codes(q.to(torch.int32))
-    ms = entropy._stds(codes) ** 2
+    codes = entropy.scale_codes(q.to(torch.int32))
+    ms = entropy.stds(codes) ** 2
     lo, hi = torch.full_like(ms, -12.0), torch.full_like(ms, 6.0)  # bisection on log λ: E[q²] falls as λ grows
     for _ in range(48):
         mid = (lo + hi) / 2
@@ -173,7 +173,7 @@ def _fp16_plan(calib):
 
 
 def floor_and_quantiser(pair, calib, name: str) -> None:
-    select = cal._windows(pair, calib.config)[2]
+    select = cal.windows(pair, calib.config)[2]
     cases = measure.prepare_cases(pair, select, calib.config.cont_len, progress=False)
     value_error(calib, [c.state for c in cases], name)
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
@@ -199,7 +199,7 @@ def floor_and_quantiser(pair, calib, name: str) -> None:
 def eval_floor(pair, calib, name: str) -> None:
     corpus = builtin.training_corpus(name)
     cfg = bench.ScdBenchConfig()  # the bench's defaults: 16 prompts of 256 + 32 tokens
-    cases = measure.prepare_cases(pair, bench._eval_windows(None, cfg, pair, corpus), cfg.cont_len, progress=False)
+    cases = measure.prepare_cases(pair, bench.eval_windows(None, cfg, pair, corpus), cfg.cont_len, progress=False)
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
     rows = [("full-rank codes in fp16", _fp16_plan(calib)),
             ("full-rank codes in int4", plans.full_rank_plan(calib))]
@@ -217,7 +217,7 @@ def main() -> None:
             eval_floor(pair, calib, name)
             continue
         if "--error" in sys.argv:
-            prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in cal._windows(pair, calib.config)[2]]
+            prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in cal.windows(pair, calib.config)[2]]
             value_error(calib, [transfer.producer_state(pair.producer, p) for p in prefixes], name)
             continue
         more_input(pair, calib, name)

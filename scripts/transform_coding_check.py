@@ -34,7 +34,7 @@ BUDGETS = (2304, 3840)
 
 
 def validation(pair, calib, name: str) -> None:
-    select = cal._windows(pair, calib.config)[2]
+    select = cal.windows(pair, calib.config)[2]
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, calib.config.cont_len) for w in select]
     n = cases[0].state.ids.shape[1]
     lineup = [plans.raw_plan(calib.n_layers)]

@@ -735,7 +735,7 @@ def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches
 
 def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_pair, texts):
     calib = cal.calibrate(tiny_pair, small_cfg(texts, gate_patches=False, n_candidates=3, patch_k=3), progress=False)
-    windows = cal._windows(tiny_pair, calib.config)[2]
+    windows = cal.windows(tiny_pair, calib.config)[2]
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, calib.config.cont_len) for w in windows]
     assert len(calib.patch_order) == 3
     for k, want in enumerate(calib.selection_kl):

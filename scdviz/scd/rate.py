@@ -92,9 +92,9 @@ def _centred_energy(ys: list[Tensor]) -> float:
 
 def calibration_windows(pair, calib, n_windows: int) -> list[list[int]]:
     """``n_windows`` of the calibration's selection windows (its text, never its fit windows), spread over its domains."""
-    from scdviz.scd.calibrate import _windows  # the same windows the calibration drew
+    from scdviz.scd.calibrate import windows  # the same windows the calibration drew
 
-    select = _windows(pair, calib.config)[2]
+    select = windows(pair, calib.config)[2]
     step = max(1, len(select) // max(1, n_windows))
     return select[::step][:n_windows]
 
