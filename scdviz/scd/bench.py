@@ -203,7 +203,9 @@ def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: calibration.Calibr
     return [own] if own in data.corpora() else list(calib.stats.get("domains") or data.corpora())
 
 
-def _eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
+def eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
+    """The bench's eval prompts of ``domain``: up to ``cfg.limit`` token windows of
+    ``cfg.prompt_len + cfg.cont_len`` ids each, from its eval split (or from ``texts``, the user's text)."""
     passages = data.passages(domain, "eval", texts)
     windows = data.token_windows(pair.tokenizer, passages, cfg.prompt_len + cfg.cont_len, cfg.limit)
     if not windows:
@@ -237,7 +239,7 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, special
             texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
             used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
                                                            texts=texts, rate_windows=rate_windows), progress)
-        report = bench(pair, used, _eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
+        report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
                        tuple(cfg.budgets), name, progress, budget=cfg.budget, coder=cfg.coder, sink=cfg.sink, sent_rows=cfg.sent_rows,
                        kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy, rank_claim=cfg.rank_claim)
         report.domain = domain

@@ -86,14 +86,15 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
     return _Fits(kv_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
 
 
-def _summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> RRRStats:
-    """Statistics of the folds passing ``keep`` at one layer, added up."""
+def summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> RRRStats:
+    """``stats[fold][layer]`` -> the statistics of the folds passing ``keep`` (fold index -> bool) at
+    ``layer``, added up (one ``RRRStats`` of the same input and output dimensions)."""
     return functools.reduce(operator.add, [f[layer] for i, f in enumerate(stats) if keep(i)])
 
 
 def _lodo_error(stats: list[list[RRRStats]], layer: int, ridge: float, shrink: float) -> float:
     """Mean over folds of the relative error of the full-rank map fitted on the other folds."""
-    errs = [stats[f][layer].heldout_error(*_summed(stats, layer, lambda i, f=f: i != f).full_map(ridge, shrink))
+    errs = [stats[f][layer].heldout_error(*summed(stats, layer, lambda i, f=f: i != f).full_map(ridge, shrink))
             for f in range(len(stats))]
     return sum(errs) / len(errs)
 
@@ -149,9 +150,10 @@ def _refined(mu_x: Tensor, mu_y: Tensor, b: Tensor, code: LinearCode) -> tuple[T
     return mu_x, mu_y + shift, b + b @ enc @ dec
 
 
-def _kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
+def kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
     """Mean of the relative key error and the relative value error of a joint map on THESE rows
-    (outputs [K, V]; its input may be any rows)."""
+    (outputs [K, V]; its input may be any rows): ``st`` holds (d_in -> 2 d) statistics, ``mu_x`` (d_in,),
+    ``mu_y`` (2 d,) and ``b`` (d_in, 2 d), keys in the first d output columns, values in the last d."""
     d = st.sy.numel() // 2
     return sum(st.block(slice(None), h).heldout_error(mu_x, mu_y[h], b[:, h])
                for h in (slice(0, d), slice(d, 2 * d))) / 2
@@ -172,13 +174,13 @@ def choose_joint(fits: _Fits, shrinks: dict, cfg: CalibConfig) -> dict:
         highest-rank fit (the same as fitting them: RRR keeps the leading directions)."""
         errs = dict.fromkeys(grid, 0.0)
         for f in range(n_folds):
-            train = _summed(fits.kv_stats, layer, lambda i, f=f: i != f)
+            train = summed(fits.kv_stats, layer, lambda i, f=f: i != f)
             mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], None, 0)
-            errs[None, None] += _kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b) / n_folds
+            errs[None, None] += kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b) / n_folds
             for beta in cfg.joint_shrink_grid if any(ranks) else ():
                 code = train.residual_of(mu_x, b, mu_y).fit(cfg.ridge + beta, max(ranks))
                 for r in filter(None, ranks):
-                    errs[r, beta] += _kv_error(fits.kv_stats[f][layer], *_refined(mu_x, mu_y, b, code.truncated(r))) / n_folds
+                    errs[r, beta] += kv_error(fits.kv_stats[f][layer], *_refined(mu_x, mu_y, b, code.truncated(r))) / n_folds
         return errs
 
     by_layer = [lodo(layer) for layer in range(n)]
@@ -228,7 +230,7 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
             mlp_sse += sse(fit_patch(layer, train[0], train[1], kv_weight, cfg.rank_h, cfg.aligner_hidden, cfg.aligner_steps,
                                      seed=cfg.seed, shrink=best, ridge=cfg.ridge), held)
         _, _, kp, kc, vp, vc = held
-        mu_x, mu_y, b, _ = joint_map(_summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
+        mu_x, mu_y, b, _ = joint_map(summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
                                      shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], refine[1], refine[0] or 0)
         code_sse += float((((torch.cat([kp, vp], 1).double() - mu_x) @ b + mu_y - torch.cat([kc, vc], 1).double()) ** 2).sum())
     use_mlp = bool(cfg.aligner_steps) and mlp_sse < lodo[best]
@@ -303,12 +305,12 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     windows, folds, select = calibration.windows(pair, cfg)
     fits = _prefills(pair, windows, folds, cfg, progress)
     shrinks = choose_shrink(fits, cfg)
-    total_k = [_summed(fits.k_stats, layer) for layer in range(len(fits.drift_k))]
-    total_v = [_summed(fits.v_stats, layer) for layer in range(len(fits.drift_k))]
+    total_k = [summed(fits.k_stats, layer) for layer in range(len(fits.drift_k))]
+    total_v = [summed(fits.v_stats, layer) for layer in range(len(fits.drift_k))]
     key_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_k, shrinks["shrink_k"])]
     value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
     joint = choose_joint(fits, shrinks, cfg)
-    refinements = [None if beta is None else joint_map(_summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
+    refinements = [None if beta is None else joint_map(summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
                                                        shrinks["shrink_v"][layer], beta, joint["rank"])[3]
                    for layer, beta in enumerate(joint["layers"])]
     t_fit = time.perf_counter() - t0

@@ -101,7 +101,7 @@ LIMIT = 2**15 - 1  # integers are clamped to ±LIMIT (the model's alphabet)
 EMPTY_LEN = _TC.size  # bytes of a transform-coded body whose integers are all zero (no channel sent)
 
 
-def _scale_codes(q: Tensor) -> Tensor:
+def scale_codes(q: Tensor) -> Tensor:
     """(..., rows, cols) integers -> (..., cols) uint8 log-scale code of each channel's RMS about
     the model's zero mean (0: the channel is all zero)."""
     sd = q.double().pow(2).mean(-2).sqrt().clamp_min(0.1)
@@ -109,8 +109,9 @@ def _scale_codes(q: Tensor) -> Tensor:
     return torch.where((q != 0).any(-2), code, torch.zeros_like(code)).to(torch.uint8)
 
 
-def _stds(codes: Tensor) -> Tensor:
-    """Standard deviations the coder uses, from their byte codes (same on both sides)."""
+def stds(codes: Tensor) -> Tensor:
+    """(...) uint8 byte codes of ``scale_codes`` -> (...) float64 standard deviations (in steps) the
+    coder uses, the same on both sides (code 0, an all-zero channel, gives 2**-16)."""
     return torch.pow(2.0, (codes.double() - 128) / 8)
 
 
@@ -123,11 +124,11 @@ def quantise_uniform(z: Tensor, step: float) -> Tensor:
 
 def _bits(q: Tensor) -> float:
     """Code length in bits of integers q (rows, cols) under the section's model."""
-    codes = _scale_codes(q)
+    codes = scale_codes(q)
     used = codes > 0
     if not used.any():
         return 0.0
-    x, sd = q[:, used].abs().float(), _stds(codes[used]).float()
+    x, sd = q[:, used].abs().float(), stds(codes[used]).float()
     p = torch.special.ndtr((0.5 - x) / sd) - torch.special.ndtr((-0.5 - x) / sd)  # the lower tail: exact in fp32
     return float(-torch.log2(p.clamp_min(2.0**-24)).double().sum())
 
@@ -148,7 +149,7 @@ def _models(used: list[int], peak: int) -> dict[int, object]:
     TABLE_R a parametric quantised Gaussian over ±LIMIT. The same on both sides."""
     import constriction
 
-    sd = _stds(torch.tensor(used, dtype=torch.uint8, device="cpu"))
+    sd = stds(torch.tensor(used, dtype=torch.uint8, device="cpu"))
     if peak > TABLE_R:
         return {c: constriction.stream.model.QuantizedGaussian(-LIMIT, LIMIT, 0.0, float(s)) for c, s in zip(used, sd)}
     x = torch.arange(-peak, peak + 1, dtype=torch.float64, device="cpu")
@@ -166,7 +167,7 @@ def encode_uniform(q: Tensor, step: float) -> bytes:
     """Integers (rows, cols) from ``quantise_uniform`` -> transform-coded body."""
     import constriction
 
-    codes = _scale_codes(q)
+    codes = scale_codes(q)
     peak = int(q.abs().max()) if q.numel() else 0
     shift = 0 if peak > TABLE_R else peak
     coder = constriction.stream.stack.AnsCoder()

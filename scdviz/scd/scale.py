@@ -9,7 +9,7 @@ steps: token 0 recomputed (a 1-token forward), every layer's key and value codes
 implementation's payload parsing (on the CPU: unpack and dequantise one layer's code sections,
 times the depth). Link time at 1, 10 and 100 Gbit/s for a payload of ``fraction`` of the fp16
 KV bytes. Medians of ``reps`` timings after ``warmup`` (CUDA synchronised). The GPU check
-(scripts/gpu_check.py --timing) runs this; on CPU it only checks the code path.
+(python -m research.gpu_check --timing) runs this; on CPU it only checks the code path.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch, here, the wheels the GPU machine lacks for scripts/gpu_check.py (kvpress and what it
+# Fetch, here, the wheels the GPU machine lacks for research/gpu_check.py (kvpress and what it
 # imports; fire 0.7.1: 0.6 has no wheel), for its Python 3.12, into .whl/ (ignored by git; carried with `carry: [".whl"]`).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,11 +9,11 @@ model with random bf16 weights, 1k and 4k-token prompts (scdviz.scd.scale). Need
 no model download; on the lent H200 machine the tests take about a minute (the timing part has not
 run on a GPU yet).
 
-On the device machine (it lacks kvpress and its imports; carry them, see scripts/gpu_wheels.sh):
+On the device machine (it lacks kvpress and its imports; carry them, see research/gpu_wheels.sh):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    python3 scripts/gpu_check.py --out $OUT/gpu_check.json
+    python3 -m research.gpu_check --out $OUT/gpu_check.json
 
 Exit status 0 when every test passed, 1 otherwise; 2 when no CUDA device is visible.
 """
@@ -45,7 +45,7 @@ class _Collect:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m research.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON report (default: %(default)s)")
     parser.add_argument("--device", default="cuda", help="torch device for the tiny models (default: %(default)s)")
     parser.add_argument("--timing", default="Mistral-7B,Qwen-32B",
@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ["SCDVIZ_TEST_DEVICE"] = args.device
     os.chdir(REPO)
-    sys.path.insert(0, str(REPO))
     collect = _Collect()
     t0 = time.perf_counter()
     code = pytest.main(["-q", "-p", "no:cacheprovider", *TESTS], plugins=[collect])

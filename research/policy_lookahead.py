@@ -1,6 +1,6 @@
 """Does the lookahead feature carry the foresight signal? Measured on validation only.
 
-    SCDVIZ_THREADS=1 python scripts/policy_lookahead.py [--per-domain 4] [--question 16] [--tokens 16 40]
+    SCDVIZ_THREADS=1 python -m research.policy_lookahead [--per-domain 4] [--question 16] [--tokens 16 40]
                           [--samples 4 8] [--policies FILE ...] [--out F.json]
 
 On the calib (validation) split of all six shipped domains (``--per-domain`` windows each:
@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from kvpress import ObservedAttentionPress
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import data, metrics  # noqa: E402
-from scdviz.evict import features as F  # noqa: E402
-from scdviz.evict import trainer  # noqa: E402
-from scdviz.evict.context import observe  # noqa: E402
-from scdviz.evict.policy import Policy, lookahead_prior  # noqa: E402
-from scdviz.models import hf  # noqa: E402
-from scdviz.models.pair import choose_threads, load_model  # noqa: E402
+from scdviz import data, metrics
+from scdviz.evict import features as F
+from scdviz.evict import trainer
+from scdviz.evict.context import observe
+from scdviz.evict.policy import Policy, lookahead_prior
+from scdviz.models import hf
+from scdviz.models.pair import choose_threads, load_model
 
 DOMAINS = ("jargon", "bible", "austen", "gcide", "handbook", "manpages")
 CONTEXT, CONT = 512, 24
@@ -74,15 +72,15 @@ def prepare(model, tokenizer, per_domain: int, question: int,
     return samples
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m research.policy_lookahead", description=__doc__.splitlines()[0])
     ap.add_argument("--per-domain", type=int, default=4, help="validation windows per domain")
     ap.add_argument("--question", type=int, default=16, help="unscored tokens between context and scored tail")
     ap.add_argument("--tokens", nargs="+", type=int, default=[16], help="G values of the lookahead")
     ap.add_argument("--samples", nargs="+", type=int, default=[4], help="K values of the lookahead")
     ap.add_argument("--policies", nargs="*", default=[], help="policy files to score beside the heuristics")
     ap.add_argument("--out", default=None, help="write every per-context KL (JSON) here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     choose_threads()
     model, tokenizer = load_model("builtin:smollm2-135m")
     policies = {f"policy {Path(p).parent.name}/{Path(p).name}": Policy.load(p).to(hf.device_of(model))

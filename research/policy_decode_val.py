@@ -2,7 +2,7 @@
 shipped policies' validation contexts (6 contexts of the jargon and bible calib splits, 512
 tokens + 24 teacher-forced, kept 25 % and 12.5 %, a cut every 4 decoded tokens).
 
-    SCDVIZ_THREADS=2 python scripts/policy_decode_val.py [POLICY_FILE ...]
+    SCDVIZ_THREADS=2 python -m research.policy_decode_val [POLICY_FILE ...]
 
 Default: the shipped per-head W = 64 policy and the sequential-REINFORCE checkpoint beside it;
 H2O's scores held the same way are printed for reference (``val_heuristic_decode``).
@@ -11,17 +11,15 @@ H2O's scores held the same way are printed for reference (``val_heuristic_decode
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import settings  # noqa: E402
+from scdviz import settings
 
 DEFAULT = [settings.ASSETS_DIR / "policy" / "per_head_w64" / "best.safetensors",
            settings.ASSETS_DIR / "policy" / "sequential_w64" / "policy.safetensors"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from kvpress import ObservedAttentionPress
 
     from scdviz import metrics
@@ -30,9 +28,9 @@ def main() -> None:
     from scdviz.evict.press import DistillCachePress
     from scdviz.models.pair import choose_threads, load_model
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m research.policy_decode_val", description=__doc__.splitlines()[0])
     parser.add_argument("policies", nargs="*", default=[str(p) for p in DEFAULT], help="per-head policy files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     choose_threads()
     model, tokenizer = load_model("builtin:smollm2-135m")
     cfg = trainer.TrainConfig(val_contexts=6, policy=PolicyConfig(per_head=True, window=64))

@@ -1,7 +1,7 @@
 """Paired comparison of two `bench scd` records of the same prompts: per method both hold,
 KL of the second relative to the first with a paired-bootstrap interval over prompts.
 
-    python scripts/compare_records.py OLD.json NEW.json [--methods NAME ...]
+    python -m research.compare_records OLD.json NEW.json [--methods NAME ...]
 
 A record from an earlier commit: `git show REV:assets/scd/NAME/bench.json > old.json`.
 Rows are matched by (specialist, domain, method); rows without per-prompt KL are skipped.
@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import metrics, records  # noqa: E402
+from scdviz import metrics, records
 
 
 def per_prompt(path: str) -> dict[tuple, list[float]]:
@@ -24,7 +22,7 @@ def per_prompt(path: str) -> dict[tuple, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m research.compare_records", description=__doc__.splitlines()[0])
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (default: every shared one)")

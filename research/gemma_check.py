@@ -1,6 +1,6 @@
 """Gemma-3-270m's GGUF in transformers 5.2: perplexity with transformers' own tokenizer vs the rebuilt one.
 
-    SCDVIZ_THREADS=1 python scripts/gemma_check.py
+    SCDVIZ_THREADS=1 python -m research.gemma_check
 
 Four passages of Austen's eval split (about 1,150 characters each, from offsets 0, 30k, 60k
 and 90k), scored by the same model weights (transformers' GGUF loading) under four
@@ -12,16 +12,14 @@ character are printed too. Also greedy text for one prompt under each tokenizer.
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import settings  # noqa: E402
-from scdviz.models import builtin  # noqa: E402
-from scdviz.models.pair import choose_threads  # noqa: E402
+from scdviz import settings
+from scdviz.models import builtin
+from scdviz.models.pair import choose_threads
 
 
 def passages() -> list[str]:
@@ -44,11 +42,12 @@ def score(model, encode, texts: list[str]) -> tuple[float, float, int]:
     return math.exp(nll / n), nll / chars, n
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m research.gemma_check", description=__doc__.splitlines()[0]).parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     choose_threads()
-    gguf = builtin._fetch_gemma_gguf()
+    gguf = builtin.fetch_gemma_gguf()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     theirs = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ours = builtin.gemma_tokenizer(gguf)

@@ -1,9 +1,9 @@
 """Where SCD's KL stops falling: more input for the REUSE maps, and other reconstructions of the coded values.
 
-    python scripts/scd_floor_check.py                 # every built-in specialist
-    python scripts/scd_floor_check.py austen-qkv      # one
-    python scripts/scd_floor_check.py --eval          # part 3 only
-    python scripts/scd_floor_check.py --error         # part 2's squared errors only (no KL run)
+    python -m research.scd_floor_check                 # every built-in specialist
+    python -m research.scd_floor_check austen-qkv      # one
+    python -m research.scd_floor_check --eval          # part 3 only
+    python -m research.scd_floor_check --error         # part 2's squared errors only (no KL run)
 
 Parts 1 and 2 are measured on calibration text (the shipped calibration's fit windows, split by
 domain, and its selection windows), never on eval text: they decide whether an idea is worth
@@ -35,26 +35,17 @@ can be set against what the maps allow at any number of bytes. It chooses nothin
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import data, metrics  # noqa: E402
-from scdviz.models import builtin, hf  # noqa: E402
-from scdviz.models.pair import load_pair  # noqa: E402
-from scdviz.scd import (  # noqa: E402
-    bench,
-    calibration,  # noqa: E402
-    entropy,
-    measure,
-    payload,
-    transfer,
-)
-from scdviz.scd import calibrate as cal  # noqa: E402
-from scdviz.scd import plan as plans  # noqa: E402
-from scdviz.scd.rrr import RRRStats  # noqa: E402
+from scdviz import data, metrics
+from scdviz.models import builtin, hf
+from scdviz.models.pair import load_pair
+from scdviz.scd import bench, calibration, entropy, measure, payload, transfer
+from scdviz.scd import calibrate as cal
+from scdviz.scd import plan as plans
+from scdviz.scd.rrr import RRRStats
 
 WIDTHS = (0, 1, 2)
 RIDGES = (1e-3, 1e-2, 3e-2, 0.1)
@@ -82,7 +73,7 @@ def more_input(pair, calib, name: str) -> None:
     for ridge in RIDGES:
         errs = {}
         for w in WIDTHS:
-            errs[w] = sum(cal._kv_error(stats[w][f][i], *cal._summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
+            errs[w] = sum(cal.kv_error(stats[w][f][i], *cal.summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
                           for i in range(n) for f in range(n_folds)) / (n * n_folds)
         cells = "  ".join(f"layers l±{w}: {e:.4f}" for w, e in errs.items())
         print(f"more input  {name:10s} ridge {ridge:<6g} held-out-domain K/V error  {cells}", flush=True)
@@ -92,8 +83,8 @@ def more_input(pair, calib, name: str) -> None:
 def _channel_rates(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Integers (rows, cols) -> (each channel's scale code as sent, the rate λ per step of the
     zero-mean Laplacian whose rounded integers have that code's mean square)."""
-    codes = entropy._scale_codes(q.to(torch.int32))
-    ms = entropy._stds(codes) ** 2
+    codes = entropy.scale_codes(q.to(torch.int32))
+    ms = entropy.stds(codes) ** 2
     lo, hi = torch.full_like(ms, -12.0), torch.full_like(ms, 6.0)  # bisection on log λ: E[q²] falls as λ grows
     for _ in range(48):
         mid = (lo + hi) / 2
@@ -206,7 +197,7 @@ def floor_and_quantiser(pair, calib, name: str) -> None:
 def eval_floor(pair, calib, name: str) -> None:
     corpus = builtin.training_corpus(name)
     cfg = bench.ScdBenchConfig()  # the bench's defaults: 16 prompts of 256 + 32 tokens
-    cases = measure.prepare_cases(pair, bench._eval_windows(None, cfg, pair, corpus), cfg.cont_len, progress=False)
+    cases = measure.prepare_cases(pair, bench.eval_windows(None, cfg, pair, corpus), cfg.cont_len, progress=False)
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
     rows = [("full-rank codes in fp16", _fp16_plan(calib)),
             ("full-rank codes in int4", plans.full_rank_plan(calib))]
@@ -215,15 +206,23 @@ def eval_floor(pair, calib, name: str) -> None:
     print(f"eval floor  {name:10s} raw KL {_mean(raw):.4f}; {cells} ({len(cases)} eval prompts of {corpus})", flush=True)
 
 
-def main() -> None:
-    names = [a for a in sys.argv[1:] if a in builtin.specialists()] or builtin.specialists()
-    for name in names:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m research.scd_floor_check", description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", metavar="SPECIALIST",
+                    help=f"built-in specialists to check (default: every one: {', '.join(builtin.specialists())})")
+    ap.add_argument("--eval", action="store_true", help="part 3 only: the floor on the specialist's eval split")
+    ap.add_argument("--error", action="store_true", help="part 2's squared errors only (no KL run)")
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.names) - set(builtin.specialists()))
+    if unknown:
+        ap.error(f"no built-in specialist named {', '.join(unknown)}; built in: {', '.join(builtin.specialists())}")
+    for name in args.names or builtin.specialists():
         pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
         calib = calibration.Calibration.load(calibration.shipped_folder(f"builtin:{name}"), pair)
-        if "--eval" in sys.argv:
+        if args.eval:
             eval_floor(pair, calib, name)
             continue
-        if "--error" in sys.argv:
+        if args.error:
             prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in calibration.windows(pair, calib.config)[2]]
             value_error(calib, [transfer.producer_state(pair.producer, p) for p in prefixes], name)
             continue

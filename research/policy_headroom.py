@@ -1,6 +1,6 @@
 """Where a learned eviction policy's signal could come from, measured on validation only.
 
-    SCDVIZ_THREADS=1 python scripts/policy_headroom.py [--out headroom.json]
+    SCDVIZ_THREADS=1 python -m research.policy_headroom [--out headroom.json]
 
 On the shipped policies' own data (16 train contexts of jargon + bible, 6 validation
 contexts from their calib splits, 512 tokens + 24 teacher-forced, kept 25 % and 12.5 %,
@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import data  # noqa: E402
-from scdviz.evict import trainer  # noqa: E402
-from scdviz.evict.policy import keep_count  # noqa: E402
-from scdviz.models import hf  # noqa: E402
-from scdviz.models.pair import choose_threads, load_model  # noqa: E402
+from scdviz import data
+from scdviz.evict import trainer
+from scdviz.evict.policy import keep_count
+from scdviz.models import hf
+from scdviz.models.pair import choose_threads, load_model
 
 STATS = ("alpha, all rows (H2O)", "last row (TOVA-like)", "alpha, last 8 rows", "max over 64 rows", "key norm")
 
@@ -69,10 +66,10 @@ def inputs(sample, extra: bool) -> torch.Tensor:
     return x[..., cols].flatten(0, 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m research.policy_headroom", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results (JSON) here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     choose_threads()
     torch.manual_seed(0)
     model, tokenizer = load_model("builtin:smollm2-135m")

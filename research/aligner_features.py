@@ -1,6 +1,6 @@
 """Can a per-token map from producer features predict the consumer's K and V better than the REUSE code?
 
-    python scripts/aligner_features.py [CONSUMER] [LAYERS]     # default builtin:austen-qkv 8,14,20,23,26
+    python -m research.aligner_features [CONSUMER] [LAYERS]     # default builtin:austen-qkv 8,14,20,23,26
 
 Paired prefills of 3 calibration windows per shipped domain (255 tokens, token 0 left out). For
 each layer and feature set, a ridge map (strength 1e-3, 1e-2 or 0.1 of the mean input eigenvalue,
@@ -12,15 +12,13 @@ exponential moving average (0.9) or the causal running mean of H_in (context); H
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import data  # noqa: E402
-from scdviz.models.pair import load_pair  # noqa: E402
-from scdviz.scd import transfer  # noqa: E402
+from scdviz import data
+from scdviz.models.pair import load_pair
+from scdviz.scd import transfer
 
 KINDS = ("code", "h", "h+prev", "h+ema.9", "h+cummean", "h+kv", "h+kv+cummean", "kv+cummeankv")
 
@@ -51,9 +49,12 @@ def ridge(x, y, lam):
     return mx, my, w
 
 
-def main() -> None:
-    consumer = sys.argv[1] if len(sys.argv) > 1 else "builtin:austen-qkv"
-    layers = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [8, 14, 20, 23, 26]
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m research.aligner_features", description=__doc__.splitlines()[0])
+    ap.add_argument("consumer", nargs="?", default="builtin:austen-qkv", help="the consumer (default: %(default)s)")
+    ap.add_argument("layers", nargs="?", default="8,14,20,23,26", help="comma-separated layers (default: %(default)s)")
+    args = ap.parse_args(argv)
+    consumer, layers = args.consumer, [int(x) for x in args.layers.split(",")]
     pair = load_pair("builtin:smollm2-135m", consumer)
     domains = data.corpora()
     rows = {layer: [] for layer in layers}

@@ -1,6 +1,6 @@
 """Paired comparison of learned eviction policies against every baseline of one or more bench evict records.
 
-    python scripts/evict_paired.py RECORD.json [MORE_RECORDS.json ...] [--method NAME]
+    python -m research.evict_paired RECORD.json [MORE_RECORDS.json ...] [--method NAME]
 
 ``bench evict`` records hold every method's KL per context. Records made on the same
 contexts (same settings and eval text; the script checks that every method the records
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import metrics  # noqa: E402
-from scdviz.evict import compare  # noqa: E402
+from scdviz import metrics
+from scdviz.evict import compare
 
 
 def _same(a: list[float], b: list[float]) -> bool:
@@ -56,12 +54,12 @@ def rows_of(paths: list[str], mode: str) -> dict[tuple[str, str], dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m research.evict_paired", description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+", help="bench evict records (record.json) made on the same contexts")
     ap.add_argument("--method", nargs="*", default=None, help="learned methods to compare (default: all non-baselines)")
     ap.add_argument("--mode", default="agnostic", help="record mode to read (default: agnostic)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = rows_of(args.records, args.mode)
     domains = next(iter(rows.values()))["domains"]
     keeps = sorted({k for _, k in rows}, key=float, reverse=True)

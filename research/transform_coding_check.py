@@ -1,6 +1,6 @@
 """Transform coding vs the rate-distortion plan, on text neither was fitted or reported on.
 
-    python scripts/transform_coding_check.py            # both parts, both built-in specialists
+    python -m research.transform_coding_check            # both parts, both built-in specialists
 
 Part 1 (the choice of the default budget coder): KL of raw reuse, the rate-distortion plan and
 the transform-coded plan at 2,304 and 3,840 B/token on the calibration's selection windows
@@ -16,23 +16,16 @@ plan's at each budget with a 95% paired-bootstrap interval over the records' pro
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
-from scdviz import data, metrics  # noqa: E402
-from scdviz.models import builtin  # noqa: E402
-from scdviz.models.pair import load_pair  # noqa: E402
-from scdviz.scd import (  # noqa: E402
-    calibration,  # noqa: E402
-    entropy,
-    payload,
-    transfer,
-)
-from scdviz.scd import plan as plans  # noqa: E402
+from scdviz import data, metrics, settings
+from scdviz.models import builtin
+from scdviz.models.pair import load_pair
+from scdviz.scd import calibration, entropy, payload, transfer
+from scdviz.scd import plan as plans
 
 BUDGETS = (2304, 3840)
 
@@ -73,7 +66,7 @@ def records_account() -> None:
     import json
 
     for name in builtin.specialists():
-        path = Path(__file__).resolve().parents[1] / "assets" / "scd" / name / "bench.json"
+        path = settings.ASSETS_DIR / "scd" / name / "bench.json"
         rows = json.loads(path.read_text())["rows"]
         by = {row["method"]: row for row in rows if row.get("group") == "budget sweep"}
         for b in BUDGETS:
@@ -91,9 +84,12 @@ def records_account() -> None:
                   f"bits per value K {bits['k']:.2f} V {bits['v']:.2f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m research.transform_coding_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--records", action="store_true", help="part 3 alone, from the shipped records (no model run)")
+    args = ap.parse_args(argv)
     records_account()
-    if "--records" in sys.argv:
+    if args.records:
         return
     for name in builtin.specialists():
         pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
