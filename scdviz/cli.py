@@ -433,7 +433,8 @@ def _write(cmd, kind: str, seed: int, rows: list[dict], device: str, seconds: fl
 @dataclass
 class Report:
     check: bool = opt(False, "write nothing; exit 1 listing each marked table block that differs from the records")
-    tables: list[str] = opt([], "render only these tables (default: every marked block of README.md and docs/)")
+    tables: list[str] = opt([], "print only these tables (default: rewrite every marked block of README.md and docs/)")
+    root: str | None = opt(None, "the checkout whose README.md and docs/ to write or check (default: this one)")
 
 
 def _report(cmd: Report) -> None:
@@ -443,7 +444,7 @@ def _report(cmd: Report) -> None:
         for name in cmd.tables:
             print(f"<!-- table:{name} -->\n{report.render(name)}\n<!-- /table:{name} -->")
         return
-    files = report.doc_files()
+    files = report.doc_files(cmd.root)
     if cmd.check:
         if stale := report.stale(files):
             print("\n".join(["docs differ from the shipped records (run `python -m scdviz report`):", *stale]))

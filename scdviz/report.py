@@ -376,13 +376,14 @@ def _vs_best(rels: list[str], mode: str = "agnostic", learned_only: bool = False
                             f"{sum(y < x for x, y in zip(ctx_best, b, strict=True)) / n:.2f}")
                 cells = [f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
                          f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{wins:.2f}", wins_ctx]
+            cost = r.get("overhead_frac")
             out.append([_pct(keep), name, f"{r['kl']:.4f} ± {r['kl_se']:.4f}", *cells, f"{r['top1']:.3f}",
-                        _f(r.get("qa_acc"), 2)])
+                        _f(r.get("qa_acc"), 2), "" if cost is None else f"{cost:.2f}×"])
     return out
 
 
 VS_BEST_HEAD = ["kept", "method", "KL ± se", "/ best baseline [95% CI]", "− best baseline [95% CI]", "wins vs best",
-                "wins vs each context's best baseline", "top-1", "QA acc."]
+                "wins vs each context's best baseline", "top-1", "QA acc.", "scoring time / prefill"]
 PROTOCOL = ["policy/bench/protocol_tail.json", "policy/bench/protocol.json"]
 
 
@@ -453,8 +454,8 @@ def evict_qa() -> str:
     """Context-QA accuracy of each method's pruned cache (the protocol's 66 contexts), and of the full cache."""
     rows = _joined(PROTOCOL)
     full = next(r for rel in PROTOCOL for r in _read(rel).rows if r["method"] == "full cache" and "qa_acc" in r)
-    methods = sorted({m for m, _ in rows}, key=lambda m: -max(rows[(m, k)].get("qa_acc") or 0 for k in KEEPS
-                                                                   if (m, k) in rows))
+    methods = sorted(dict.fromkeys(m for m, _ in rows),
+                     key=lambda m: (-max(rows[(m, k)].get("qa_acc") or 0 for k in KEEPS if (m, k) in rows), m))
     out = [["full cache", f"{full['qa_acc']:.2f}", "", ""]]
     for m in methods:
         cells = [_f(rows[(m, k)].get("qa_acc"), 2) if (m, k) in rows else "" for k in KEEPS]
