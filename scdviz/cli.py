@@ -428,6 +428,32 @@ def _write(cmd, kind: str, seed: int, rows: list[dict], device: str, seconds: fl
         print(f"wrote {len(written)} figure files to {cmd.figures}")
 
 
+@dataclass
+class Report:
+    check: bool = opt(False, "write nothing; exit 1 listing each marked table block that differs from the records")
+    tables: list[str] = opt([], "print only these tables (default: rewrite every marked block of README.md and docs/)")
+    root: str | None = opt(None, "the checkout whose README.md and docs/ to write or check (default: this one)")
+
+
+def _report(cmd: Report) -> None:
+    from scdviz import report
+
+    if cmd.tables:  # print the named tables
+        for name in cmd.tables:
+            print(f"<!-- table:{name} -->\n{report.render(name)}\n<!-- /table:{name} -->")
+        return
+    files = report.doc_files(cmd.root)
+    if cmd.check:
+        if stale := report.stale(files):
+            print("\n".join(["docs differ from the shipped records (run `python -m scdviz report`):", *stale]))
+            raise SystemExit(1)
+        print(f"every marked table in {len(files)} files matches the shipped records")
+        return
+    changed = report.update(files)
+    print(f"rewrote the marked tables of {len(changed)} of {len(files)} files" +
+          "".join(f"\n  {p}" for p in changed))
+
+
 # name, help, settings dataclass (None: no flags), function
 COMMANDS = [
     ("app", "start the web app (settings from SCDVIZ_* / GRADIO_SERVER_* variables)", None, _app),
@@ -443,6 +469,8 @@ COMMANDS = [
     ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill (interleaved medians)",
      BenchTtft, _bench_ttft),
     ("bench evict", "learned eviction vs kvpress baselines (KL, top-1, PPL, wins)", BenchEvict, _bench_evict),
+    ("report", "write the docs' results tables (marked blocks of README.md, docs/) from the shipped records",
+     Report, _report),
 ]
 
 

@@ -1,0 +1,612 @@
+"""Results tables for the docs, rendered from the shipped benchmark records.
+
+``python -m scdviz report`` rewrites every marked block of ``README.md`` and ``docs/**/*.md``::
+
+    <!-- table:NAME -->
+    ...                      (written by this module; do not edit by hand)
+    <!-- /table:NAME -->
+
+with the table ``NAME`` of ``TABLES`` rendered from the records under ``assets/``;
+``python -m scdviz report --check`` writes nothing and exits 1 listing each block that differs
+from what the records give. So a number in a docs table cannot drift from its record. Every
+table ends with a line naming its record file(s) and the command that made each record (the
+``.toml`` beside it when one holds the record's settings, else the flags rebuilt from the
+record's settings).
+
+Library layer: reads records (``scdviz.records``) and nothing else at import; the paired
+bootstrap intervals are the benches' own (``scdviz.metrics``, imported when a table needs one),
+so an interval here is the one the bench prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+from scdviz import records, settings
+
+SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the docs' order
+KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
+# where a run writes, not what it measures (as scdviz.config leaves them out of a saved config)
+OUTPUT_FIELDS = frozenset({"out", "name", "figures", "maintainer", "resume"})
+
+BLOCK = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+# ----------------------------------------------------------------------------- records and commands
+
+
+def _rel(path: Path) -> str:
+    """A record's path as the docs name it: relative to the folder holding ``assets/``."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(settings.ASSETS_DIR.resolve().parent).as_posix()
+    except ValueError:
+        return path.name
+
+
+def _read(rel: str) -> records.BenchRecord:
+    """A shipped record by its path under assets/ (``scd/jargon/bench.json``)."""
+    return records.read(settings.ASSETS_DIR / rel)
+
+
+def _flat(settings_: dict, prefix: str = "") -> dict:
+    """Nested settings as {field: value}, output fields and None left out (as a saved config.toml)."""
+    out = {}
+    for key, value in settings_.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, prefix))
+        elif key not in OUTPUT_FIELDS and value is not None:
+            out[key] = value
+    return out
+
+
+def _same_settings(a: dict, b: dict) -> bool:
+    """Equal settings; a folder counts as the same when only where the runs folder lies differs
+    (a shipped config names it ``<your runs folder>/calibrations/NAME``, the record ``runs/calibrations/NAME``)."""
+    def norm(v):
+        if isinstance(v, (list, tuple)):
+            return [norm(x) for x in v]
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, str) and "/" in v:
+            return "/".join(v.rstrip("/").split("/")[-2:])
+        return v
+    return a.keys() == b.keys() and all(norm(a[k]) == norm(b[k]) for k in a)
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _cli_defaults(kind: str) -> dict[str, tuple[str, object]]:
+    """{field: (flag, default)} of ``bench KIND``'s settings, from the CLI's own dataclasses."""
+    from scdviz import cli  # lazily: the CLI imports every bench (and torch)
+
+    cls = next(c for name, _, c, _ in cli.COMMANDS if name == f"bench {kind}")
+    out: dict[str, tuple[str, object]] = {}
+
+    def walk(c) -> None:
+        hints = typing.get_type_hints(c)
+        for f in dataclasses.fields(c):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name])
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out[f.name] = ("--" + (f.metadata.get("flag") or f.name.replace("_", "-")), default)
+
+    walk(cls)
+    return out
+
+
+def command(path: Path, record: records.BenchRecord) -> str:
+    """The command that made ``record``: ``bench KIND --config TOML`` when a .toml beside it holds
+    exactly its settings, else ``bench KIND`` with the flags whose values differ from the CLI's defaults."""
+    mine = _flat(record.settings)
+    for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != Path(path).stem):
+        if _same_settings(mine, _flat(tomllib.loads(toml.read_text()))):
+            return f"python -m scdviz bench {record.kind} --config {_rel(toml)}"
+    defaults = _cli_defaults(record.kind)
+    parts = [f"python -m scdviz bench {record.kind}"]
+    for key, value in _flat(record.settings).items():
+        if key not in defaults:
+            continue  # a setting the CLI no longer has (its default then)
+        flag, default = defaults[key]
+        if _same_settings({key: value}, {key: default}):
+            continue
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            parts.append(" ".join([flag, *map(_flag_value, value)]))
+        else:
+            parts.append(f"{flag} {_flag_value(value)}")
+    parts.append(f"--out {Path(path).name}")
+    return " ".join(parts)
+
+
+def _source_line(rels: list[str]) -> str:
+    made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}`: `{command(settings.ASSETS_DIR / r, _read(r))}`"
+                     for r in rels)
+    return f"*Records (and the command that made each):* {made}."
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _f(x, nd: int = 4) -> str:
+    return "" if x is None else f"{x:.{nd}f}"
+
+
+def _b(x) -> str:
+    return "" if x is None else f"{round(x):,}"
+
+
+def _ci(lo: float, hi: float, nd: int = 2, sign: bool = False) -> str:
+    fmt = f"{{:{'+' if sign else ''}.{nd}f}}"
+    return f"[{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def _paired(a: list[float], b: list[float]) -> dict:
+    """The benches' paired bootstrap (b against a over paired items): diff, ratio and their 95% intervals."""
+    from scdviz import metrics  # lazily: torch
+
+    return metrics.paired_bootstrap(a, b)
+
+
+def _boot_mean(values: list[float]) -> dict:
+    from scdviz import metrics
+
+    return metrics.bootstrap_mean(values)
+
+
+def _ratio(base: dict, other: dict, key: str = "kl_per_prompt") -> str:
+    """``other``'s mean KL over ``base``'s, ×, with the paired-bootstrap interval."""
+    boot = _paired(base[key], other[key])
+    return f"{other['kl'] / base['kl']:.2f}× {_ci(*boot['ratio_ci'])}"
+
+
+def _pct(keep: str) -> str:
+    return f"{float(keep) * 100:g} %"
+
+
+# ----------------------------------------------------------------------------- SCD tables
+
+SCD_NAMES = {"SCD full": "**SCD**", "DroidSpeak recompute": "DroidSpeak (2 layers)"}
+
+
+def _scd_rows(rel: str, group: str, domain: str | None = None) -> list[dict]:
+    return [r for r in _read(rel).rows if r.get("row") == "measured" and r.get("group") == group
+            and (domain is None or r["domain"] == domain)]
+
+
+def scd_own() -> str:
+    """Each specialist's own eval split: every method and baseline, with continuation perplexity."""
+    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        for group in ("method", "token 0"):
+            rows = _scd_rows(rel, group)
+            raw = next(r for r in rows if r["method"].startswith("raw KV"))
+            for r in rows:
+                if r["method"] == "oracle" and group == "token 0":
+                    continue
+                out.append([spec, SCD_NAMES.get(r["method"], r["method"]), _b(r["payload_bytes_per_token"]),
+                            f"{r['kl']:.4f} ± {r['kl_se']:.4f}",
+                            "" if r["method"] == "oracle" or r is raw else _ratio(raw, r),
+                            f"{r['top1']:.3f}", f"{r['ppl']:.2f}", _f(r.get("f1_vs_oracle"), 2),
+                            _f(r.get("qa_f1"), 3), f"{r['speedup_vs_oracle_10gbps']:.1f}×"])
+    head = ["specialist", "method", "bytes/token", "KL ± se", "KL / raw KV [95% CI]", "top-1",
+            "continuation perplexity", "F1 vs oracle", "QA F1", "speed-up at 10 Gbit/s (modelled)"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def scd_budget() -> str:
+    """The budget sweep: each way of meeting a byte budget, real bytes, KL relative to raw reuse."""
+    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        raw = next(r for r in _scd_rows(rel, "method") if r["method"] == "raw KV")
+        for r in _scd_rows(rel, "budget sweep"):
+            name, budget = r["method"].rsplit(" @", 1)
+            budget = float(budget.split()[0])
+            label = {"SCD transform-coded": "**transform coded**", "SCD RD": "rate-distortion",
+                     "SCD RD+entropy": "rate-distortion + entropy", "SCD rank-only": "rank-only"}.get(name, name)
+            out.append([spec, f"{budget:,.0f} (1/{23040 / budget:.0f} of fp16)", label,
+                        _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f} ± {r['kl_se']:.4f}", _ratio(raw, r),
+                        f"{r['top1']:.3f}", f"{r['ppl']:.2f}"])
+    head = ["specialist", "budget, B/token", "method", "real B/token", "KL ± se", "KL / raw KV [95% CI]", "top-1",
+            "continuation perplexity"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def scd_patch() -> str:
+    """PATCH: KL at k patch layers relative to k = 0 (reuse-only), greedy placement and by drift."""
+    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        sweep = _scd_rows(rel, "patch sweep")
+        for placement in ("greedy", "drift"):
+            rows = [r for r in sweep if r["method"].endswith(f"({placement})")]
+            base = rows[0]
+            for r in rows[1:]:
+                k = int(r["method"].split("k=")[1].split()[0])
+                out.append([spec, "greedy order" if placement == "greedy" else "by drift", str(k),
+                            _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}",
+                            f"{_paired(base['kl_per_prompt'], r['kl_per_prompt'])['ratio']:.3f} "
+                            + _ci(*_paired(base["kl_per_prompt"], r["kl_per_prompt"])["ratio_ci"], 3),
+                            f"{r['top1']:.3f}"])
+    head = ["specialist", "placement", "k patches", "bytes/token", "KL", "KL / k = 0 [95% CI]", "top-1"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def scd_rank_claim() -> str:
+    """The rank claim: keys or values at a reduced rank (the other side at full rank), KL relative to full rank."""
+    rels = [f"scd/{s}/rank_claim.json" for s in SPECIALISTS]
+    out, ranks = [], None
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        full = next(r for r in _scd_rows(rel, "method") if r["method"] == "SCD reuse-only")
+        sweep = _scd_rows(rel, "rank claim")
+        for side, label in (("SCD r_K", "keys reduced"), ("SCD r_V", "values reduced")):
+            rows = sorted((r for r in sweep if r["method"].startswith(side)),
+                          key=lambda r: int(r["method"].split("=")[1].split()[0]))
+            ranks = ranks or [int(r["method"].split("=")[1].split()[0]) for r in rows]
+            out.append([spec, label] + [_ratio(full, r) for r in rows])
+    head = ["specialist", "reduced side"] + [f"rank {k}" for k in ranks]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def scd_lodo() -> str:
+    """Leave-one-domain-out: per held-out domain, raw reuse vs SCD (int4 operating point and transform coded)."""
+    rels = [f"scd/{s}/lodo.json" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        rows = _scd_rows(rel, "method")
+        for dom in dict.fromkeys(r["domain"] for r in rows):
+            by = {r["method"]: r for r in rows if r["domain"] == dom}
+            raw, scd = by["raw KV"], by["SCD full"]
+            tc = next(r for r in _scd_rows(rel, "budget sweep", dom) if r["method"].startswith("SCD transform-coded"))
+            above = sum(s > r for s, r in zip(scd["kl_per_prompt"], raw["kl_per_prompt"], strict=True))
+            out.append([spec, dom + (" (own)" if dom == _own_domain(spec) else ""),
+                        f"{raw['kl']:.4f} ± {raw['kl_se']:.4f}", f"{scd['kl']:.4f} ± {scd['kl_se']:.4f}",
+                        _ratio(raw, scd), f"{raw['top1']:.3f} → {scd['top1']:.3f}",
+                        f"{above} of {scd['n_prompts']}", _b(scd["payload_bytes_per_token"]),
+                        _ratio(raw, tc), _b(tc["payload_bytes_per_token"]), f"{tc['top1']:.3f}",
+                        f"{by['4-bit KV']['kl'] / raw['kl']:.2f}×"])
+    head = ["specialist", "held-out domain", "raw KV KL ± se", "SCD KL ± se", "SCD / raw [95% CI]",
+            "top-1 raw → SCD", "prompts SCD > raw", "SCD B/token", "transform coded / raw [95% CI]",
+            "its B/token", "its top-1", "4-bit KV / raw"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def _own_domain(spec: str) -> str:
+    return spec.split("-")[0]
+
+
+def scd_qa() -> str:
+    """Context-QA token-F1 pooled over the six held-out domains of the leave-one-domain-out runs."""
+    rels = [f"scd/{s}/lodo.json" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        items: dict[str, list[float]] = {}
+        for r in _scd_rows(rel, "method"):
+            items.setdefault(r["method"], []).extend(r["qa_f1_items"])
+        own = {m: _boot_mean(v) for m, v in items.items()}
+        vs = _paired(items["raw KV"], items["SCD full"])
+        out.append([spec, str(len(items["raw KV"]))]
+                   + [f"{own[m]['mean']:.3f}" for m in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute")]
+                   + [f"{own['SCD full']['mean']:.3f} {_ci(*own['SCD full']['ci'], 3)}",
+                      f"{vs['diff']:+.3f} {_ci(*vs['diff_ci'], 3, sign=True)}"])
+    head = ["specialist", "items", "oracle", "raw KV", "4-bit KV", "DroidSpeak", "SCD [95% CI]",
+            "SCD − raw (paired) [95% CI]"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def scd_ttft() -> str:
+    """Time to first token, measured (medians of interleaved rounds)."""
+    rel = "scd/jargon/ttft.json"
+    rows = _read(rel).rows
+    out = [[r["method"], _b(r["bytes_per_token"]),
+            f"{round(r['encode_ms'] + r['receive_ms'] + r['first_step_ms']):,} {r['compute_iqr_ms']}",
+            f"{round(r['encode_ms']):,} / {round(r['receive_ms']):,}",
+            f"{round(r['ttft_10gbps_ms']):,} / {round(r['ttft_with_prefill_10gbps_ms']):,} / "
+            f"{round(r['ttft_shared4_10gbps_ms']):,}",
+            f"{_f(r['break_even_gbps'], 3)} / {_f(r['break_even_shared4_gbps'], 3)}"] for r in rows
+           if r.get("encode_ms") is not None]
+    head = ["method", "B/token", "consumer + encode, median [IQR] ms", "encode / receive ms",
+            "TTFT at 10 Gbit/s, ms: no producer prefill / with it / shared by 4",
+            "break-even Gbit/s (no prefill / shared by 4)"]
+    first = rows[0]
+    return (_table(head, out) + "\n\nOracle (the consumer's own prefill + first step): "
+            f"{round(first['oracle_ms']):,} ms; "
+            f"the producer's prefill: {round(first['producer_prefill_ms']):,} ms.\n\n" + _source_line([rel]))
+
+
+# ----------------------------------------------------------------------------- eviction tables
+
+
+def _joined(rels: list[str], mode: str = "agnostic") -> dict[tuple[str, str], dict]:
+    """(method, keep) -> row over records made on the same contexts; the first record's row wins, and a
+    method two records share must agree per context (to another machine's float rounding)."""
+    out: dict[tuple[str, str], dict] = {}
+    for rel in rels:
+        for row in _read(rel).rows:
+            if row.get("mode") != mode or "kl_per_context" not in row:
+                continue
+            key = (row["method"], row["keep"])
+            if key in out:
+                a, b = out[key]["kl_per_context"], row["kl_per_context"]
+                if len(a) != len(b) or any(abs(x - y) > 1e-4 + 1e-3 * abs(y) for x, y in zip(a, b, strict=True)):
+                    raise ValueError(f"{rel}: {key} differs per context from the record before: not the same contexts")
+            out.setdefault(key, row)
+    return out
+
+
+def _vs_best(rels: list[str], mode: str = "agnostic", learned_only: bool = False) -> list[list[str]]:
+    rows = _joined(rels, mode)
+    out = []
+    for keep in KEEPS:
+        at = {m: r for (m, k), r in rows.items() if k == keep}
+        base = {m: r for m, r in at.items() if r.get("baseline")}
+        best = min(base, key=lambda m: base[m]["kl"])
+        n = len(base[best]["kl_per_context"])
+        ctx_best = [min(r["kl_per_context"][i] for r in base.values()) for i in range(n)]
+        for m, r in sorted(at.items(), key=lambda kv: kv[1]["kl"]):
+            if learned_only and r.get("baseline") and m != best:
+                continue
+            a, b = base[best]["kl_per_context"], r["kl_per_context"]
+            name = m + (" *" if r.get("chosen_on_validation") else "") + (" (best baseline)" if m == best else "")
+            if m == best:
+                cells = ["", "", "", ""]
+            else:
+                boot = _paired(a, b)
+                wins = sum(y < x for x, y in zip(a, b, strict=True)) / n
+                wins_ctx = ("" if r.get("baseline") else
+                            f"{sum(y < x for x, y in zip(ctx_best, b, strict=True)) / n:.2f}")
+                cells = [f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
+                         f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{wins:.2f}", wins_ctx]
+            cost = r.get("overhead_frac")
+            out.append([_pct(keep), name, f"{r['kl']:.4f} ± {r['kl_se']:.4f}", *cells, f"{r['top1']:.3f}",
+                        _f(r.get("qa_acc"), 2), "" if cost is None else f"{cost:.2f}×"])
+    return out
+
+
+VS_BEST_HEAD = ["kept", "method", "KL ± se", "/ best baseline [95% CI]", "− best baseline [95% CI]", "wins vs best",
+                "wins vs each context's best baseline", "top-1", "QA acc.", "scoring time / prefill"]
+PROTOCOL = ["policy/bench/protocol_tail.json", "policy/bench/protocol.json"]
+
+
+def evict_headline() -> str:
+    """The eviction protocol (66 contexts): every learned policy and the best baseline at each kept fraction."""
+    return _table(VS_BEST_HEAD, _vs_best(PROTOCOL, learned_only=True)) + "\n\n" + _source_line(PROTOCOL)
+
+
+def evict_protocol() -> str:
+    """The eviction protocol (66 contexts): every method, kvpress's native presses joined from the earlier run."""
+    return _table(VS_BEST_HEAD, _vs_best(PROTOCOL)) + "\n\n" + _source_line(PROTOCOL)
+
+
+def evict_gemma() -> str:
+    """Gemma-3-270m, zero-shot: the policies trained on SmolLM2 against kvpress's presses."""
+    rels = ["policy/bench/gemma_tail.json"]
+    return _table(VS_BEST_HEAD, _vs_best(rels)) + "\n\n" + _source_line(rels)
+
+
+def evict_domains() -> str:
+    """Per domain: the policy chosen on validation against the best baseline on that domain's contexts."""
+    rows = _joined(PROTOCOL)
+    out = []
+    for keep in KEEPS:
+        at = {m: r for (m, k), r in rows.items() if k == keep}
+        chosen = next(m for m, r in at.items() if r.get("chosen_on_validation"))
+        doms = at[chosen]["domains"]
+        trained = at[chosen].get("trained_on") or []
+        for dom in dict.fromkeys(doms):
+            idx = [i for i, d in enumerate(doms) if d == dom]
+            kl = {m: [r["kl_per_context"][i] for i in idx] for m, r in at.items()}
+            best = min((m for m, r in at.items() if r.get("baseline")), key=lambda m: sum(kl[m]))
+            boot = _paired(kl[best], kl[chosen])
+            wins = sum(a < b for a, b in zip(kl[chosen], kl[best], strict=True)) / len(idx)
+            out.append([_pct(keep), dom + (" (trained on)" if dom in trained else ""),
+                        f"{sum(kl[chosen]) / len(idx):.4f}",
+                        best, f"{sum(kl[best]) / len(idx):.4f}", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
+                        f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{wins:.2f}"])
+    head = ["kept", "domain", f"{chosen} KL", "best baseline on the domain", "its KL", "ratio [95% CI]",
+            "difference [95% CI]", "wins"]
+    return _table(head, out) + "\n\n" + _source_line(PROTOCOL)
+
+
+def evict_lodo() -> str:
+    """Leave-one-domain-out: the policy's recipe retrained without the domain it is scored on."""
+    rel = "policy/bench/lodo_tail.json"
+    rows = _read(rel).rows
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"].startswith("agnostic lodo-")):
+        left = mode.split("lodo-", 1)[1]
+        for keep in KEEPS:
+            at = {r["method"]: r for r in rows if r["mode"] == mode and r["keep"] == keep and "kl_per_context" in r}
+            mine = next(r for r in at.values() if r.get("chosen_on_validation"))
+            shipped = next(r for m, r in at.items() if not r.get("baseline") and r is not mine)
+            best_name = min((m for m, r in at.items() if r.get("baseline")), key=lambda m: at[m]["kl"])
+            best = at[best_name]
+            boot = _paired(best["kl_per_context"], mine["kl_per_context"])
+            out.append([left, _pct(keep), f"{mine['kl']:.4f}", f"{shipped['kl']:.4f} ({shipped['method']})",
+                        f"{best['kl']:.4f} ({best_name})", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
+                        f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}",
+                        f"{mine['wins_vs_best_baseline']:.2f}", str(mine["n_contexts"])])
+    head = ["left out", "kept", "policy trained without it", "shipped policy (trained on both)",
+            "best baseline", "trained-without / best [95% CI]", "trained-without − best [95% CI]", "wins", "contexts"]
+    return _table(head, out) + "\n\n" + _source_line([rel])
+
+
+def evict_qa() -> str:
+    """Context-QA accuracy of each method's pruned cache (the protocol's 66 contexts), and of the full cache."""
+    rows = _joined(PROTOCOL)
+    full = next(r for rel in PROTOCOL for r in _read(rel).rows if r["method"] == "full cache" and "qa_acc" in r)
+    methods = sorted(dict.fromkeys(m for m, _ in rows),
+                     key=lambda m: (-max(rows[(m, k)].get("qa_acc") or 0 for k in KEEPS if (m, k) in rows), m))
+    out = [["full cache", f"{full['qa_acc']:.2f}", "", ""]]
+    for m in methods:
+        cells = [_f(rows[(m, k)].get("qa_acc"), 2) if (m, k) in rows else "" for k in KEEPS]
+        rel_full = [f"{rows[(m, k)]['qa_acc'] / full['qa_acc']:.0%}" if (m, k) in rows else "" for k in KEEPS]
+        out.append([m, *cells[:1], rel_full[0], cells[1]])
+    head = ["method", "QA acc. at 25 % kept", "share of the full cache's", "QA acc. at 12.5 % kept"]
+    return _table(head, out) + "\n\n" + _source_line(PROTOCOL)
+
+
+def evict_decode() -> str:
+    """Decode-time quality: 128 greedy tokens teacher-forced with the cache held at the budget."""
+    rel = "policy/bench/decode.json"
+    rows = _read(rel).rows
+    prefill = {(r["method"], r["keep"]): r for r in rows if r["mode"] == "agnostic" and "kl" in r}
+    out = []
+    for keep in KEEPS:
+        at = sorted((r for r in rows if r["mode"] == "agnostic decode128" and r["keep"] == keep and "kl" in r),
+                    key=lambda r: r["kl"])
+        for r in at:
+            diff = ("(best baseline)" if r["kl_minus_best"] is None else
+                    f"{r['kl_minus_best']:+.4f} {_ci(*r['kl_minus_best_ci95'], 4, sign=True)}")
+            out.append([_pct(keep), r["method"] + (" *" if r.get("chosen_on_validation") else ""),
+                        f"{r['kl']:.4f} ± {r['kl_se']:.4f}", diff, _f(r.get("qa_acc"), 2),
+                        _f(prefill.get((r["method"], keep), {}).get("kl"))])
+    head = ["kept", "method", "KL over 128 decoded tokens ± se", "KL − best [95% CI]", "QA acc.",
+            "prefill-only KL (32 tokens)"]
+    return _table(head, out) + "\n\n" + _source_line([rel])
+
+
+def evict_cost() -> str:
+    """Cost at 2k-token contexts: the chosen policy's time per generated token while evicting."""
+    rel = "policy/bench/cost_2k.json"
+    out = []
+    for r in _read(rel).rows:
+        if r.get("policy_ms_per_token") is not None:
+            out.append([_pct(r["keep"]), r["method"], f"{r['policy_ms_per_token']:.1f} ms",
+                        f"{r['decode_ms_per_token']:.0f} ms", f"{r['decode_overhead_frac']:.1%}",
+                        f"{r['decode_speedup']:.2f}×", f"{r['overhead_frac']:.1%}"])
+    head = ["kept", "policy", "policy time per generated token", "decode step", "share of a decode step",
+            "pruned vs full cache decode speed", "prefill scoring / prefill"]
+    return _table(head, out) + "\n\n" + _source_line([rel])
+
+
+# ----------------------------------------------------------------------------- the README's headline
+
+
+def headline() -> str:
+    """One table: SCD against raw KV reuse on each specialist's own eval split, and DistillCache against
+    the best of kvpress's presses on the 66-context protocol."""
+    out = []
+    for spec in SPECIALISTS:
+        rel = f"scd/{spec}/bench.json"
+        by = {r["method"]: r for r in _scd_rows(rel, "method")}
+        raw = by["raw KV"]
+        tc = next(r for r in _scd_rows(rel, "budget sweep") if r["method"] == "SCD transform-coded @3840 B/token")
+        for r, what in ((by["SCD full"], "SCD, int4 codes + 2 patches"), (tc, "SCD, transform coded @3,840")):
+            out.append([f"{what}, {_b(r['payload_bytes_per_token'])} B/token", f"{spec}, own eval split, "
+                        f"{r['n_prompts']} prompts", f"raw KV reuse, {_b(raw['payload_bytes_per_token'])} B/token",
+                        _ratio(raw, r), f"{r['top1']:.3f} vs {raw['top1']:.3f}"])
+    rows = _joined(PROTOCOL)
+    for keep in KEEPS:
+        at = {m: r for (m, k), r in rows.items() if k == keep}
+        chosen = next(m for m, r in at.items() if r.get("chosen_on_validation"))
+        base = {m: r for m, r in at.items() if r.get("baseline")}
+        best = min(base, key=lambda m: base[m]["kl"])
+        boot = _paired(base[best]["kl_per_context"], at[chosen]["kl_per_context"])
+        out.append([f"DistillCache `{chosen}`, {_pct(keep)} kept",
+                    f"6 domains, {at[chosen]['n_contexts']} contexts", f"{best} (best of kvpress's presses)",
+                    f"{boot['ratio']:.2f}× {_ci(*boot['ratio_ci'])}",
+                    f"{at[chosen]['top1']:.3f} vs {base[best]['top1']:.3f}"])
+    head = ["method", "measured on", "against", "KL / theirs [95% CI]", "top-1 agreement, method vs theirs"]
+    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS] + PROTOCOL
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "headline": headline,
+    "scd-own": scd_own,
+    "scd-budget": scd_budget,
+    "scd-patch": scd_patch,
+    "scd-rank-claim": scd_rank_claim,
+    "scd-lodo": scd_lodo,
+    "scd-qa": scd_qa,
+    "scd-ttft": scd_ttft,
+    "evict-headline": evict_headline,
+    "evict-protocol": evict_protocol,
+    "evict-domains": evict_domains,
+    "evict-lodo": evict_lodo,
+    "evict-qa": evict_qa,
+    "evict-decode": evict_decode,
+    "evict-cost": evict_cost,
+    "evict-gemma": evict_gemma,
+}
+
+
+# ----------------------------------------------------------------------------- marked blocks
+
+
+def render(name: str) -> str:
+    """Table ``name`` as markdown, ending with its records and commands."""
+    if name not in TABLES:
+        raise ValueError(f"unknown table {name!r}; tables: {', '.join(TABLES)}")
+    return TABLES[name]()
+
+
+def doc_files(root: str | Path | None = None) -> list[Path]:
+    """README.md and every docs/**/*.md of the checkout at ``root`` (default: this checkout)."""
+    root = Path(root) if root is not None else settings.REPO_DIR
+    files = [root / "README.md"] if (root / "README.md").exists() else []
+    return files + sorted((root / "docs").rglob("*.md"))
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, body) of every marked block in ``text``."""
+    return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def fill(text: str, cache: dict[str, str] | None = None) -> str:
+    """``text`` with every marked block's body replaced by its rendered table."""
+    cache = {} if cache is None else cache
+
+    def one(m: re.Match) -> str:
+        if m["name"] not in cache:
+            cache[m["name"]] = render(m["name"])
+        return f"{m.group(1)}{cache[m['name']]}\n{m.group(4)}"
+
+    return BLOCK.sub(one, text)
+
+
+def stale(files: list[Path], cache: dict[str, str] | None = None) -> list[str]:
+    """``FILE: table NAME`` for each marked block whose body differs from what the records give."""
+    cache = {} if cache is None else cache
+    out = []
+    for path in files:
+        text = path.read_text()
+        for name, body in blocks(text):
+            if name not in cache:
+                cache[name] = render(name)
+            if body != cache[name] + "\n":
+                out.append(f"{path}: table {name}")
+    return out
+
+
+def update(files: list[Path]) -> list[Path]:
+    """Rewrite the marked blocks of ``files``; the files that changed."""
+    cache: dict[str, str] = {}
+    changed = []
+    for path in files:
+        text = path.read_text()
+        new = fill(text, cache)
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed

@@ -1,0 +1,97 @@
+"""The docs' results tables are the shipped records': every marked block of README.md and docs/
+is what ``scdviz.report`` renders from them, one cell checked by hand against a record's rows,
+and ``python -m scdviz report --check`` fails on a doctored copy."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from scdviz import cli, records, report, settings
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, str]:
+    """Every table the docs mark, rendered once for the module."""
+    return {name: report.render(name) for name in report.TABLES}
+
+
+def _marked() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for path in report.doc_files():
+        for name, _ in report.blocks(path.read_text()):
+            out.setdefault(name, []).append(path.relative_to(settings.REPO_DIR).as_posix())
+    return out
+
+
+def test_every_marked_block_equals_what_the_records_give(rendered):
+    files = report.doc_files()
+    assert settings.REPO_DIR / "README.md" in files and any("docs" in p.parts for p in files)
+    assert report.stale(files, dict(rendered)) == []
+
+
+def test_every_table_is_in_the_docs_and_the_readme_has_its_headline():
+    marked = _marked()
+    assert set(marked) == set(report.TABLES), f"tables no doc shows: {set(report.TABLES) - set(marked)}"
+    assert "README.md" in marked["headline"]
+
+
+def test_each_table_names_its_records_and_the_command_that_made_them(rendered):
+    for name, text in rendered.items():
+        last = text.rstrip().splitlines()[-1]
+        assert last.startswith("*Records"), name
+        assert "assets/" in last and "python -m scdviz bench" in last, name
+
+
+def test_one_cell_by_hand_scd_over_raw_on_jargon():
+    """The headline's jargon SCD cell: mean KL of SCD full over raw KV's, from bench.json's rows."""
+    rows = records.read(settings.ASSETS_DIR / "scd" / "jargon" / "bench.json").rows
+    by = {r["method"]: r for r in rows if r.get("group") == "method"}
+    scd, raw = by["SCD full"]["kl_per_prompt"], by["raw KV"]["kl_per_prompt"]
+    ratio = (sum(scd) / len(scd)) / (sum(raw) / len(raw))
+    assert f"{ratio:.2f}" == "0.33"  # what the README has said since the record was made
+    cell = next(line for line in report.render("headline").splitlines()
+                if line.startswith("| SCD, int4") and "| jargon," in line).split(" | ")[3]
+    assert cell.startswith(f"{ratio:.2f}× [")
+    own = next(line for line in report.render("scd-own").splitlines() if line.startswith("| jargon | **SCD** |"))
+    assert f"| {by['SCD full']['kl']:.4f} ± {by['SCD full']['kl_se']:.4f} |" in own
+    assert f"| {by['SCD full']['ppl']:.2f} |" in own  # the continuation perplexity the record carries
+
+
+def test_one_cell_by_hand_eviction_kl_of_the_chosen_policy():
+    rows = records.read(settings.ASSETS_DIR / "policy" / "bench" / "protocol_tail.json").rows
+    chosen = next(r for r in rows if r.get("chosen_on_validation") and r["keep"] == "0.25")
+    mean = sum(chosen["kl_per_context"]) / len(chosen["kl_per_context"])
+    line = next(x for x in report.render("evict-headline").splitlines() if x.startswith("| 25 % | " + chosen["method"]))
+    assert f"| {mean:.4f} ± " in line
+
+
+def _copy_docs(tmp_path):
+    shutil.copy(settings.REPO_DIR / "README.md", tmp_path / "README.md")
+    shutil.copytree(settings.REPO_DIR / "docs", tmp_path / "docs")
+    return tmp_path
+
+
+def test_check_passes_on_the_docs_and_fails_on_a_doctored_block(tmp_path, capsys):
+    root = _copy_docs(tmp_path)
+    assert cli.main(["report", "--check", "--root", str(root)]) == 0
+    target = root / "docs" / "results.md"
+    text = target.read_text()
+    name, body = next(b for b in report.blocks(text) if b[0] == "scd-lodo")
+    doctored = body.replace("0.69×", "0.59×", 1)
+    assert doctored != body
+    target.write_text(text.replace(body, doctored, 1))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        cli.main(["report", "--check", "--root", str(root)])
+    assert done.value.code == 1
+    out = capsys.readouterr().out
+    assert f"{target}: table scd-lodo" in out and out.count(": table ") == 1
+    cli.main(["report", "--root", str(root)])  # rewriting puts the records' numbers back
+    assert target.read_text() == text
+
+
+def test_an_unknown_table_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown table 'nope'"):
+        report.render("nope")
