@@ -140,7 +140,7 @@ def _gcide_code(m: re.Match) -> str:
     return m.group(0)
 
 
-def _gcide_clean(entry: str) -> str:
+def gcide_clean(entry: str) -> str:
     # a few entries end "[1913 Webster] Nextword": a stray start of the following entry
     entry = re.sub(r"(\[[^\]\n]*(?:Webster|WordNet|PJC)[^\]\n]*\])[ \t]+[^\n\[]+\s*$", r"\1", entry)
     entry = _GCIDE_SOURCE.sub("", entry)
@@ -177,12 +177,12 @@ def gcide_passages(target: int = 1_550_000) -> list[str]:
         headword, offset, length = line.split("\t")
         if not headword.startswith("00"):  # 00-database-* entries: metadata and the licence notice
             spans.add((_b64(offset), _b64(length)))
-    entries = [_gcide_clean(raw[o : o + n]) for o, n in sorted(spans)]
+    entries = [gcide_clean(raw[o : o + n]) for o, n in sorted(spans)]
     entries = [e for e in entries if len(e) > 40 and "\\" not in e]
     total = sum(map(len, entries))
     step = max(1, round(total / target))
-    sample = [piece for e in entries[::step] for piece in _split_long(e)]
-    return _unique(_group(_drop_boilerplate(sample), 1500))
+    sample = [piece for e in entries[::step] for piece in split_long(e)]
+    return _unique(_group(drop_boilerplate(sample), 1500))
 
 
 # ---------------------------------------------------------------- Jane Austen (novels)
@@ -213,8 +213,8 @@ def austen_passages(target: int = 1_400_000) -> list[str]:
                 continue
             if re.fullmatch(r"[* ]+", para) or (para.startswith("[") and para.endswith("]")):  # breaks, editors' notes
                 continue
-            kept += _split_long(re.sub(r"\s+", " ", para))
-        passages += _group(_drop_boilerplate(kept), 1500)
+            kept += split_long(re.sub(r"\s+", " ", para))
+        passages += _group(drop_boilerplate(kept), 1500)
     step = max(1, round(sum(map(len, passages)) / target))
     return _unique(passages[::step])
 
@@ -314,7 +314,7 @@ def handbook_passages() -> list[str]:
                     paragraphs.append(body)
             elif not re.match(r"^(Figure|Table) \d+\.\d+\.", text):
                 paragraphs.append(text)
-    return _unique(_group(_drop_boilerplate(paragraphs), 1500))
+    return _unique(_group(drop_boilerplate(paragraphs), 1500))
 
 
 # ---------------------------------------------------------------- Linux man pages, section 2
@@ -336,7 +336,7 @@ def _render_manpage(path: Path) -> str:
 _MAN_DROP = {"LIBRARY", "ATTRIBUTES", "SEE ALSO", "COLOPHON", "STANDARDS", "VERSIONS", "HISTORY"}
 
 
-def _manpage_paragraphs(rendered: str, seen: set[str]) -> list[str]:
+def manpage_paragraphs(rendered: str, seen: set[str]) -> list[str]:
     """Headings, reflowed prose and verbatim code of one rendered page; prose paragraphs already
     in ``seen`` (boilerplate shared by many pages) are left out, as are headings left empty."""
     lines = rendered.splitlines()[1:-1]  # drop the running header and footer
@@ -366,12 +366,12 @@ def _manpage_paragraphs(rendered: str, seen: set[str]) -> list[str]:
             return  # a table
         elif len(rows) > 1 and indents[0] < indents[1] and len(rows[0].strip()) < 40 and "  " not in rows[0].strip():
             # a hanging tag alone on its line (an option, a flag); "EBADF  fd is..." is plain prose
-            text = rows[0].strip() + "\n" + _join_rows(rows[1:])
+            text = rows[0].strip() + "\n" + join_rows(rows[1:])
         elif len(rows) == 1 and indents[0] < 7 and len(rows[0].strip()) < 60:  # a subsection title
             units.append((False, True, rows[0].strip()))
             return
         else:
-            text = _join_rows(rows)
+            text = join_rows(rows)
         if not codeish:
             text = re.sub(r"[ \t]+", " ", text)
         units.append((codeish, False, text))
@@ -397,7 +397,7 @@ def _manpage_paragraphs(rendered: str, seen: set[str]) -> list[str]:
     return [t for i, (h, t) in enumerate(kept) if not h or (i + 1 < len(kept) and not kept[i + 1][0])]
 
 
-def _join_rows(rows: list[str]) -> str:
+def join_rows(rows: list[str]) -> str:
     """Rewrapped lines joined; a line ending in a hyphen ("Linux-") joins the next without a space."""
     text = ""
     for row in (r.strip() for r in rows):
@@ -414,8 +414,8 @@ def manpages_passages() -> list[str]:
     seen: set[str] = set()
     paragraphs = []
     for path in pages:
-        paragraphs += _manpage_paragraphs(_render_manpage(path), seen)
-    return _unique(_group(_drop_boilerplate(paragraphs), 1500))
+        paragraphs += manpage_paragraphs(_render_manpage(path), seen)
+    return _unique(_group(drop_boilerplate(paragraphs), 1500))
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -429,13 +429,13 @@ def _require(path: Path, package: str) -> None:
 _LICENCE_TALK = re.compile(r"\b(licen[cs]e[sd]?|copyleft|gpl|dfsg)\b", re.IGNORECASE)
 
 
-def _drop_boilerplate(paragraphs: list[str]) -> list[str]:
+def drop_boilerplate(paragraphs: list[str]) -> list[str]:
     """Paragraphs without licence boilerplate, without talk about licences (the Handbook's DFSG
     and licensing chapters paraphrase licence terms) and without Python-documentation markers."""
     return [p for p in paragraphs if not any(m in p.lower() for m in LICENCE_MARKERS) and not _LICENCE_TALK.search(p)]
 
 
-def _split_long(text: str, limit: int = 2000, size: int = 1500) -> list[str]:
+def split_long(text: str, limit: int = 2000, size: int = 1500) -> list[str]:
     """Text longer than ``limit`` cut at line, then sentence, ends into pieces of about ``size``."""
     if len(text) <= limit:
         return [text]

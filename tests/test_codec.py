@@ -12,7 +12,7 @@ from scdviz.models import hf
 from scdviz.scd import payload, transfer
 from scdviz.scd import plan as plans
 from tests.conftest import tiny_model
-from tests.test_scd import _window, make_pair, perturbed, small_cfg, texts  # noqa: F401  (texts: the fixture)
+from tests.test_scd import make_pair, perturbed, small_cfg, texts  # noqa: F401  (texts: the fixture)
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,9 @@ def calib(pair, texts):  # noqa: F811
     return scdviz.calibrate(pair, small_cfg(texts), progress=False)
 
 
-def _prefix(n: int = 40) -> torch.Tensor:
-    return torch.tensor([_window(n)])
+def _prefix(n: int = 40, seed: int = 3) -> torch.Tensor:
+    """(1, n) random token ids of the tiny models' vocabulary."""
+    return torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def test_decode_needs_only_the_bytes_and_the_calibration(pair, calib):

@@ -83,13 +83,13 @@ def test_prepare_text_cleaning_helpers():
     from scdviz import prepare_text as pt
 
     entry = "Coak \\Coak\\ (k[=o]k), n. [F. caf['e].]\n   See {Coke}, n. [Obs.]\n   [1913 Webster] Coal\n"
-    assert pt._gcide_clean(entry) == "Coak, n. [F. café.] See Coke, n. [Obs.]"
+    assert pt.gcide_clean(entry) == "Coak, n. [F. café.] See Coke, n. [Obs.]"
     long = " ".join(f'"Sentence {i}," said she.' for i in range(300))
-    pieces = pt._split_long(long)
+    pieces = pt.split_long(long)
     assert " ".join(pieces) == long and all(len(p) <= 1500 for p in pieces)
-    kept = pt._drop_boilerplate(["Prose.", "This program is distributed WITHOUT ANY WARRANTY.", ">>> import os"])
+    kept = pt.drop_boilerplate(["Prose.", "This program is distributed WITHOUT ANY WARRANTY.", ">>> import os"])
     assert kept == ["Prose."]
-    assert pt._join_rows(["  are Linux-", "  specific and", "  x -", "  y"]) == "are Linux-specific and x - y"
+    assert pt.join_rows(["  are Linux-", "  specific and", "  x -", "  y"]) == "are Linux-specific and x - y"
     page = "\n".join(
         [
             "read(2)   System Calls Manual   read(2)",
@@ -115,7 +115,7 @@ def test_prepare_text_cleaning_helpers():
         ]
     )
     seen: set[str] = set()
-    assert pt._manpage_paragraphs(page, seen) == [
+    assert pt.manpage_paragraphs(page, seen) == [
         "NAME",
         "read - read from a file descriptor",
         "SYNOPSIS",
@@ -124,7 +124,7 @@ def test_prepare_text_cleaning_helpers():
         "ERRORS",
         "EBADF fd is not a valid file descriptor.",
     ]
-    assert pt._manpage_paragraphs(page, seen) == [
+    assert pt.manpage_paragraphs(page, seen) == [
         "SYNOPSIS",
         "#include <unistd.h>",
         "ssize_t read(int fd, void *buf, size_t count);",

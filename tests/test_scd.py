@@ -788,7 +788,7 @@ def test_error_by_rank_equals_decoding_every_rank():
     for bits in (3, 16):
         curve = rate.error_by_rank(code, xs, ys, bits, 8)
         for r in (0, 1, 5, 12):
-            direct = sum(float(((code.decode(rate._quantised(code.encode(x, r), bits, 8)) - y).double() ** 2).sum())
+            direct = sum(float(((code.decode(rate.quantised(code.encode(x, r), bits, 8)) - y).double() ** 2).sum())
                          for x, y in zip(xs, ys))
             assert curve[r].item() == pytest.approx(direct, rel=1e-6)
     exact = rate.error_by_rank(code, xs, ys, 16, 8)
@@ -832,7 +832,7 @@ def test_ttft_table_counts_every_step_and_break_even_follows_from_it(tiny_pair, 
                ("oracle", "first_step"): [0.1, 0.1, 0.1]}
     for name, enc in (("fast", 0.01), ("slow", 0.7)):
         samples |= {(name, "encode"): [enc] * 3, (name, "receive"): [0.05] * 3, (name, "first_step"): [0.04] * 3}
-    table = ttft._table(samples, {"fast": 1000.0, "slow": 10.0}, ["fast", "slow"], 4, 3, 100)
+    table = ttft.timing_table(samples, {"fast": 1000.0, "slow": 10.0}, ["fast", "slow"], 4, 3, 100)
     fast, slow = table.iloc[1], table.iloc[2]
     assert table["oracle_ms"].iloc[0] == 600.0 and fast["producer_prefill_ms"] == 300.0
     compute = 0.01 + 0.05 + 0.04

@@ -33,7 +33,7 @@ BITS = plans.CODE_BITS  # precisions measured (16 = fp16)
 HOST64 = dict(dtype=torch.float64, device=hf.HOST)  # curves are host-side statistics, like the codes
 
 
-def _quantised(z: Tensor, bits: int, group: int) -> Tensor:
+def quantised(z: Tensor, bits: int, group: int) -> Tensor:
     """z as the receiver decodes it: fp16, or ``bits``-bit per-channel groups."""
     if bits == 16:
         return z.half().float()
@@ -52,7 +52,7 @@ def error_by_rank(code, xs: list[Tensor], ys: list[Tensor], bits: int, group: in
     r_max = dec.shape[0]
     energy, cross, gram = 0.0, torch.zeros(r_max, **HOST64), torch.zeros(r_max, r_max, **HOST64)
     for x, y in zip(xs, ys):
-        z = _quantised(code.encode(x, r_max), bits, group).double()
+        z = quantised(code.encode(x, r_max), bits, group).double()
         e = y.double() - code.mu_out.double()
         energy += float((e**2).sum())
         cross += (z * (e @ dec.T)).sum(0)
@@ -111,7 +111,7 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
             patch = calib.patches[layer]
             z = patch.encode(case.state.h_in[layer][1:])
             for b, bits in enumerate(BITS):
-                h = patch.decode(_quantised(z, bits, cfg.code_group)).to(device=param.device, dtype=param.dtype)
+                h = patch.decode(quantised(z, bits, cfg.code_group)).to(device=param.device, dtype=param.dtype)
                 k, v = hf.kv_from_hin(pair.consumer, layer, h.unsqueeze(0), positions)
                 patch_sse[p, b, 0] += float(((k.float() - oracle_k[layer][:, :, 1:].float()) ** 2).sum())
                 patch_sse[p, b, 1] += float(((v.float() - oracle_v[layer][:, :, 1:].float()) ** 2).sum())

@@ -114,10 +114,10 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
         if rnd >= cfg.warmup:
             for key, value in timings.items():
                 samples.setdefault(key, []).append(value)
-    return _table(samples, sizes, [p.name for p in plan_list], cfg.fan_out, len(windows) * cfg.reps, cfg.prompt_len)
+    return timing_table(samples, sizes, [p.name for p in plan_list], cfg.fan_out, len(windows) * cfg.reps, cfg.prompt_len)
 
 
-def _table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -> pd.DataFrame:
+def timing_table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -> pd.DataFrame:
     med = {key: _quantiles(v)[1] for key, v in samples.items()}
     producer = med["producer prefill", "prefill"]
     oracle = med["oracle", "prefill"] + med["oracle", "first_step"]
