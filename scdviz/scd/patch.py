@@ -4,8 +4,8 @@ At a patch layer the producer sends a code of its H_in (the output of input_laye
 instead of K/V; the consumer maps it to an estimate of its *own* H_in and regenerates
 K, V with its own k_proj / v_proj (+ RoPE). Normalisation: every dimension is
 standardised (mean, std from calibration), so the few huge activation dimensions do not
-dominate the PCA basis or the quantisation ranges (DESIGN §7). ``rank_h = d`` sends the
-whole normalised H_in (no PCA).
+dominate the PCA basis or the quantisation ranges. ``rank_h = d`` sends the whole
+normalised H_in (no PCA).
 
 The aligner works in normalised space: identity + a linear correction + a residual MLP,
 ``ĥ_C = ĥ_P + ĥ_P Δ + b + W2 gelu(W1 ĥ_P + b1) + b2``. The linear part is fitted in closed
