@@ -77,6 +77,29 @@ def test_codes_of_another_calibration_or_none_are_refused(pair, calib, texts):  
     assert payload.decode(raw).layout.calibration == 0  # no codes: decodes without a calibration
 
 
+def test_encode_kv_from_an_engines_cache_gives_the_same_consumer_cache(pair, calib):
+    """What a connector holds (post-RoPE K, V per layer and H_in at the patch layers) codes like a prefill."""
+    ids = _prefix()
+    state = transfer.producer_state(pair.producer, ids)
+    trace = hf.forward(pair.producer, ids, capture={"h_in"})
+    keys, values = hf.cache_kv(trace.cache)
+    for codec in (scdviz.Codec.raw(calib.n_layers), scdviz.Codec.raw(calib.n_layers, bits=4),
+                  scdviz.Codec.of(calib, patch_k=1, bits=4), scdviz.Codec.of(calib, patch_k=0, bits=16)):
+        h_in = {i: trace.h_in[i][0] for i in codec.plan.layers_in("patch")}
+        blob = codec.encode_kv(pair.producer, ids, keys, values, h_in)
+        if "code" not in codec.plan.modes:
+            assert blob == codec.encode(state)  # raw K, V: the same bytes
+        got, want = codec.decode(pair.consumer, blob), codec.decode(pair.consumer, codec.encode(state))
+        for mine, ref in zip(got.layers, want.layers):  # codes of unrotated keys: equal up to rounding
+            torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="give their h_in"):
+        scdviz.Codec.of(calib, patch_k=1).encode_kv(pair.producer, ids, keys, values)
+    droid = scdviz.Codec(plans.droidspeak_plan(calib.n_layers, [1]))
+    with pytest.raises(ValueError, match="residual stream"):
+        droid.encode_kv(pair.producer, ids, keys, values)
+
+
 def test_a_budget_codec_holds_its_budget(pair, calib):
     from scdviz.scd import rate
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from scdviz.models import hf
@@ -72,6 +73,35 @@ class Codec:
             if ids is None or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
                 raise ValueError("encode needs ids of shape (1, T) with T >= 2 (one prompt prefix)")
             state = transfer.producer_state(producer, ids.to(hf.device_of(producer)))
+        return transfer.build_payload(state, self.plan, self.calibration)
+
+    def encode_kv(self, producer, ids: Tensor, keys: list[Tensor], values: list[Tensor],
+                  h_in: dict[int, Tensor] | None = None) -> bytes:
+        """The payload from a prefill that already ran, as an engine connector has it: per layer the
+        producer's post-RoPE ``keys`` and ``values`` (1, Hkv, T, D) of the prefix ``ids`` (1, T), and
+        for each PATCH layer of the plan its normalised pre-attention state ``h_in[layer]`` (T, d).
+        ``producer`` gives only its RoPE (to recover the pre-RoPE keys the codes are fitted on); a plan
+        with recomputed layers needs the residual stream, which a KV cache does not hold: use ``encode``."""
+        if "recompute" in self.plan.modes:
+            raise ValueError(f"the plan {self.plan.name!r} recomputes layers from the producer's residual stream; "
+                             "a KV cache does not hold it: use encode(producer, ids)")
+        missing = sorted(set(self.plan.layers_in("patch")) - set(h_in or {}))
+        if missing:
+            raise ValueError(f"the plan patches layers {missing}: give their h_in (T, d), captured at input_layernorm")
+        if len(keys) != len(self.plan.modes) or len(values) != len(self.plan.modes):
+            raise ValueError(f"give keys and values of all {len(self.plan.modes)} layers, got {len(keys)} and {len(values)}")
+        positions = torch.arange(ids.shape[1], device=keys[0].device).unsqueeze(0)
+        cos, sin = hf.rope(producer, positions)
+        host = lambda t: t.detach().float().cpu()  # noqa: E731  (codes live on the host, as in producer_state)
+        state = ProducerState(
+            ids=ids.cpu(),
+            keys_pre=[host(transfer.flat(hf.unrotate(k, cos.to(k.dtype), sin.to(k.dtype)))) for k in keys],
+            keys=[host(transfer.flat(k)) for k in keys],
+            values=[host(transfer.flat(v)) for v in values],
+            h_in=[host(h_in[i]) if h_in and i in h_in else None for i in range(len(keys))],
+            resid=[],
+            seconds=0.0,
+        )
         return transfer.build_payload(state, self.plan, self.calibration)
 
     def decode(self, consumer, blob: bytes):
