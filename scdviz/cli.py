@@ -19,8 +19,8 @@ from pathlib import Path
 
 from scdviz import config, records, runs, settings
 from scdviz.config import opt
-from scdviz.evict.compare import EvalConfig
-from scdviz.evict.trainer import TrainConfig
+from scdviz.evict.bench import EvalConfig
+from scdviz.evict.train import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
 from scdviz.scd.calibrate import CalibConfig
@@ -302,7 +302,7 @@ def _bench_scd(cmd: BenchScd) -> None:
 
 
 def _train_policy(cmd: TrainPolicy) -> None:
-    from scdviz.evict.trainer import run_folder, train
+    from scdviz.evict.train import run_folder, train
     from scdviz.models.pair import choose_threads, load_model
 
     if cmd.resume and not (cmd.name or cmd.train.out):
@@ -324,7 +324,7 @@ def _train_policy(cmd: TrainPolicy) -> None:
 
 
 def _bench_evict(cmd: BenchEvict) -> None:
-    from scdviz.evict import compare
+    from scdviz.evict import bench
     from scdviz.models import hf
     from scdviz.models.pair import choose_threads, load_model
 
@@ -333,11 +333,11 @@ def _bench_evict(cmd: BenchEvict) -> None:
     print(f"torch threads: {choose_threads()}")
     models = {source: load_model(source) for source in dict.fromkeys(cmd.models)}
     t0 = time.perf_counter()
-    rows = compare.run(cmd.eval, models)
-    print(compare.table(rows))
-    if per_domain := compare.domain_table(rows):
+    rows = bench.run(cmd.eval, models)
+    print(bench.table(rows))
+    if per_domain := bench.domain_table(rows):
         print("\nper domain: the policy chosen on validation vs the best baseline on that domain's contexts")
-        print(compare.domain_text(per_domain))
+        print(bench.domain_text(per_domain))
     _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])), time.perf_counter() - t0)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
 from scdviz import metrics  # noqa: E402
-from scdviz.evict import compare  # noqa: E402
+from scdviz.evict import bench as compare  # noqa: E402
 
 
 def _same(a: list[float], b: list[float]) -> bool:

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
 from scdviz import data  # noqa: E402
-from scdviz.evict import trainer  # noqa: E402
+from scdviz.evict import train as trainer  # noqa: E402
 from scdviz.evict.policy import keep_count  # noqa: E402
 from scdviz.models import hf  # noqa: E402
 from scdviz.models.pair import choose_threads, load_model  # noqa: E402

@@ -36,7 +36,7 @@ from kvpress import ObservedAttentionPress
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when scdviz is not installed
 from scdviz import data, metrics  # noqa: E402
 from scdviz.evict import features as F  # noqa: E402
-from scdviz.evict import trainer  # noqa: E402
+from scdviz.evict import train as trainer  # noqa: E402
 from scdviz.evict.context import observe  # noqa: E402
 from scdviz.evict.policy import Policy, lookahead_prior  # noqa: E402
 from scdviz.models import hf  # noqa: E402

@@ -16,7 +16,7 @@ from scdviz.evict.context import observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio, keep_count, standardise, top_b
 from scdviz.evict.press import DistillCachePress
-from scdviz.evict.trainer import (
+from scdviz.evict.train import (
     Sample,
     TrainConfig,
     gumbel_top_b,
@@ -319,7 +319,7 @@ def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_t
     """The seed's per-step formulation: one prefill decision plus one sampled eviction per layer at
     every cut while decoding, each with a log-probability that carries gradient to the policy; a
     cut made while decoding a token changes only the steps after it."""
-    from scdviz.evict.trainer import reinforce_sequential_step
+    from scdviz.evict.train import reinforce_sequential_step
 
     ids = _ids(40)
     obs = observe(eager_tiny, ids[:, :24], 16)
@@ -346,7 +346,7 @@ def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_t
 
 
 def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs_when_cuts_do(eager_tiny):
-    from scdviz.evict.trainer import validate
+    from scdviz.evict.train import validate
 
     ids = _ids(40)
     obs = observe(eager_tiny, ids[:, :24], 16)
@@ -362,7 +362,7 @@ def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs
 
 
 def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path):
-    from scdviz.evict.trainer import train
+    from scdviz.evict.train import train
 
     class Words:
         def __call__(self, text, add_special_tokens=False):
@@ -377,7 +377,7 @@ def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path
     assert (tmp_path / "best.safetensors").is_file()
     # the logged value is the decode-time KL of the saved checkpoint, recomputed here
     from scdviz.evict.press import DistillCachePress
-    from scdviz.evict.trainer import prepare, validate
+    from scdviz.evict.train import prepare, validate
 
     final = Policy.load(tmp_path / "policy.safetensors")
     held = prepare(model, Words(), cfg, "calib", cfg.val_contexts, progress=False)

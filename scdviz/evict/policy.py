@@ -3,7 +3,7 @@
 Features are transformed (log of the positive ones) and standardised across the tokens
 of each row (one row = one layer / KV head, or the single global row), so the policy
 sees relative importance and transfers across contexts and models. Inference keeps the
-top-B scores (deterministic); sampling for training lives in scdviz.evict.trainer.
+top-B scores (deterministic); sampling for training lives in scdviz.evict.train.
 Weights, config and the trained-on model's identity are one scdviz artefact (safetensors).
 
 Shapes: features (..., T, F) -> scores (..., T), F >= the policy's ``n_inputs`` (extra

@@ -21,7 +21,7 @@ A lookahead policy starts at its prior instead (scdviz.evict.policy), so it need
 start. Prefills are cached once per context (features, full keys/values, reference
 logits), so an epoch costs only the continuations.
 
-Not here: feature maths (features.py), the press (press.py), evaluation (compare.py).
+Not here: feature maths (features.py), the press (press.py), evaluation (bench.py).
 """
 
 from __future__ import annotations

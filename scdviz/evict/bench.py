@@ -25,7 +25,7 @@ the full one, and the chosen policy's cost while evicting at decode time
 (decode_overhead_frac). Policies trained on one model are applied zero-shot to the others
 in ``models``.
 
-This module does not train (trainer.py) and draws no figures.
+This module does not train (train.py) and draws no figures.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class EvalConfig:
     bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use none)")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline and of a lookahead policy's sampled continuations")
-    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (compare.lodo)")
+    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (bench.lodo)")
     lodo_steps: int | None = opt(None, "REINFORCE steps of each --lodo retraining (default: the recipe's)")
 
 
@@ -461,9 +461,9 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
     ``agnostic lodo-<domain>``; the new policy is ``lodo-<domain>``, flagged as chosen). The
     shipped corpora a policy never trained on are held out of it already (``trained_on``)."""
     from scdviz import config, runs
-    from scdviz.evict import trainer
+    from scdviz.evict import train
 
-    saved, _ = config.from_dict(trainer.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
+    saved, _ = config.from_dict(train.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
     saved = dataclasses.replace(saved, question_len=recipe.validation_question_len)  # older logs: 0, as they ran
     domains = [d for d in saved.corpora if d in cfg.corpora]
     if len(saved.corpora) < 2 or saved.texts or not domains:
@@ -476,7 +476,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
             saved, corpora=tuple(d for d in saved.corpora if d != domain),
             steps=saved.steps if cfg.lodo_steps is None else cfg.lodo_steps,
             out=str(runs.new("policies", runs.auto_name(f"lodo-{domain}"))))
-        trainer.train(train_cfg, model, tokenizer, source)
+        train.train(train_cfg, model, tokenizer, source)
         policy = Policy.load(Path(train_cfg.out) / "best.safetensors")
         name = f"lodo-{domain}"
         dcfg = dataclasses.replace(cfg, corpora=(domain,), texts=None, limit=per_domain, lodo=False, qa=False,
