@@ -37,7 +37,7 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
     assert by["learned"]["wins_vs_context_best"] == pytest.approx(1 / 3)  # only context 2 (0.10 < 0.12)
     assert by["learned"]["chosen_on_validation"] and not by["B"]["chosen_on_validation"]
     assert by["C"]["cannot_run"] == "no gates" and by["learned"]["domains"] == ["x", "x", "y"]
-    per_domain = {r["domain"]: r for r in bench.domain_table(rows)}
+    per_domain = {r["domain"]: r for r in bench.domain_table(rows).to_dict("records")}
     assert per_domain["x"]["best_baseline"] == "A" and per_domain["y"]["best_baseline"] == "A"
     assert per_domain["x"]["kl"] == pytest.approx(0.10) and per_domain["x"]["wins"] == 1.0
     assert per_domain["y"]["n"] == 1 and per_domain["y"]["ci95"] is None
@@ -274,11 +274,13 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
     recipe = train.TrainConfig(out=str(tmp_path / "recipe"), corpora=("austen", "gcide"), contexts=2, context_len=40,
                                  cont_len=6, steps=2, warm_steps=2, checkpoint_every=1, val_contexts=2, samples=2,
                                  policy=PolicyConfig(hidden=4, per_head=True, window=8))
-    train.train(recipe, model, _Words(), "tiny", progress=False)
+    train.train(recipe, (model, _Words(), "tiny"), train.checkpoints_to(recipe.out), progress=False)
     cfg = bench.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
                              "jargon"), limit=6, context_len=40, cont_len=6, question_len=0, keeps=(0.25,),
                              token_budgets=(), throughput_contexts=0, natives=False, lodo=True, lodo_steps=1)
-    rows = bench.run(cfg, {"tiny": (model, _Words())})
+    record = bench.run(cfg, (model, _Words(), "tiny"))
+    assert record.kind == "evict" and record.settings["eval"]["lodo"]
+    rows = record.rows
     for domain, other in (("austen", "gcide"), ("gcide", "austen")):
         mine = [r for r in rows if r["mode"] == f"agnostic lodo-{domain}" and r.get("method") == f"lodo-{domain}"]
         assert len(mine) == 1 and mine[0]["trained_on"] == [other] and mine[0]["chosen_on_validation"]
@@ -287,7 +289,7 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
         assert log["config"]["corpora"] == [other] and len(log["steps"]) == 1
         assert log["config"]["question_len"] == recipe.question_len == 16  # the recipe's validation tail, kept
         assert Path(mine[0]["policy_folder"]).is_relative_to(tmp_path / "work" / "runs" / "policies")
-    table = bench.domain_table(rows)
+    table = bench.domain_table(rows).to_dict("records")
     lodo_rows = [r for r in table if "lodo" in r["mode"]]
     assert {(r["domain"], r["held_out"]) for r in lodo_rows} == {("austen", True), ("gcide", True)}
     main = {r["domain"]: r["held_out"] for r in table if r["mode"] == "agnostic"}
