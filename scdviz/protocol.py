@@ -112,8 +112,8 @@ def merge(parts: Sequence[records.BenchRecord], settings: dict | None = None,
 
 
 def show(table: pd.DataFrame) -> str:
-    """A table as the CLI prints it: every column, no index, empty cells for missing values."""
+    """A table as the CLI prints it: every column, no index, empty cells for missing values, cells cut at 60
+    characters (the record keeps them whole)."""
     if table.empty:
         return "(no rows)"
-    with pd.option_context("display.max_columns", None, "display.width", 10_000, "display.max_colwidth", 80):
-        return table.to_string(index=False, na_rep="")
+    return table.to_string(index=False, na_rep="", max_colwidth=60)

@@ -701,5 +701,8 @@ def table(records: list[dict]) -> pd.DataFrame:
 
 
 def domain_text(rows: pd.DataFrame | list[dict]) -> str:
-    """``domain_table`` as plain text (``scdviz.protocol.show``)."""
-    return protocol.show(pd.DataFrame(rows))
+    """``domain_table`` as plain text (``scdviz.protocol.show``): models by short name, wins to 2 places."""
+    table = pd.DataFrame(rows)
+    if len(table):
+        table = table.assign(model=table["model"].map(_short), wins=table["wins"].round(2))
+    return protocol.show(table)
