@@ -11,7 +11,7 @@ beside an earlier record that ran them. For each budget it prints the policy's K
 baseline over all the records (lowest mean KL), the paired-bootstrap 95 % interval of the
 difference and of the ratio, wins against that baseline and against each context's best
 baseline, context-QA accuracy where recorded; then, per domain, ``bench evict``'s own domain
-table (``scdviz.evict.compare.domain_table``) over the joined rows.
+table (``scdviz.evict.bench.domain_table``) over the joined rows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from scdviz import metrics
-from scdviz.evict import compare
+from scdviz.evict import bench as compare
 
 
 def _same(a: list[float], b: list[float]) -> bool:

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvpress import ObservedAttentionPress
 
     from scdviz import metrics
-    from scdviz.evict import trainer
+    from scdviz.evict import train as trainer
     from scdviz.evict.policy import Policy, PolicyConfig
     from scdviz.evict.press import DistillCachePress
     from scdviz.models.pair import choose_threads, load_model

@@ -25,7 +25,7 @@ import time
 import torch
 
 from scdviz import data
-from scdviz.evict import trainer
+from scdviz.evict import train as trainer
 from scdviz.evict.policy import keep_count
 from scdviz.models import hf
 from scdviz.models.pair import choose_threads, load_model

@@ -34,7 +34,7 @@ from kvpress import ObservedAttentionPress
 
 from scdviz import data, metrics
 from scdviz.evict import features as F
-from scdviz.evict import trainer
+from scdviz.evict import train as trainer
 from scdviz.evict.context import observe
 from scdviz.evict.policy import Policy, lookahead_prior
 from scdviz.models import hf

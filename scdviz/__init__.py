@@ -44,8 +44,8 @@ _WHERE = {  # public name -> the module that defines it
     "bench_text": "scdviz.scd.bench",
     "PolicyConfig": "scdviz.evict.policy",
     "Policy": "scdviz.evict.policy",
-    "TrainConfig": "scdviz.evict.trainer",
-    "train": "scdviz.evict.trainer",
+    "TrainConfig": "scdviz.evict.train",
+    "train": "scdviz.evict.train",
     "DistillCachePress": "scdviz.evict.press",
     "eviction_view": "scdviz.evict.view",
 }

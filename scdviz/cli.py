@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scdviz import config, records, runs, settings
+from scdviz import config, protocol, records, runs, settings
 from scdviz.config import opt
-from scdviz.evict.compare import EvalConfig
-from scdviz.evict.trainer import TrainConfig
+from scdviz.evict.bench import EvalConfig
+from scdviz.evict.train import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
 from scdviz.scd.calibration import CalibConfig
@@ -262,46 +262,48 @@ def _bench_scd(cmd: BenchScd) -> None:
     folders = cmd.calibs or [str(_calib_folder(c)) for c in consumers]
     if len(folders) != len(consumers):
         raise ValueError("give one --calibs folder per --consumers source")
-    rows, device, reports = [], "", []
+    parts, reports = [], []
+
+    def show(report) -> None:
+        n = report.methods[0].n_prompts
+        seen = "held out of" if report.domain not in report.calibrated_on else "in"
+        print(f"\n== {report.specialist} on {report.domain} ({seen} the calibration's domains; {n} prompts of "
+              f"{cmd.bench.prompt_len} tokens + {cmd.bench.cont_len}) ==")
+        print(protocol.show(report.table()))
+        for model in dict.fromkeys(p["model"] for p in report.projection):
+            proj = [p for p in report.projection if p["model"] == model and p["gpu"] == bench.PROJECTION_GPU.name
+                    and p["link_gbps"] == 10]
+            print(f"analytic projection (not measured) for {model}: {bench.PROJECTION_GPU.name}, "
+                  f"{bench.PROJECTION_TOKENS} tokens, 10 Gbit/s: " + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
+        reports.append(report)
+
     t0 = time.perf_counter()
     for consumer, folder in zip(consumers, folders):
         pair = load_pair(cmd.producer, consumer)
-        device = str(pair.device)
-        for report in bench.run(cmd.bench, pair, calibration.Calibration.load(folder, pair)):
-            n = report.methods[0].n_prompts
-            seen = "held out of" if report.domain not in report.calibrated_on else "in"
-            print(f"\n== {report.specialist} on {report.domain} ({seen} the calibration's domains; {n} prompts of "
-                  f"{cmd.bench.prompt_len} tokens + {cmd.bench.cont_len}) ==")
-            print(report.table().to_string(index=False))
-            for model in dict.fromkeys(p["model"] for p in report.projection):
-                proj = [p for p in report.projection if p["model"] == model and p["gpu"] == bench.PROJECTION_GPU.name
-                        and p["link_gbps"] == 10]
-                print(f"analytic projection (not measured) for {model}: {bench.PROJECTION_GPU.name}, "
-                      f"{bench.PROJECTION_TOKENS} tokens, 10 Gbit/s: " + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
-            rows += bench.rows(report)
-            reports.append(report)
+        parts.append(bench.run(cmd.bench, pair, calibration.Calibration.load(folder, pair), on_report=show))
     print("\n== per domain: raw reuse vs SCD full, same token-0 handling (ratio_ci: paired bootstrap over prompts) ==")
-    print(bench.domain_table(reports).to_string(index=False))
+    print(protocol.show(bench.domain_table(reports)))
     if cmd.bench.sweeps:
         print("\n== patch-budget sweep: KL at k patch layers, relative to k = 0 (vs_k0_ci95: paired bootstrap over prompts) ==")
-        print(bench.patch_table(reports).to_string(index=False))
+        print(protocol.show(bench.patch_table(reports)))
     if cmd.bench.rank_claim:
         print("\n== rank claim: one rank for every key code (values at full rank) and vice versa, KL relative to "
               "reuse-only at full rank (ci95: paired bootstrap over prompts) ==")
-        print(bench.rank_claim_table(reports).to_string(index=False))
+        print(protocol.show(bench.rank_claim_table(reports)))
     if cmd.bench.budgets:
         print("\n== budget sweep: transform-coded and rate-distortion plans (both a hard byte limit) and rank-only allocation, KL relative to raw "
               "reuse (vs_raw_ci95: paired bootstrap over prompts) ==")
-        print(bench.budget_table(reports).to_string(index=False))
+        print(protocol.show(bench.budget_table(reports)))
     qa_rows = bench.qa_table(reports)
     if len(qa_rows):
         print(f"\n== context-QA token-F1, {qa_rows['items'].iloc[0]} items pooled over the reports (95% bootstrap) ==")
-        print(qa_rows.to_string(index=False))
-    _write(cmd, "scd", cmd.bench.seed, rows, device, time.perf_counter() - t0)
+        print(protocol.show(qa_rows))
+    _write(cmd, protocol.merge(parts, seconds=time.perf_counter() - t0))
 
 
 def _train_policy(cmd: TrainPolicy) -> None:
-    from scdviz.evict.trainer import run_folder, train
+    from scdviz.evict import train
+    from scdviz.models import hf
     from scdviz.models.pair import choose_threads, load_model
 
     if cmd.resume and not (cmd.name or cmd.train.out):
@@ -311,11 +313,13 @@ def _train_policy(cmd: TrainPolicy) -> None:
     else:
         folder = _out_folder(cmd.train.out, "policies", cmd.name or runs.auto_name("policy"), cmd.maintainer, None)
     cfg = dataclasses.replace(cmd.train, out=str(folder))
-    run_folder(cfg, cmd.resume)  # refuse a bad --out before loading a model
+    train.run_folder(cfg, cmd.resume)  # refuse a bad --out before loading a model
     print(f"torch threads: {choose_threads()}")
     model, tokenizer = load_model(cmd.model)
+    state = train.load_checkpoint(folder, hf.device_of(model)) if cmd.resume else None
     t0 = time.perf_counter()
-    log = train(cfg, model, tokenizer, cmd.model, resume=cmd.resume)
+    # train writes nothing: every checkpoint (policy, best, optimizer, log) is written here, as it comes
+    log = train.train(cfg, (model, tokenizer, cmd.model), train.checkpoints_to(folder), state=state).log
     _save_run(cmd, folder, "train-policy", cfg.seed, str(next(model.parameters()).device), time.perf_counter() - t0)
     best = min(log["val"], key=lambda v: v["kl"]) if log["val"] else None
     print(f"done in {log['seconds']} s; heuristic val KL {log['val_heuristic']}; best val KL {best}")
@@ -323,21 +327,19 @@ def _train_policy(cmd: TrainPolicy) -> None:
 
 
 def _bench_evict(cmd: BenchEvict) -> None:
-    from scdviz.evict import compare
-    from scdviz.models import hf
+    from scdviz.evict import bench
     from scdviz.models.pair import choose_threads, load_model
 
     if not cmd.models:
         raise ValueError("give at least one model source (--models)")
     print(f"torch threads: {choose_threads()}")
-    models = {source: load_model(source) for source in dict.fromkeys(cmd.models)}
-    t0 = time.perf_counter()
-    rows = compare.run(cmd.eval, models)
-    print(compare.table(rows))
-    if per_domain := compare.domain_table(rows):
+    models = [(*load_model(source), source) for source in dict.fromkeys(cmd.models)]
+    record = bench.run(cmd.eval, models[0], models[1:])
+    print(protocol.show(bench.table(record.rows)))
+    if len(per_domain := bench.domain_table(record.rows)):
         print("\nper domain: the policy chosen on validation vs the best baseline on that domain's contexts")
-        print(compare.domain_text(per_domain))
-    _write(cmd, "evict", cmd.eval.seed, rows, str(hf.device_of(next(iter(models.values()))[0])), time.perf_counter() - t0)
+        print(bench.domain_text(per_domain))
+    _write(cmd, record)
 
 
 def _bench_ttft(cmd: BenchTtft) -> None:
@@ -363,7 +365,7 @@ def _bench_ttft(cmd: BenchTtft) -> None:
             cols = [f"ttft{label}_{g:g}gbps_ms" for g in ttft.BANDWIDTHS] + [f"break_even{label}_gbps"]
             print(f"\nTTFT (ms) {what}; break-even: the slowest link (Gbit/s) at which the method still beats the oracle")
             print(table[["method", *cols]].iloc[1:].to_string(index=False))
-    _write(cmd, "ttft", c.seed, table.to_dict("records"), str(pair.device), time.perf_counter() - t0)
+    _write(cmd, protocol.record("ttft", table.to_dict("records"), {}, c.seed, str(pair.device), time.perf_counter() - t0))
 
 
 # ----------------------------------------------------------------------------- where runs write
@@ -407,9 +409,9 @@ def _save_run(cmd, folder: Path, command: str, seed: int | None, device: str, se
     (folder / "run.json").write_text(json.dumps(records.run_info(settings_, seed, device, seconds, command), indent=1))
 
 
-def _write(cmd, kind: str, seed: int, rows: list[dict], device: str, seconds: float) -> None:
-    """The bench record, its config (``.toml``) and, with --figures, its figures."""
-    record = records.make(kind, config.to_dict(cmd), seed, rows, device, seconds)
+def _write(cmd, record: records.BenchRecord) -> None:
+    """The bench record (its settings: the command's), its config (``.toml``) and, with --figures, its figures."""
+    record.settings, kind, rows = config.to_dict(cmd), record.kind, record.rows
     if cmd.out:
         path = _check_writable(Path(cmd.out), cmd.maintainer)
         path.parent.mkdir(parents=True, exist_ok=True)

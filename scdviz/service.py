@@ -357,7 +357,7 @@ def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, p
     """Train a DistillCache policy on the pair's producer in a thread; yields the growing log
     every ~2 s, then (folder, final log). The best policy joins this session's eviction methods."""
     from scdviz.evict.policy import Policy, PolicyConfig
-    from scdviz.evict.trainer import TrainConfig, train
+    from scdviz.evict.train import TrainConfig, checkpoints_to, train
 
     steps = inputs.integer(steps, "REINFORCE steps", 1, 300)
     contexts = inputs.integer(contexts, "Training contexts", 2, 32)
@@ -370,8 +370,7 @@ def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, p
 
     def work():
         try:
-            state["log"] = train(cfg, pair.producer, pair.tokenizer, pair.producer_source, progress=True,
-                                 on_step=lambda log: state.update(log=log))
+            state["log"] = train(cfg, pair, checkpoints_to(folder, then=lambda event: state.update(log=event.log))).log
         except Exception as err:  # noqa: BLE001 - reported to the caller below
             state["error"] = err
 

@@ -21,13 +21,13 @@ from conftest import tiny_model
 from kvpress import KnormPress, ObservedAttentionPress
 from test_scd import make_pair, perturbed, small_cfg
 
-from scdviz.evict import compare
+from scdviz.evict import bench
 from scdviz.evict import features as F
 from scdviz.evict.context import observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio
 from scdviz.evict.press import DistillCachePress
-from scdviz.evict.trainer import Sample, TrainConfig, reinforce_step
+from scdviz.evict.train import Sample, TrainConfig, reinforce_step
 from scdviz.models import hf
 from scdviz.scd import calibrate as cal
 from scdviz.scd import measure, payload, transfer
@@ -158,17 +158,17 @@ def _eviction_paths(model, dtype, baseline):
         stats["loss"].backward()
         assert stats["kl"] >= 0 and any(p.grad is not None for p in policy.parameters())
         # the benchmark's paths: every method on a context, decode-time quality, the foresight target
-        cfg = compare.EvalConfig(keeps=(0.5,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=4,
+        cfg = bench.EvalConfig(keeps=(0.5,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=4,
                                  decode_interval=2)
         with torch.device("cpu"):  # as Policy.load gives one
             torch.manual_seed(0)
             look = Policy(PolicyConfig(hidden=8, per_head=True, window=16, lookahead=2, lookahead_samples=2)).eval()
         policies = {"distillcache-head": _policy(True), "distillcache-head-look": look}
         failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
-        out = compare.score_context(model, ids, 24, cfg, policies, {"baseline": baseline}, failed=failed)
+        out = bench.score_context(model, ids, 24, cfg, policies, {"baseline": baseline}, failed=failed)
         assert not failed and all(math.isfinite(r["kl"]) for k, r in out["results"].items() if k[0] != "full cache")
         assert out["feats"][(16, 2, 2)].head_features.shape[-1] == 6 and ("distillcache-head-look", "0.5") in out["kept"]
-        dec = compare.decode_context(model, ids, 24, cfg, out, policies, {"baseline": baseline}, failed)
+        dec = bench.decode_context(model, ids, 24, cfg, out, policies, {"baseline": baseline}, failed)
         assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values())
         assert list(failed) == ["distillcache-head-look"]  # no lookahead while decoding: said, not crashed
         trace = hf.forward(model, ids[:, 24:], cache=hf.make_cache(model, obs.keys, obs.values),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -16,7 +17,7 @@ from scdviz.evict.context import observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio, keep_count, standardise, top_b
 from scdviz.evict.press import DistillCachePress
-from scdviz.evict.trainer import (
+from scdviz.evict.train import (
     Sample,
     TrainConfig,
     gumbel_top_b,
@@ -319,7 +320,7 @@ def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_t
     """The seed's per-step formulation: one prefill decision plus one sampled eviction per layer at
     every cut while decoding, each with a log-probability that carries gradient to the policy; a
     cut made while decoding a token changes only the steps after it."""
-    from scdviz.evict.trainer import reinforce_sequential_step
+    from scdviz.evict.train import reinforce_sequential_step
 
     ids = _ids(40)
     obs = observe(eager_tiny, ids[:, :24], 16)
@@ -346,7 +347,7 @@ def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_t
 
 
 def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs_when_cuts_do(eager_tiny):
-    from scdviz.evict.trainer import validate
+    from scdviz.evict.train import validate
 
     ids = _ids(40)
     obs = observe(eager_tiny, ids[:, :24], 16)
@@ -362,7 +363,7 @@ def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs
 
 
 def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path):
-    from scdviz.evict.trainer import train
+    from scdviz.evict.train import train
 
     class Words:
         def __call__(self, text, add_special_tokens=False):
@@ -372,12 +373,14 @@ def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path
     cfg = TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=40, cont_len=8, steps=1,
                       warm_steps=1, checkpoint_every=1, val_contexts=1, samples=2, val_decode=True, decode_interval=2,
                       policy=PolicyConfig(hidden=4, per_head=True, window=8))
-    log = train(cfg, model, Words(), "tiny", progress=False)
+    from scdviz.evict.train import checkpoints_to
+
+    log = train(cfg, (model, Words(), "tiny"), checkpoints_to(tmp_path), progress=False).log
     assert log["val_heuristic_decode"] > 0 and log["val_heuristic"] > 0 and len(log["val"]) == 2
     assert (tmp_path / "best.safetensors").is_file()
     # the logged value is the decode-time KL of the saved checkpoint, recomputed here
     from scdviz.evict.press import DistillCachePress
-    from scdviz.evict.trainer import prepare, validate
+    from scdviz.evict.train import prepare, validate
 
     final = Policy.load(tmp_path / "policy.safetensors")
     held = prepare(model, Words(), cfg, "calib", cfg.val_contexts, progress=False)
@@ -385,7 +388,7 @@ def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path
     assert round(again, 5) == log["val"][-1]["kl"]
     assert round(validate(model, lambda s: rows(final, s.obs), True, held, cfg.keeps), 5) != log["val"][-1]["kl"]
     with pytest.raises(ValueError, match="per-head"):
-        train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}), model, Words(), "tiny",
+        train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}), (model, Words(), "tiny"),
               progress=False)
 
 
@@ -515,7 +518,7 @@ def test_a_lookahead_policy_refuses_features_without_it_and_others_ignore_it(eag
         pass
     for bad in ({"reward": "sequential"}, {"val_decode": True}):
         with pytest.raises(ValueError, match="lookahead"):
-            train(TrainConfig(out="unused", policy=PolicyConfig(lookahead=4), **bad), eager_tiny, None, "tiny")
+            train(TrainConfig(out="unused", policy=PolicyConfig(lookahead=4), **bad), (eager_tiny, None, "tiny"))
 
 
 def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_its_own_rate(eager_tiny):
@@ -535,3 +538,58 @@ def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_its_own_r
     log = {"warm": []}
     warm_start(policy, [sample], cfg, opt, log)
     assert opt.param_groups[0]["lr"] == 1e-4 and log["warm"][-1] < log["warm"][0]  # imitated, then REINFORCE's rate
+
+
+def test_train_writes_no_file_and_hands_checkpoints_to_its_callback(tmp_path, monkeypatch):
+    """fit(cfg, pair) -> artefact: train returns the policy chosen on validation with its log and writes
+    nothing; every step and checkpoint goes to the callback, and checkpoints_to(folder) writes the run
+    folder; a run resumed from that folder (load_checkpoint) goes on to the configured steps."""
+    from scdviz.evict.train import Checkpoint, checkpoints_to, load_checkpoint, train
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [sum(map(ord, w)) % 97 for w in text.split()]}
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    cfg = TrainConfig(out=str(tmp_path / "never"), corpora=("austen",), contexts=2, context_len=40, cont_len=8, steps=4,
+                      warm_steps=1, checkpoint_every=2, val_contexts=1, samples=2,
+                      policy=PolicyConfig(hidden=4, per_head=True, window=8))
+    events = []
+    policy = train(cfg, (model, Words(), "tiny"), events.append, progress=False)
+    assert list(tmp_path.iterdir()) == []  # no file, not even cfg.out
+    assert [e.kind for e in events].count("step") == 4 and [e.step for e in events if e.kind == "step"] == [1, 2, 3, 4]
+    checkpoints = [e for e in events if e.kind == "checkpoint"]
+    assert [e.step for e in checkpoints] == [0, 2, 4] and [e.val_kl for e in checkpoints] == [v["kl"] for v in policy.log["val"]]
+    assert all(isinstance(e.checkpoint, Checkpoint) and e.checkpoint.optimizer["state"] is not None for e in checkpoints)
+    low = min(v["kl"] for v in policy.log["val"])
+    best = [v for v in policy.log["val"] if v["kl"] == low][-1]  # ties: the later checkpoint, as it always was
+    assert policy.meta == {"steps": best["step"], "val_kl": best["kl"]} and not policy.training
+    assert policy.identity["model_source"] == "tiny" and len(policy.log["steps"]) == 4
+
+    folder = tmp_path / "run"
+    first = train(TrainConfig(**{**cfg.__dict__, "steps": 2}), (model, Words(), "tiny"), checkpoints_to(folder),
+                  progress=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["best.safetensors", "log.json", "optimizer.pt",
+                                                       "policy.safetensors"]
+    assert Policy.load(folder).log["val"] == first.log["val"]  # a folder reads as its best.safetensors + log
+    resumed = train(cfg, (model, Words(), "tiny"), checkpoints_to(folder), state=load_checkpoint(folder), progress=False)
+    assert [s["kl"] for s in resumed.log["steps"]][:2] == [s["kl"] for s in first.log["steps"]]
+    assert len(resumed.log["steps"]) == 4 and len(resumed.log["val"]) == 3
+    last = Policy.load(folder / "policy.safetensors")
+    assert last.meta == {"steps": 4} and json.loads((folder / "log.json").read_text())["val"] == resumed.log["val"]
+    with pytest.raises(ValueError, match="not on 'other'"):
+        train(cfg, (tiny_model("llama", seed=1), Words(), "other"), state=load_checkpoint(folder), progress=False)
+
+
+def test_a_policy_saves_to_a_folder_and_loads_back_with_its_log(tmp_path):
+    policy = _policy(True)
+    policy.meta, policy.log = {"steps": 3, "val_kl": 0.5}, {"val": [{"step": 3, "kl": 0.5}]}
+    assert policy.save(tmp_path / "mine") == tmp_path / "mine"
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["best.safetensors", "log.json"]
+    back = Policy.load(tmp_path / "mine")
+    assert back.meta == policy.meta and back.log == policy.log and back.config == policy.config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), policy.state_dict().values()))
+    assert Policy.load(tmp_path / "mine" / "best.safetensors").log == policy.log
+    policy.save(tmp_path / "alone.safetensors")
+    assert Policy.load(tmp_path / "alone.safetensors").log is None

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_model
 
 from scdviz import metrics
-from scdviz.evict import compare
+from scdviz.evict import bench
 from scdviz.evict.policy import Policy, PolicyConfig
 from scdviz.models import hf
 
@@ -26,7 +26,7 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
     per_ctx = [_ctx({"learned": 0.10, "A": 0.20, "B": 0.05}),
                _ctx({"learned": 0.10, "A": 0.12, "B": 0.30}),
                _ctx({"learned": 0.30, "A": 0.10, "B": 0.11})]
-    rows = compare.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "B"},
+    rows = bench.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "B"},
                              domains=["x", "x", "y"], chosen="learned", failed={"C": "no gates"})
     by = {r["method"]: r for r in rows}
     assert by["A"]["best_baseline"] == "A" and by["A"]["kl_minus_best"] is None  # A: mean .14 < B: .153
@@ -37,7 +37,7 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
     assert by["learned"]["wins_vs_context_best"] == pytest.approx(1 / 3)  # only context 2 (0.10 < 0.12)
     assert by["learned"]["chosen_on_validation"] and not by["B"]["chosen_on_validation"]
     assert by["C"]["cannot_run"] == "no gates" and by["learned"]["domains"] == ["x", "x", "y"]
-    per_domain = {r["domain"]: r for r in compare.domain_table(rows)}
+    per_domain = {r["domain"]: r for r in bench.domain_table(rows).to_dict("records")}
     assert per_domain["x"]["best_baseline"] == "A" and per_domain["y"]["best_baseline"] == "A"
     assert per_domain["x"]["kl"] == pytest.approx(0.10) and per_domain["x"]["wins"] == 1.0
     assert per_domain["y"]["n"] == 1 and per_domain["y"]["ci95"] is None
@@ -46,7 +46,7 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
 def test_aggregate_drops_a_method_missing_on_some_context():
     model = tiny_model("llama")
     per_ctx = [_ctx({"A": 0.2, "late": 0.1}), _ctx({"A": 0.2})]
-    rows = compare.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "late"})
+    rows = bench.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "late"})
     assert [r["method"] for r in rows] == ["A"]
 
 
@@ -55,13 +55,13 @@ def test_contexts_spread_evenly_over_the_domains():
         def __call__(self, text, add_special_tokens=False):
             return {"input_ids": [hash(w) % 97 for w in text.split()]}
 
-    cfg = compare.EvalConfig(corpora=("austen", "bible", "jargon"), limit=7, context_len=40, question_len=4, cont_len=4)
-    domains = [d for d, _ in compare.contexts(cfg, Words())]
+    cfg = bench.EvalConfig(corpora=("austen", "bible", "jargon"), limit=7, context_len=40, question_len=4, cont_len=4)
+    domains = [d for d, _ in bench.contexts(cfg, Words())]
     assert len(domains) == 7 and domains[:3] == ["austen", "bible", "jargon"]
     assert max(domains.count(d) for d in set(domains)) - min(domains.count(d) for d in set(domains)) <= 1
     Words.bos_token_id = 96
-    plain = compare.contexts(cfg, Words())
-    with_bos = compare.contexts(dataclasses.replace(cfg, bos=True), Words())
+    plain = bench.contexts(cfg, Words())
+    with_bos = bench.contexts(dataclasses.replace(cfg, bos=True), Words())
     assert all(w[0] == 96 and len(w) == 48 == len(p) for (_, w), (_, p) in zip(with_bos, plain, strict=True))
     assert with_bos[0][1][1:] == plain[0][1][:47]  # BOS, then the same text
 
@@ -75,9 +75,9 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
         Policy(PolicyConfig(hidden=4, per_head=True, window=window)).save(folder / "best.safetensors")
         (folder / "log.json").write_text(json.dumps({"val": [{"step": i, "kl": v} for i, v in enumerate(vals)]}))
         paths.append(str(folder / "best.safetensors"))
-    assert compare.validation_kl(paths[1]) == 0.15
-    assert compare.chosen_on_validation(tuple(paths)) == "distillcache-head-w8"
-    assert set(compare.load_policies(tuple(paths))) == {"distillcache-head", "distillcache-head-w8"}
+    assert bench.validation_kl(paths[1]) == 0.15
+    assert bench.chosen_on_validation(tuple(paths)) == "distillcache-head-w8"
+    assert set(bench.load_policies(tuple(paths))) == {"distillcache-head", "distillcache-head-w8"}
     # a log validated on the benchmark's own tail (16 unscored tokens, then the scored ones) competes
     # only with logs like it: a KL on another tail is not comparable, however low
     folder = tmp_path / "c"
@@ -85,9 +85,9 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
     Policy(PolicyConfig(hidden=4, per_head=True, window=32)).save(folder / "best.safetensors")
     (folder / "log.json").write_text(json.dumps({"config": {"question_len": 16}, "val": [{"step": 0, "kl": 0.5}]}))
     paths.append(str(folder / "best.safetensors"))
-    assert compare.chosen_on_validation(tuple(paths), question_len=16) == "distillcache-head-w32"
-    assert compare.chosen_on_validation(tuple(paths), question_len=0) == "distillcache-head-w8"  # older logs: 0
-    assert compare.chosen_on_validation(tuple(paths), question_len=4) == "distillcache-head-w8"  # none alike: all
+    assert bench.chosen_on_validation(tuple(paths), question_len=16) == "distillcache-head-w32"
+    assert bench.chosen_on_validation(tuple(paths), question_len=0) == "distillcache-head-w8"  # older logs: 0
+    assert bench.chosen_on_validation(tuple(paths), question_len=4) == "distillcache-head-w8"  # none alike: all
 
 
 def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():
@@ -112,7 +112,7 @@ def test_native_presses_keep_the_budget_and_leave_nothing_on_the_model(name):
     model = tiny_model("llama")
     hf.set_eager(model)  # the benchmark's setting: press_prefill switches to sdpa and back
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(5))
-    make = compare.native_baselines()[name]
+    make = bench.native_baselines()[name]
     with hf.press_prefill(model, make(0.75), ids[:, :96]) as cache:
         assert hf.kept_per_head(model, cache) == pytest.approx(24)
         pruned = hf.continue_logits(model, cache, ids[:, 96:], 96)
@@ -127,11 +127,11 @@ def test_score_context_reports_a_native_press_that_cannot_run():
     hf.set_eager(model)
     torch.manual_seed(0)
     policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
-    cfg = compare.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
-    natives = {k: v for k, v in compare.native_baselines().items() if k in ("KVzip", "AdaKV-SnapKV")}
+    cfg = bench.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
+    natives = {k: v for k, v in bench.native_baselines().items() if k in ("KVzip", "AdaKV-SnapKV")}
     failed = {}
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
-    out = compare.score_context(model, ids, 96, cfg, policies, compare.baselines(), natives=natives, failed=failed)
+    out = bench.score_context(model, ids, 96, cfg, policies, bench.baselines(), natives=natives, failed=failed)
     assert "KVzip" in failed and failed["KVzip"]  # no tokenizer for a random model: said, not raised
     assert out["results"][("AdaKV-SnapKV", "0.25")]["tokens_kept"] == pytest.approx(24)
     assert ("KVzip", "0.25") not in out["results"]
@@ -160,48 +160,48 @@ def test_future_attention_sums_each_group_and_averages_the_rows():
 
 
 def test_foresight_warm_start_fits_the_future_ranking(tmp_path):
-    from scdviz.evict import trainer
+    from scdviz.evict import train
 
     model = tiny_model("llama")
-    cfg = trainer.TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=48, cont_len=8,
+    cfg = train.TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=48, cont_len=8,
                               warm_steps=40, warm_target="foresight", lr=1e-2,
                               policy=PolicyConfig(hidden=8, per_head=True, window=8))
-    samples = trainer.prepare(model, _Words(), cfg, "train", 2, progress=False)
+    samples = train.prepare(model, _Words(), cfg, "train", 2, progress=False)
     head, glob = samples[0].future
     assert head.shape == (3, 1, 2, 48) and glob.shape == (1, 48)
-    assert trainer.warm_rows(samples[0], True, "foresight").shape == (6, 48)
+    assert train.warm_rows(samples[0], True, "foresight").shape == (6, 48)
     torch.manual_seed(0)
     policy = Policy(cfg.policy)
     log = {"warm": []}
-    trainer.warm_start(policy, samples, cfg, torch.optim.Adam(policy.parameters(), lr=cfg.lr), log)
+    train.warm_start(policy, samples, cfg, torch.optim.Adam(policy.parameters(), lr=cfg.lr), log)
     first, last = sum(log["warm"][:4]) / 4, sum(log["warm"][-4:]) / 4
     assert last < first  # the policy moves toward the continuation's attention ranking
-    alpha_only = trainer.prepare(model, _Words(), trainer.TrainConfig(**{**cfg.__dict__, "warm_target": "alpha"}),
+    alpha_only = train.prepare(model, _Words(), train.TrainConfig(**{**cfg.__dict__, "warm_target": "alpha"}),
                                  "train", 1, progress=False)
     assert alpha_only[0].future is None
     with pytest.raises(ValueError, match="foresight"):
-        trainer.warm_rows(alpha_only[0], True, "foresight")
+        train.warm_rows(alpha_only[0], True, "foresight")
 
 
 def test_training_samples_score_the_tail_after_the_question_as_the_benchmark_does():
     """With question_len q the sample teacher-forces q + n tokens after the context and scores the
     last n: its reference is the full cache's logits there, and a rollout's KL is measured on them."""
-    from scdviz.evict import trainer
+    from scdviz.evict import train
     from scdviz.evict.context import prune
 
     model = tiny_model("llama")
-    cfg = trainer.TrainConfig(out="unused", corpora=("austen",), context_len=40, question_len=6, cont_len=8,
+    cfg = train.TrainConfig(out="unused", corpora=("austen",), context_len=40, question_len=6, cont_len=8,
                               policy=PolicyConfig(hidden=4, per_head=True, window=8))
-    sample = trainer.prepare(model, _Words(), cfg, "calib", 1, progress=False)[0]
+    sample = train.prepare(model, _Words(), cfg, "calib", 1, progress=False)[0]
     assert sample.cont.shape == (1, 14) and sample.ref.shape[0] == 8
     full = hf.continue_logits(model, hf.make_cache(model, sample.obs.keys, sample.obs.values), sample.cont, 40)[0]
     assert torch.allclose(sample.ref, full[-8:], atol=1e-5)
     everything = [torch.arange(40).view(1, 1, 40).expand(1, 2, 40)] * 3
-    assert trainer.rollout_kl(model, sample, everything) < 1e-6  # nothing pruned: the reference itself
+    assert train.rollout_kl(model, sample, everything) < 1e-6  # nothing pruned: the reference itself
     idx = [torch.arange(20, 40).view(1, 1, 20).expand(1, 2, 20)] * 3
     pruned = hf.continue_logits(model, prune(model, sample.obs, idx), sample.cont, 40)[0]
     expect = float(metrics.kl_per_token(full[-8:], pruned[-8:]).mean())
-    assert abs(trainer.rollout_kl(model, sample, idx) - expect) < 1e-6
+    assert abs(train.rollout_kl(model, sample, idx) - expect) < 1e-6
     assert abs(expect - float(metrics.kl_per_token(full, pruned).mean())) > 1e-6  # the question's steps differ
 
 
@@ -224,13 +224,13 @@ def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cac
     policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval(),
                 "distillcache-global": Policy(PolicyConfig(hidden=4, per_head=False, window=8)).eval()}
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(4))
-    presses = {k: v for k, v in compare.baselines().items() if k in ("ObservedAttention", "Knorm", "TOVA")}
+    presses = {k: v for k, v in bench.baselines().items() if k in ("ObservedAttention", "Knorm", "TOVA")}
     for keep, n_keep in ((0.25, 24), (1.0, 96)):
-        cfg = compare.EvalConfig(keeps=(keep,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=12,
+        cfg = bench.EvalConfig(keeps=(keep,), token_budgets=(), cont_len=4, question_len=0, decode_tokens=12,
                                  decode_interval=4)
-        out = compare.score_context(model, ids, 96, cfg, policies, presses)
+        out = bench.score_context(model, ids, 96, cfg, policies, presses)
         failed = {}
-        res = compare.decode_context(model, ids, 96, cfg, out, policies, presses, failed)
+        res = bench.decode_context(model, ids, 96, cfg, out, policies, presses, failed)
         assert {m for m, _ in res} == {"distillcache-head", "ObservedAttention", "Knorm", "TOVA"} and not failed
         for r in res.values():
             assert len(r["kl_steps"]) == 12 and r["tokens_kept"] == n_keep
@@ -254,10 +254,10 @@ def test_a_scorer_that_raises_on_the_model_is_reported_and_left_out():
     hf.set_eager(model)
     torch.manual_seed(0)
     policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
-    cfg = compare.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
+    cfg = bench.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
     failed = {}
-    out = compare.score_context(model, ids, 96, cfg, policies, {"Broken": Broken(), "Knorm": KnormPress()},
+    out = bench.score_context(model, ids, 96, cfg, policies, {"Broken": Broken(), "Knorm": KnormPress()},
                                 failed=failed)
     assert failed == {"Broken": "AttributeError: no rotary embedding for this layer type"}
     assert {m for m, _ in out["results"]} == {"distillcache-head", "Knorm", "full cache"}
@@ -267,18 +267,20 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
     """--lodo: the chosen policy's recipe (its log's settings) is trained again once per training
     domain without it, saved in the runs folder, and scored on that domain alone, beside the
     shipped policy and the baselines; the per-domain table says the domain was held out of it."""
-    from scdviz.evict import trainer
+    from scdviz.evict import train
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
     model = tiny_model("llama")
-    recipe = trainer.TrainConfig(out=str(tmp_path / "recipe"), corpora=("austen", "gcide"), contexts=2, context_len=40,
+    recipe = train.TrainConfig(out=str(tmp_path / "recipe"), corpora=("austen", "gcide"), contexts=2, context_len=40,
                                  cont_len=6, steps=2, warm_steps=2, checkpoint_every=1, val_contexts=2, samples=2,
                                  policy=PolicyConfig(hidden=4, per_head=True, window=8))
-    trainer.train(recipe, model, _Words(), "tiny", progress=False)
-    cfg = compare.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
+    train.train(recipe, (model, _Words(), "tiny"), train.checkpoints_to(recipe.out), progress=False)
+    cfg = bench.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
                              "jargon"), limit=6, context_len=40, cont_len=6, question_len=0, keeps=(0.25,),
                              token_budgets=(), throughput_contexts=0, natives=False, lodo=True, lodo_steps=1)
-    rows = compare.run(cfg, {"tiny": (model, _Words())})
+    record = bench.run(cfg, (model, _Words(), "tiny"))
+    assert record.kind == "evict" and record.settings["eval"]["lodo"]
+    rows = record.rows
     for domain, other in (("austen", "gcide"), ("gcide", "austen")):
         mine = [r for r in rows if r["mode"] == f"agnostic lodo-{domain}" and r.get("method") == f"lodo-{domain}"]
         assert len(mine) == 1 and mine[0]["trained_on"] == [other] and mine[0]["chosen_on_validation"]
@@ -287,7 +289,7 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
         assert log["config"]["corpora"] == [other] and len(log["steps"]) == 1
         assert log["config"]["question_len"] == recipe.question_len == 16  # the recipe's validation tail, kept
         assert Path(mine[0]["policy_folder"]).is_relative_to(tmp_path / "work" / "runs" / "policies")
-    table = compare.domain_table(rows)
+    table = bench.domain_table(rows).to_dict("records")
     lodo_rows = [r for r in table if "lodo" in r["mode"]]
     assert {(r["domain"], r["held_out"]) for r in lodo_rows} == {("austen", True), ("gcide", True)}
     main = {r["domain"]: r["held_out"] for r in table if r["mode"] == "agnostic"}

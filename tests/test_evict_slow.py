@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scdviz.evict import compare
+from scdviz.evict import bench
 from scdviz.evict import features as F
 from scdviz.evict.policy import Policy
 from scdviz.evict.press import DistillCachePress
@@ -25,9 +25,9 @@ def producer():
 
 @pytest.fixture(scope="module")
 def policies():
-    missing = [p for p in compare.SHIPPED_POLICIES if not p.is_file()]
+    missing = [p for p in bench.SHIPPED_POLICIES if not p.is_file()]
     assert not missing, f"shipped policies missing: {missing}"
-    return compare.load_policies(())
+    return bench.load_policies(())
 
 
 @pytest.mark.parametrize("name", ["distillcache-head", "distillcache-global"])
@@ -44,18 +44,18 @@ def test_shipped_press_runs_in_the_kvpress_pipeline(producer, policies, name):
 
 def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, policies):
     model, tokenizer = producer
-    cfg = compare.EvalConfig(
+    cfg = bench.EvalConfig(
         limit=2, context_len=256, cont_len=16, keeps=(0.25,), token_budgets=(), throughput_contexts=0
     )
-    windows = compare.contexts(cfg, tokenizer)
+    windows = bench.contexts(cfg, tokenizer)
     per_ctx = [
-        compare.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, compare.baselines())[
+        bench.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, bench.baselines())[
             "results"
         ]
         for _, w in windows
     ]
-    records = compare.aggregate(
-        per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(compare.baselines())
+    records = bench.aggregate(
+        per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(bench.baselines())
     )
     methods = [r for r in records if "kl" in r]
     kl = {r["method"]: r["kl"] for r in methods}
@@ -66,16 +66,16 @@ def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, poli
 
 
 def test_shipped_policies_load_with_their_scope():
-    head, glob, head64, look, look512 = (Policy.load(p) for p in compare.SHIPPED_POLICIES)
+    head, glob, head64, look, look512 = (Policy.load(p) for p in bench.SHIPPED_POLICIES)
     assert head.config.per_head and not glob.config.per_head and head64.config.per_head
     assert look.config.per_head and look.config.lookahead == 16 and look.has_prior
     assert look512.config.observation == (512, 40, 8) and look512.config.lookahead_prior == 0.5
-    assert set(compare.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64",
+    assert set(bench.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64",
                                               "distillcache-head-lookahead", "distillcache-head-lookahead-w512"}
     # the lowest validation KL among the logs validated on bench evict's tail (16 unscored tokens, then the
     # scored ones): only lookahead_w512's; over every log, lookahead_w64's lower KL on the near tail would win
-    assert compare.chosen_on_validation((), question_len=16) == "distillcache-head-lookahead-w512"
-    assert compare.chosen_on_validation(()) == "distillcache-head-lookahead"
+    assert bench.chosen_on_validation((), question_len=16) == "distillcache-head-lookahead-w512"
+    assert bench.chosen_on_validation(()) == "distillcache-head-lookahead"
 
 
 def test_the_lookahead_forecasts_what_the_real_continuation_reads(producer):

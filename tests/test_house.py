@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from scdviz import artefact, cli, config, records
-from scdviz.evict.compare import EvalConfig
+from scdviz.evict.bench import EvalConfig
 from scdviz.evict.policy import Policy, PolicyConfig
-from scdviz.evict.trainer import TrainConfig
+from scdviz.evict.train import TrainConfig
 from scdviz.models.pair import PairError
 
 REQUIRED = {"model-card": ["--name", "jargon"]}

@@ -661,7 +661,7 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     calib = cal.calibrate(tiny_pair, cfg, progress=False)
     assert calib.stats["domains"] == ["jargon", "bible"]
     run = bench.ScdBenchConfig(lodo=True, limit=2, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=3)
-    reports = bench.run(run, tiny_pair, calib, progress=False)
+    reports = bench.reports(run, tiny_pair, calib, progress=False)
     assert [r.domain for r in reports] == ["jargon", "bible"]
     assert [r.calibrated_on for r in reports] == [["bible"], ["jargon"]]
     table = bench.domain_table(reports)
@@ -672,12 +672,12 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
         assert above == sum(s > r for s, r in zip(rep.methods[-1].kl_per_prompt, raw.kl_per_prompt)) <= 2
     qa_rows = bench.qa_table(reports)
     assert set(qa_rows["items"]) == {4} and "SCD full" in set(qa_rows["method"])
-    one = bench.run(dataclasses.replace(run, domains=["bible"]), tiny_pair, calib, progress=False)  # leave out only bible
+    one = bench.reports(dataclasses.replace(run, domains=["bible"]), tiny_pair, calib, progress=False)  # leave out only bible
     assert [(r.domain, r.calibrated_on) for r in one] == [("bible", ["jargon"])]
     with pytest.raises(ValueError, match="only a domain the calibration saw"):
-        bench.run(dataclasses.replace(run, domains=["austen"]), tiny_pair, calib, progress=False)
+        bench.reports(dataclasses.replace(run, domains=["austen"]), tiny_pair, calib, progress=False)
     with pytest.raises(ValueError, match="needs a calibration of 2\\+ domains"):
-        bench.run(run, tiny_pair, cal.calibrate(tiny_pair, small_cfg(None, domains=["bible"], n_fit=4, n_select=2),
+        bench.reports(run, tiny_pair, cal.calibrate(tiny_pair, small_cfg(None, domains=["bible"], n_fit=4, n_select=2),
                                                 progress=False), progress=False)
 
 
@@ -720,7 +720,7 @@ def test_patch_table_gives_each_k_relative_to_reuse_only_on_the_same_prompts(tin
     calib = cal.calibrate(tiny_pair, small_cfg(texts, selection="given", given=[0, 2], patch_k=2), progress=False)
     run = bench.ScdBenchConfig(texts=texts, limit=3, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False,
                                qa_answer_len=0, sweeps=True)
-    reports = bench.run(run, tiny_pair, calib, progress=False)
+    reports = bench.reports(run, tiny_pair, calib, progress=False)
     table = bench.patch_table(reports)
     given = table[table["placement"] == "given"]
     assert list(given["k"]) == [0, 1, 2] and given["vs_k0"].iloc[0] == 1.0 and given["vs_k0_ci95"].iloc[0] == "[1.000, 1.000]"

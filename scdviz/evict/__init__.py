@@ -1,1 +1,1 @@
-"""DistillCache: a learned KV-cache eviction policy (features, policy, trainer, press, decode, compare, view)."""
+"""DistillCache: a learned KV-cache eviction policy (features, policy, train, press, decode, bench, view)."""

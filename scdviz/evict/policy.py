@@ -3,7 +3,7 @@
 Features are transformed (log of the positive ones) and standardised across the tokens
 of each row (one row = one layer / KV head, or the single global row), so the policy
 sees relative importance and transfers across contexts and models. Inference keeps the
-top-B scores (deterministic); sampling for training lives in scdviz.evict.trainer.
+top-B scores (deterministic); sampling for training lives in scdviz.evict.train.
 Weights, config and the trained-on model's identity are one scdviz artefact (safetensors).
 
 Shapes: features (..., T, F) -> scores (..., T), F >= the policy's ``n_inputs`` (extra
@@ -13,6 +13,7 @@ This module does not compute features or touch a model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from scdviz.config import opt
 from scdviz.evict.features import N_FEATURES, POS
 
 KIND = "distillcache-policy"
+FILE = "best.safetensors"  # the policy of a policy folder: the checkpoint chosen on validation
+LOG = "log.json"  # the training log beside a policy file
 _LOG_FEATURES = (0, 1, 2, 5)  # alpha, vnorm, sigma (and the lookahead) are positive and heavy-tailed
 
 
@@ -57,6 +60,7 @@ class Policy(nn.Module):
         self.config = config or PolicyConfig()
         self.identity: dict = {}  # the model it was trained on (source, weight fingerprint)
         self.meta: dict = {}  # what its training recorded (steps, validation KL)
+        self.log: dict | None = None  # its training log (log.json beside its file), when known
         h = self.config.hidden
         self.mlp = nn.Sequential(nn.Linear(self.config.n_inputs, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(),
                                  nn.Linear(h, 1))
@@ -83,17 +87,33 @@ class Policy(nn.Module):
         return out + lookahead_prior(x, self.config.lookahead_prior) if self.has_prior else out
 
     def save(self, path: str | Path, identity: dict | None = None, meta: dict | None = None) -> Path:
-        """Write weights, config, the trained-on model's ``identity`` and ``meta`` (scdviz.artefact)."""
-        return artefact.save(path, KIND, self.state_dict(), identity or self.identity, config.to_dict(self.config),
-                             meta)
+        """Write weights, config, the trained-on model's ``identity`` and ``meta`` (scdviz.artefact).
+
+        ``path``: a ``.safetensors`` file, or a folder: then ``folder/best.safetensors`` (the file a
+        policy folder is read by; ``meta`` defaults to the policy's own) and, when the policy
+        carries its training log, ``folder/log.json`` beside it. Returns what was written (the
+        file, or the folder)."""
+        path = Path(path)
+        if path.suffix == ".safetensors":
+            return artefact.save(path, KIND, self.state_dict(), identity or self.identity, config.to_dict(self.config),
+                                 meta)
+        self.save(path / FILE, identity, self.meta if meta is None else meta)
+        if self.log is not None:
+            (path / LOG).write_text(json.dumps(self.log, indent=1))
+        return path
 
     @classmethod
-    def load(cls, path: str | Path) -> Policy:
-        """Read a policy written by ``save`` (on the host; presses move it to their model).
+    def load(cls, path: str | Path, pair=None) -> Policy:
+        """Read a policy written by ``save``: a file, or a folder (its ``best.safetensors``, the
+        checkpoint chosen on validation); ``log`` is the training log beside the file (None without one).
 
-        ``identity`` tells which model it was trained on; applying it to another model is
-        the zero-shot transfer the benchmarks measure, so no model is refused here.
+        On the host, or with ``pair`` (a ``Pair``) on its device. ``identity`` tells which model it
+        was trained on; applying it to another model is the zero-shot transfer the benchmarks
+        measure, so no model is refused here.
         """
+        path = Path(path)
+        if path.suffix != ".safetensors" and not path.is_file():
+            path = path / FILE
         art = artefact.load(path, KIND)
         cfg, _ = config.from_dict(PolicyConfig, art.config, str(path))
         policy = cls(cfg)
@@ -102,6 +122,10 @@ class Policy(nn.Module):
         except RuntimeError as err:
             raise ValueError(f"{path}: weights do not fit its config ({str(err).splitlines()[0][:200]})") from None
         policy.identity, policy.meta = art.identity, art.meta
+        log = path.with_name(LOG)
+        policy.log = json.loads(log.read_text()) if log.is_file() else None
+        if pair is not None:
+            policy = policy.to(pair.device)
         return policy.eval()
 
 

@@ -24,7 +24,7 @@ Inside kvpress's wrapper presses (tests/test_press_wrappers.py):
   global    refuses every wrapper that scores layer by layer, runs beside another pruning
             press or changes the ratio per layer, with a ValueError naming the way out.
 
-This module does not train the policy (trainer.py) nor evict while decoding (decode.py).
+This module does not train the policy (train.py) nor evict while decoding (decode.py).
 """
 
 from __future__ import annotations

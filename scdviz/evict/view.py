@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scdviz.evict import compare
+from scdviz.evict import bench
 from scdviz.evict.context import prune
 from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
@@ -75,7 +75,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     """
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
-    presses = compare.baselines()
+    presses = bench.baselines()
     # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
     need = max([16, *(int(getattr(p, "window_size", 0)) + 1 for p in presses.values())])
     prompt = ctx + q
@@ -92,9 +92,9 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         window = hf.ids_tensor(prompt + cont)
         label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
         keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
-        cfg = compare.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
-        policies = compare.load_policies(()) | dict(policies or {})
-        out = compare.score_context(model, window, prefix, cfg, policies, presses)
+        cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
+        policies = bench.load_policies(()) | dict(policies or {})
+        out = bench.score_context(model, window, prefix, cfg, policies, presses)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
         slots = {m: _slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}

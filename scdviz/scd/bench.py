@@ -11,16 +11,18 @@ rows of ``python -m scdviz bench scd`` (written as a scdviz.records.BenchRecord)
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 
-from scdviz import data, metrics
+from scdviz import config, data, metrics, protocol
 from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin
 from scdviz.models.pair import Pair
+from scdviz.records import BenchRecord
 from scdviz.scd import calibrate as cal
 from scdviz.scd import calibration, measure, rate
 from scdviz.scd import plan as plans
@@ -213,9 +215,26 @@ def eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: str
     return windows
 
 
-def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, specialist: str | None = None,
-        progress: bool = True) -> list[BenchReport]:
-    """``bench`` on held-out eval windows, one report per domain.
+def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration | None = None, specialist: str | None = None,
+        progress: bool = True, settings: dict | None = None, on_report=None) -> BenchRecord:
+    """The SCD bench of one pair as a BenchRecord (kind "scd"): ``reports`` flattened by ``rows``.
+
+    calib: default the consumer's shipped calibration. settings: the record's settings (default:
+    ``cfg``'s, under "bench", as the CLI nests them). on_report(report): each report as it is measured
+    (the CLI prints its tables).
+    """
+    calib = calib if calib is not None else calibration.Calibration.load(calibration.shipped_folder(pair.consumer_source), pair)
+    t0 = time.perf_counter()
+    out = []
+    for report in reports(cfg, pair, calib, specialist, progress, on_report):
+        out += rows(report)
+    return protocol.record("scd", out, {"bench": config.to_dict(cfg)} if settings is None else settings, cfg.seed,
+                           str(pair.device), time.perf_counter() - t0)
+
+
+def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, specialist: str | None = None,
+            progress: bool = True, on_report=None) -> list[BenchReport]:
+    """``bench`` on held-out eval windows, one report per domain (each also to ``on_report``).
 
     With ``cfg.lodo``, each domain of the calibration (or each of ``cfg.domains``) is measured
     with a calibration made again without it (the loaded calibration's settings, that domain
@@ -224,33 +243,33 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, special
     name = specialist or calibration.specialist_name(pair.consumer_source)
     seen = list(calib.stats.get("domains") or [])
     domains = (list(cfg.domains) or seen) if cfg.lodo else eval_domains(cfg, name, calib)
-    if cfg.lodo and len(seen) < 2:
-        raise ValueError(f"leave-one-domain-out needs a calibration of 2+ domains; this one saw {seen or 'one text'}")
-    if cfg.lodo and set(domains) - set(seen):
-        raise ValueError(f"leave-one-domain-out can leave out only a domain the calibration saw ({', '.join(seen)}); "
-                         f"not {', '.join(sorted(set(domains) - set(seen)))}")
-    reports = []
-    for domain in domains:
-        torch.manual_seed(cfg.seed)
-        used = calib
-        if cfg.lodo:
-            others = [d for d in seen if d != domain]
-            rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
-            texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
-            used = cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
-                                                           texts=texts, rate_windows=rate_windows), progress)
+
+    def refit(others: list[str]) -> calibration.Calibration:
+        """The loaded calibration's settings, made again on ``others`` only."""
+        torch.manual_seed(cfg.seed)  # seeded before the calibration, as each domain's measurement is
+        rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
+        texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
+        return cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
+                                                       texts=texts, rate_windows=rate_windows), progress)
+
+    def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
+        if not cfg.lodo:  # with lodo, refit seeded before calibrating
+            torch.manual_seed(cfg.seed)
         report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
                        tuple(cfg.budgets), name, progress, budget=cfg.budget, coder=cfg.coder, sink=cfg.sink, sent_rows=cfg.sent_rows,
                        kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy, rank_claim=cfg.rank_claim)
         report.domain = domain
-        reports.append(report)
-    return reports
+        if on_report is not None:
+            on_report(report)
+        return report
+
+    return protocol.by_domain(domains, measure_on, calib, fit=refit if cfg.lodo else None, seen=seen, what="calibration")
 
 
 def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult) -> tuple[float | None, str]:
     """KL of ``other`` relative to ``base`` (same prompts) and its 95% paired-bootstrap interval over prompts."""
     boot = metrics.paired_bootstrap(base.kl_per_prompt, other.kl_per_prompt)
-    return (round(other.kl / base.kl, 3) if base.kl else None), f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]"
+    return (round(other.kl / base.kl, 3) if base.kl else None), protocol.interval(boot["ratio_ci"])
 
 
 def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
@@ -269,8 +288,8 @@ def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
         own = metrics.bootstrap_mean(items)
         vs = metrics.paired_bootstrap(by["raw KV"], items)
         out.append({"method": method, "qa_f1": round(own["mean"], 3),
-                    "ci95": f"[{own['ci'][0]:.3f}, {own['ci'][1]:.3f}]",
-                    "minus_raw": round(vs["diff"], 3), "minus_raw_ci95": f"[{vs['diff_ci'][0]:.3f}, {vs['diff_ci'][1]:.3f}]",
+                    "ci95": protocol.interval(own["ci"]),
+                    "minus_raw": round(vs["diff"], 3), "minus_raw_ci95": protocol.interval(vs["diff_ci"]),
                     "items": len(items)})
     return pd.DataFrame(out)
 
@@ -332,6 +351,8 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
         raw = next(r for name, r in by.items() if name.startswith("raw KV"))
         four = next(r for name, r in by.items() if name.startswith("4-bit KV"))
         scd = rep.methods[-1]
+        versus = protocol.vs_best({raw.method: raw.kl_per_prompt, scd.method: scd.kl_per_prompt}, scd.method,
+                                  [raw.method], min_n=1)
         rows_.append({
             "specialist": rep.specialist, "domain": rep.domain,
             "held_out": rep.domain not in rep.calibrated_on,
@@ -340,8 +361,8 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
             "raw_top1": round(raw.top1, 3), "scd_top1": round(scd.top1, 3),
             "scd_bytes": round(scd.payload_bytes_per_token), "4bit_bytes": round(four.payload_bytes_per_token),
             "n": scd.n_prompts,
-            "above_raw": sum(s > r for s, r in zip(scd.kl_per_prompt, raw.kl_per_prompt)),
-            "ratio_ci": _ratio_ci(raw, scd)[1],
+            "above_raw": versus["above"],
+            "ratio_ci": protocol.interval(versus["boot"]["ratio_ci"]),
         })
     return pd.DataFrame(rows_)
 

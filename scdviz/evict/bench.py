@@ -25,7 +25,7 @@ the full one, and the chosen policy's cost while evicting at decode time
 (decode_overhead_frac). Policies trained on one model are applied zero-shot to the others
 in ``models``.
 
-This module does not train (trainer.py) and draws no figures.
+This module does not train (train.py) and draws no figures.
 """
 
 from __future__ import annotations
@@ -37,16 +37,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
-from scdviz import metrics, qa, settings
+from scdviz import metrics, protocol, qa, settings
 from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
 from scdviz.evict.press import DistillCachePress
 from scdviz.models import hf
+from scdviz.records import BenchRecord
 
 SHIPPED_POLICIES = (
     settings.ASSETS_DIR / "policy" / "per_head" / "best.safetensors",  # per-head, W = 512
@@ -80,7 +82,7 @@ class EvalConfig:
     bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use none)")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline and of a lookahead policy's sampled continuations")
-    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (compare.lodo)")
+    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (bench.lodo)")
     lodo_steps: int | None = opt(None, "REINFORCE steps of each --lodo retraining (default: the recipe's)")
 
 
@@ -206,7 +208,7 @@ def _load(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
         policy = Policy.load(path)
         name = ("distillcache-head" if policy.config.per_head else "distillcache-global") + (
             "-lookahead" if policy.config.lookahead else "")
-        out[name if name not in out else f"{name}-w{policy.config.window}"] = LoadedPolicy(policy, training_log(path))
+        out[name if name not in out else f"{name}-w{policy.config.window}"] = LoadedPolicy(policy, policy.log)
     return out
 
 
@@ -421,7 +423,28 @@ def decode_timing(model, obs: Observed, first: torch.Tensor, start: int, n_keep:
             "decode_ms_per_token": 1000 * t_evict / cfg.decode_steps}
 
 
-def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
+def run(cfg: EvalConfig, pair, transfer=(), settings: dict | None = None) -> BenchRecord:
+    """The eviction bench as a BenchRecord (kind "evict"; rows as ``measure`` gives them).
+
+    pair: the policies' own model, a ``Pair`` (its producer) or a (model, tokenizer, source)
+    triple (``scdviz.evict.train.subject``); transfer: more of them, tested zero-shot.
+    settings: the record's settings (default: ``cfg``'s, under "eval", as the CLI nests them).
+    """
+    from scdviz import config
+    from scdviz.evict.train import subject
+
+    models = {}
+    for one in (pair, *transfer):
+        model, tokenizer, source = subject(one)
+        models.setdefault(source, (model, tokenizer))
+    t0 = time.perf_counter()
+    rows = measure(cfg, models)
+    device = str(hf.device_of(next(iter(models.values()))[0]))
+    return protocol.record("evict", rows, {"eval": config.to_dict(cfg)} if settings is None else settings, cfg.seed,
+                           device, time.perf_counter() - t0)
+
+
+def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     """Evaluate every loaded model x mode; returns rows (one per model/mode/method/budget).
 
     models: source -> (model, tokenizer), loaded by the caller; the first is the policies' own,
@@ -436,48 +459,51 @@ def run(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     chosen = _lowest_validation(loaded, cfg.question_len)
     if cfg.lodo and chosen is None:
         raise ValueError("--lodo retrains the policy chosen on validation with its recipe: no policy has a training log")
-    records = []
+    records_ = []
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
         items = [qa.make_item(tokenizer, w[: cfg.context_len], i) for i, (_, w) in enumerate(windows)] if cfg.qa else None
         for mode in cfg.modes:
             with hf.eager(model):
-                records += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None,
-                                     chosen)
+                records_ += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None,
+                                      chosen)
     if cfg.lodo:
         source = next(iter(models))
-        records += lodo(cfg, *models[source], source, loaded[chosen], chosen)
-    for r in records:
+        records_ += lodo(cfg, *models[source], source, loaded[chosen], chosen)
+    for r in records_:
         if r.get("method") in loaded and "trained_on" not in r:
             r["trained_on"] = loaded[r["method"]].trained_on
-    return records
+    return records_
 
 
 def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, chosen: str) -> list[dict]:
-    """Leave-one-domain-out for the policy: for each domain the chosen policy was trained on,
-    train its recipe (the settings in its training log) again on the other domains, choose the
-    checkpoint on those domains' validation contexts (best.safetensors), and score it on the
-    left-out domain's eval contexts beside every baseline and the shipped policy (mode
-    ``agnostic lodo-<domain>``; the new policy is ``lodo-<domain>``, flagged as chosen). The
-    shipped corpora a policy never trained on are held out of it already (``trained_on``)."""
+    """Leave-one-domain-out for the policy (``scdviz.protocol.by_domain``): for each domain the chosen
+    policy was trained on, train its recipe (the settings in its training log) again on the other
+    domains, choose the checkpoint on those domains' validation contexts (best.safetensors, written
+    with its run into the runs folder), and score it on the left-out domain's eval contexts beside
+    every baseline and the shipped policy (mode ``agnostic lodo-<domain>``; the new policy is
+    ``lodo-<domain>``, flagged as chosen). The shipped corpora a policy never trained on are held
+    out of it already (``trained_on``)."""
     from scdviz import config, runs
-    from scdviz.evict import trainer
+    from scdviz.evict import train
 
-    saved, _ = config.from_dict(trainer.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
+    saved, _ = config.from_dict(train.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
     saved = dataclasses.replace(saved, question_len=recipe.validation_question_len)  # older logs: 0, as they ran
     domains = [d for d in saved.corpora if d in cfg.corpora]
     if len(saved.corpora) < 2 or saved.texts or not domains:
         raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "
                          f"trained on {list(saved.corpora)}")
     per_domain = max(1, -(-cfg.limit // len(cfg.corpora)))
-    records = []
-    for domain in domains:
+
+    def fit(others: list[str]) -> tuple[Policy, train.TrainConfig]:
+        left_out = next(d for d in saved.corpora if d not in others)  # only to name the run
         train_cfg = dataclasses.replace(
-            saved, corpora=tuple(d for d in saved.corpora if d != domain),
-            steps=saved.steps if cfg.lodo_steps is None else cfg.lodo_steps,
-            out=str(runs.new("policies", runs.auto_name(f"lodo-{domain}"))))
-        trainer.train(train_cfg, model, tokenizer, source)
-        policy = Policy.load(Path(train_cfg.out) / "best.safetensors")
+            saved, corpora=tuple(others), steps=saved.steps if cfg.lodo_steps is None else cfg.lodo_steps,
+            out=str(runs.new("policies", runs.auto_name(f"lodo-{left_out}"))))
+        return train.train(train_cfg, (model, tokenizer, source), train.checkpoints_to(train_cfg.out)), train_cfg
+
+    def evaluate(domain: str, fitted: tuple[Policy, train.TrainConfig]) -> list[dict]:
+        policy, train_cfg = fitted
         name = f"lodo-{domain}"
         dcfg = dataclasses.replace(cfg, corpora=(domain,), texts=None, limit=per_domain, lodo=False, qa=False,
                                    decode_tokens=0, throughput_contexts=0)
@@ -488,8 +514,10 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
             if r.get("method") == name:
                 r["trained_on"] = list(train_cfg.corpora)
                 r["policy_folder"] = train_cfg.out
-        records += rows
-    return records
+        return rows
+
+    results = protocol.by_domain(domains, evaluate, fit=fit, seen=saved.corpora, what="policy")
+    return [row for rows in results for row in rows]
 
 
 def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None,
@@ -553,13 +581,13 @@ def aggregate(
         methods = [m for m, lab in per_ctx[0] if lab == label and all((m, label) in c for c in per_ctx)]
         kl = {m: [c[(m, label)]["kl"] for c in per_ctx] for m in methods}
         base = [m for m in methods if m in baseline_names]
-        best = min(base, key=lambda m: sum(kl[m]))
+        best = protocol.best_of(kl, base)
         ctx_best = [min(kl[b][i] for b in base) for i in range(len(per_ctx))]
         for m in methods:
             mean, se = metrics.mean_se(kl[m])
             kept = sum(c[(m, label)]["tokens_kept"] for c in per_ctx) / len(per_ctx)
-            wins = None if m == best else sum(a < b for a, b in zip(kl[m], kl[best], strict=True)) / len(per_ctx)
-            boot = metrics.paired_bootstrap(kl[best], kl[m]) if m != best and len(per_ctx) > 1 else None
+            versus = protocol.vs_best(kl, m, base)
+            wins, boot = (None, None) if m == best else (versus["wins"], versus["boot"])
             t = timing.get(label, [])
             records.append(
                 {
@@ -603,7 +631,7 @@ def aggregate(
 TIMED = ("decode_overhead_frac", "policy_ms_per_token", "decode_ms_per_token")  # the chosen policy's decode timing
 
 
-def domain_table(records: list[dict], method: str | None = None) -> list[dict]:
+def domain_table(records: list[dict], method: str | None = None) -> pd.DataFrame:
     """Per domain and budget: ``method`` (default: the policy chosen on validation, per mode)
     against the best baseline *on that domain's contexts*, with the paired-bootstrap 95%
     interval of the KL difference over those contexts; ``held_out``: the policy never trained
@@ -616,20 +644,18 @@ def domain_table(records: list[dict], method: str | None = None) -> list[dict]:
         if method_ not in group:
             continue
         trained = group[method_].get("trained_on")
-        doms = group[method_]["domains"]
-        for dom in dict.fromkeys(doms):
-            at = [i for i, d in enumerate(doms) if d == dom]
-            kl = {m: [r["kl_per_context"][i] for i in at] for m, r in group.items()}
-            best = min((m for m, r in group.items() if r["baseline"]), key=lambda m: sum(kl[m]))
-            boot = metrics.paired_bootstrap(kl[best], kl[method_]) if len(at) > 1 else None
-            out.append({"model": model, "mode": mode, "keep": keep, "domain": dom, "n": len(at), "method": method_,
+        kl = {m: r["kl_per_context"] for m, r in group.items()}
+        for dom, versus in protocol.per_domain(group[method_]["domains"], kl, method_,
+                                               [m for m, r in group.items() if r["baseline"]]):
+            boot = versus["boot"]
+            out.append({"model": model, "mode": mode, "keep": keep, "domain": dom, "n": versus["n"], "method": method_,
                         "held_out": None if trained is None else dom not in trained,
-                        "kl": round(sum(kl[method_]) / len(at), 4), "best_baseline": best,
-                        "best_kl": round(sum(kl[best]) / len(at), 4),
+                        "kl": round(versus["mean"], 4), "best_baseline": versus["best"],
+                        "best_kl": round(versus["best_mean"], 4),
                         "minus_best": round(boot["diff"], 4) if boot else None,
                         "ci95": [round(v, 4) for v in boot["diff_ci"]] if boot else None,
-                        "wins": sum(a < b for a, b in zip(kl[method_], kl[best], strict=True)) / len(at)})
-    return out
+                        "wins": versus["wins"]})
+    return pd.DataFrame(out)
 
 
 def _qa_fields(rows: list[dict]) -> dict:
@@ -646,44 +672,37 @@ def _short(model: str, width: int = 18) -> str:
     return name[:width]
 
 
-def table(records: list[dict]) -> str:
-    """A plain-text table of the records; the policy chosen on validation is marked *."""
-    head = (f"{'model':18} {'mode':8} {'method':25} {'keep':>6} {'KL':>15} {'top1':>6} {'PPL':>7} "
-            f"{'KL - best [95% CI]':>28} {'wins':>5} {'ctx':>5} {'ovh':>6} {'speed':>6}")
-    lines = [head, "-" * len(head)]
+def table(records: list[dict]) -> pd.DataFrame:
+    """The records as the CLI prints them (``scdviz.protocol.show``): one row per method and budget,
+    the policy chosen on validation marked *, KL - best baseline with its 95% interval, wins against
+    that baseline (``best`` for the best itself) and against each context's best (ctx), scoring
+    overhead, decode speed-up and QA accuracy; a full-cache row gives the reference's perplexity,
+    a press that cannot run says why."""
+    out = []
     for r in records:
+        row = {"model": _short(r["model"]), "mode": r["mode"],
+               "method": r["method"] + ("*" if r.get("chosen_on_validation") else ""), "keep": r["keep"]}
         if "cannot_run" in r:
-            lines.append(f"{_short(r['model']):18} {r['mode']:8} {r['method']:25} cannot run: {r['cannot_run']}")
+            out.append(row | {"note": f"cannot run: {r['cannot_run']}"})
             continue
         if "kl" not in r:  # the full-cache row: the reference's perplexity and QA accuracy
-            qa_text = f"  QA acc {r['qa_acc']:.3f}" if "qa_acc" in r else ""
-            ppl = f"{r['ppl']:7.2f}" if "ppl" in r else ""
-            lines.append(f"{_short(r['model']):18} {r['mode']:8} {r['method']:25} {'1':>6} {'':15} {'':6} {ppl:>7}{qa_text}")
+            out.append(row | {"ppl": r.get("ppl"), "qa_acc": r.get("qa_acc")})
             continue
-        qa_text = f" QA {r['qa_acc']:.3f}" if "qa_acc" in r else ""
         wins = "best" if r["wins_vs_best_baseline"] is None else f"{r['wins_vs_best_baseline']:.2f}"
-        ctx = "" if r.get("wins_vs_context_best") is None else f"{r['wins_vs_context_best']:.2f}"
         diff = "" if r.get("kl_minus_best") is None else \
-            f"{r['kl_minus_best']:+.4f} [{r['kl_minus_best_ci95'][0]:+.4f}, {r['kl_minus_best_ci95'][1]:+.4f}]"
-        speed = "" if r["decode_speedup"] is None else f"{r['decode_speedup']:.2f}"
-        ovh = "" if r["overhead_frac"] is None else f"{r['overhead_frac']:.3f}"
-        name = r["method"] + ("*" if r.get("chosen_on_validation") else "")
-        lines.append(
-            f"{_short(r['model']):18} {r['mode']:8} {name:25} {r['keep']:>6} {r['kl']:7.4f}±{r['kl_se']:.4f} "
-            f"{r['top1']:6.3f} {r['ppl']:7.2f} {diff:>28} {wins:>5} {ctx:>5} {ovh:>6} {speed:>6}{qa_text}"
-        )
-    return "\n".join(lines)
+            f"{r['kl_minus_best']:+.4f} {protocol.interval(r['kl_minus_best_ci95'], '+.4f')}"
+        out.append(row | {"kl": f"{r['kl']:.4f}±{r['kl_se']:.4f}", "top1": round(r["top1"], 3), "ppl": round(r["ppl"], 2),
+                          "kl_minus_best_ci95": diff, "wins": wins,
+                          "ctx_wins": None if r.get("wins_vs_context_best") is None else round(r["wins_vs_context_best"], 2),
+                          "overhead": None if r["overhead_frac"] is None else round(r["overhead_frac"], 3),
+                          "speedup": None if r["decode_speedup"] is None else round(r["decode_speedup"], 2),
+                          "qa_acc": r.get("qa_acc")})
+    return pd.DataFrame(out)
 
 
-def domain_text(rows: list[dict]) -> str:
-    """``domain_table`` rows as plain text."""
-    head = (f"{'model':18} {'mode':22} {'keep':>6} {'domain':10} {'held out':8} {'n':>3} {'method':22} {'KL':>7} "
-            f"{'best baseline':22} {'KL':>7} {'diff [95% CI]':>28} {'wins':>5}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ci = "" if r["ci95"] is None else f"{r['minus_best']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]"
-        held = {True: "yes", False: "no", None: "?"}[r.get("held_out")]
-        lines.append(f"{_short(r['model']):18} {r['mode'][:22]:22} {r['keep']:>6} {r['domain']:10} {held:8} {r['n']:3d} "
-                     f"{r['method']:22} {r['kl']:7.4f} "
-                     f"{r['best_baseline']:22} {r['best_kl']:7.4f} {ci:>28} {r['wins']:5.2f}")
-    return "\n".join(lines)
+def domain_text(rows: pd.DataFrame | list[dict]) -> str:
+    """``domain_table`` as plain text (``scdviz.protocol.show``): models by short name, wins to 2 places."""
+    table = pd.DataFrame(rows)
+    if len(table):
+        table = table.assign(model=table["model"].map(_short), wins=table["wins"].round(2))
+    return protocol.show(table)

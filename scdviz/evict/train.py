@@ -21,11 +21,12 @@ A lookahead policy starts at its prior instead (scdviz.evict.policy), so it need
 start. Prefills are cached once per context (features, full keys/values, reference
 logits), so an epoch costs only the continuations.
 
-Not here: feature maths (features.py), the press (press.py), evaluation (compare.py).
+Not here: feature maths (features.py), the press (press.py), evaluation (bench.py).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -40,6 +41,8 @@ from scdviz import artefact, metrics
 from scdviz.config import opt
 from scdviz.evict import features as F
 from scdviz.evict.context import Observed, observe, prune
+from scdviz.evict.policy import FILE as POLICY_FOLDER_FILE
+from scdviz.evict.policy import LOG as POLICY_LOG
 from scdviz.evict.policy import Policy, PolicyConfig, gumbel_top_b, keep_count, plackett_luce_logprob
 from scdviz.models import hf
 
@@ -78,7 +81,7 @@ def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_co
 class TrainConfig:
     """A training run; the run folder holds checkpoints and the log."""
 
-    out: str = opt("", "folder for policy.safetensors, optimizer.pt, log.json (set by the CLI: a runs folder by default)")
+    out: str = opt("", "folder for policy.safetensors, best.safetensors, optimizer.pt, log.json, written by the CLI (a runs folder by default; train itself writes nothing)")
     corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora to draw contexts from (train split; validation: calib split)')
     texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): one more source of contexts, beside --corpora (give --corpora with no name for your text alone)")
     contexts: int = opt(32, 'training contexts (prefilled once each)')
@@ -273,13 +276,49 @@ def reinforce_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig,
     return {"loss": loss, "kl": sum(kls) / len(kls), "entropy": float(entropy)}
 
 
-def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False, progress: bool = True,
-          on_step=None) -> dict:
-    """Train (or resume) a policy on a loaded ``model`` (named ``source`` in the saved identity);
-    returns the log (also written to out/log.json). The model is only read: it may be shared.
+def subject(pair) -> tuple:
+    """(model, tokenizer, source) of what a policy is trained or benched on: a ``Pair``'s producer (the
+    model whose caches are pruned), or a (model, tokenizer, source) triple for a model loaded alone."""
+    if isinstance(pair, tuple):
+        return pair
+    return pair.producer, pair.tokenizer, pair.producer_source
 
-    on_step(log): optional callback after every REINFORCE step (the app's live plot).
+
+@dataclass
+class Checkpoint:
+    """A training run's state at a checkpoint: what a caller saves, and what a resumed run starts from."""
+
+    policy: Policy  # the current policy (meta: steps)
+    optimizer: dict  # its Adam state (state_dict)
+    log: dict  # the training log so far
+    best: Policy | None = None  # the checkpoint with the lowest validation KL so far (meta: steps, val_kl)
+
+
+@dataclass
+class Event:
+    """What ``train`` tells its callback: after every REINFORCE step (``kind`` "step") and after
+    every validation (``kind`` "checkpoint", with the state to save)."""
+
+    kind: str  # "step" or "checkpoint"
+    step: int  # REINFORCE steps done
+    log: dict  # the training log so far (one dict, growing)
+    val_kl: float | None = None  # checkpoint: the validation KL just measured
+    improved: bool = False  # checkpoint: the current policy is the best so far (``checkpoint.best`` is it)
+    checkpoint: Checkpoint | None = None  # checkpoint: the state to save; resume with train(..., state=...)
+
+
+def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = None,
+          progress: bool = True) -> Policy:
+    """Train a policy (``fit``): returns the checkpoint chosen on validation (lowest validation KL),
+    with the run's log as ``policy.log``. Writes no file.
+
+    pair: a ``Pair`` (its producer is trained on) or a (model, tokenizer, source) triple
+    (``subject``); the model is only read, so it may be shared. callback(Event): after every
+    step and every checkpoint (validation), e.g. ``checkpoints_to(folder)``, which writes the run
+    folder. state: a ``Checkpoint`` to resume from (``load_checkpoint``); its policy must have been
+    trained on this model with this policy config.
     """
+    model, tokenizer, source = subject(pair)
     if (cfg.reward == "sequential" or cfg.val_decode) and not cfg.policy.per_head:
         raise ValueError("the sequential reward and decode-time validation hold a kept set per layer and KV head: "
                          "use a per-head policy")
@@ -289,19 +328,70 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
                          "reward and prefill validation, or use --lookahead 0")
     if cfg.samples < 2:
         raise ValueError(f"--samples must be at least 2 (the leave-one-out baseline), got {cfg.samples}")
-    out = run_folder(cfg, resume)
+    device = hf.device_of(model)
     torch.manual_seed(cfg.seed)
-    policy = Policy(cfg.policy).to(hf.device_of(model))
+    policy = Policy(cfg.policy).to(device)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     log = {"config": asdict(cfg), "model": source, "warm": [], "steps": [], "val": [], "seconds": 0.0}
     policy.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
-    if resume:
-        policy, opt, log = _load_checkpoint(out, cfg, hf.device_of(model))
-        if policy.identity.get("model_fingerprint") != artefact.fingerprint(model):
-            raise ValueError(f"the run in {out} trained on {policy.identity.get('model_source')!r}, not on {source!r}")
+    best = None
+    if state is not None:
+        policy, log, best = _resume(state, cfg, model, source, device)
+        opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+        opt.load_state_dict(state.optimizer)
     log["started"] = time.time() - log["seconds"]
     samples = prepare(model, tokenizer, cfg, "train", cfg.contexts, progress)
     held_out = prepare(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
+    _heuristic_lines(model, cfg, held_out, log)
+    run = _Run(model, policy, opt, log, held_out, cfg, callback, best)
+    if not log["val"]:  # a fresh run: the starting point (after any warm start) is the first checkpoint
+        if cfg.warm_steps:
+            warm_start(policy, samples, cfg, opt, log)
+        run.checkpoint()
+    order = random.Random(cfg.seed + len(log["steps"]))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + len(log["steps"]))
+    bar = tqdm(range(len(log["steps"]), cfg.steps), desc="reinforce", disable=not progress)
+    for step in bar:
+        sample = samples[order.randrange(len(samples))]
+        keep = cfg.keeps[step % len(cfg.keeps)]
+        step_fn = reinforce_sequential_step if cfg.reward == "sequential" else reinforce_step
+        stats = step_fn(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
+        opt.zero_grad()
+        stats.pop("loss").backward()
+        opt.step()
+        log["steps"].append(
+            {
+                "step": step,
+                "keep": keep,
+                "reward": round(-stats["kl"], 5),
+                "kl": round(stats["kl"], 5),
+                "entropy": round(stats["entropy"], 4),
+            }
+        )
+        bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            run.checkpoint()
+        if callback is not None:
+            callback(Event("step", len(log["steps"]), log))
+    chosen = copy.deepcopy(run.best if run.best is not None else policy).eval()
+    chosen.log = log
+    return chosen
+
+
+def _resume(state: Checkpoint, cfg: TrainConfig, model, source: str, device) -> tuple[Policy, dict, Policy | None]:
+    """The policy (on ``device``, training mode), log and best checkpoint of ``state``; ValueError when it
+    belongs to another model or policy config."""
+    policy = state.policy.to(device).train()
+    if policy.config != cfg.policy:
+        raise ValueError(f"checkpoint policy config {policy.config} differs from the requested {cfg.policy}")
+    if policy.identity.get("model_fingerprint") != artefact.fingerprint(model):
+        raise ValueError(f"the run trained on {policy.identity.get('model_source')!r}, not on {source!r}")
+    return policy, state.log, state.best
+
+
+def _heuristic_lines(model, cfg: TrainConfig, held_out: list[Sample], log: dict) -> None:
+    """The heuristics' validation KLs, logged once per run: alpha (H2O's score) at prefill, and
+    while decoding with --val-decode; the foresight oracle with the foresight warm start."""
     if "val_heuristic" not in log:
         log["val_heuristic"] = round(
             validate(
@@ -323,45 +413,87 @@ def train(cfg: TrainConfig, model, tokenizer, source: str, resume: bool = False,
         log["val_foresight_oracle"] = round(
             validate(model, lambda s: warm_rows(s, cfg.policy.per_head, "foresight"), cfg.policy.per_head, held_out,
                      cfg.keeps), 5)
-    if not log["val"]:  # a fresh run: the starting point (after any warm start) is the first checkpoint
-        if cfg.warm_steps:
-            warm_start(policy, samples, cfg, opt, log)
-        _checkpoint(model, out, policy, opt, log, held_out, cfg)
-    order = random.Random(cfg.seed + len(log["steps"]))
-    gen = torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed + len(log["steps"]))
-    bar = tqdm(range(len(log["steps"]), cfg.steps), desc="reinforce", disable=not progress)
-    for step in bar:
-        sample = samples[order.randrange(len(samples))]
-        keep = cfg.keeps[step % len(cfg.keeps)]
-        step_fn = reinforce_sequential_step if cfg.reward == "sequential" else reinforce_step
-        stats = step_fn(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
-        opt.zero_grad()
-        stats.pop("loss").backward()
-        opt.step()
-        log["steps"].append(
-            {
-                "step": step,
-                "keep": keep,
-                "reward": round(-stats["kl"], 5),
-                "kl": round(stats["kl"], 5),
-                "entropy": round(stats["entropy"], 4),
-            }
-        )
-        bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            _checkpoint(model, out, policy, opt, log, held_out, cfg)
-        if on_step is not None:
-            on_step(log)
-    return log
+
+
+@dataclass
+class _Run:
+    """One training run's checkpointing: validate, keep the best, tell the callback."""
+
+    model: object
+    policy: Policy
+    opt: torch.optim.Optimizer
+    log: dict
+    held_out: list[Sample]
+    cfg: TrainConfig
+    callback: object
+    best: Policy | None
+
+    def checkpoint(self) -> None:
+        """Validate the current policy, keep it when it is the best so far, and hand the state to the callback."""
+        from scdviz.evict.press import DistillCachePress
+
+        cfg, policy, log = self.cfg, self.policy, self.log
+        press = DistillCachePress(policy=policy) if cfg.val_decode else None
+        val = round(validate(self.model, lambda s: rows(policy, s.obs), policy.config.per_head, self.held_out,
+                             cfg.keeps, press, cfg.decode_interval, cfg.policy.window), 5)
+        log["val"].append({"step": len(log["steps"]), "kl": val})
+        improved = val <= min(v["kl"] for v in log["val"])  # compared as logged (an unrounded value could miss its own entry)
+        if improved:
+            self.best = copy.deepcopy(policy).eval()
+            self.best.meta = {"steps": len(log["steps"]), "val_kl": val}
+        log["seconds"] = round(time.time() - log["started"], 1)
+        policy.meta = {"steps": len(log["steps"])}
+        if self.callback is not None:
+            state = Checkpoint(policy, self.opt.state_dict(), log, self.best)
+            self.callback(Event("checkpoint", len(log["steps"]), log, val, improved, state))
+
+
+# ----------------------------------------------------------------------------- the run folder (callers write it)
+
+POLICY_FILE, OPTIMIZER_FILE = "policy.safetensors", "optimizer.pt"  # the last checkpoint, to resume from
+BEST_FILE, LOG_FILE = POLICY_FOLDER_FILE, POLICY_LOG  # the policy chosen on validation, and the log
 
 
 def run_folder(cfg: TrainConfig, resume: bool) -> Path:
-    """The run folder, made; ValueError when there is nothing to resume in it."""
+    """The run folder ``cfg.out``, made; ValueError when there is nothing to resume in it."""
     out = Path(cfg.out)
-    if resume and not (out / "policy.safetensors").is_file():
-        raise ValueError(f"nothing to resume in {out} (no policy.safetensors)")
+    if resume and not (out / POLICY_FILE).is_file():
+        raise ValueError(f"nothing to resume in {out} (no {POLICY_FILE})")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def save_checkpoint(folder: str | Path, state: Checkpoint, improved: bool) -> None:
+    """Write a checkpoint into a run folder: policy.safetensors (the current policy), optimizer.pt,
+    log.json and, when ``improved``, best.safetensors (the best so far). The shipped layout."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if improved and state.best is not None:
+        state.best.save(folder / BEST_FILE, meta=state.best.meta)
+    state.policy.save(folder / POLICY_FILE, meta=state.policy.meta)
+    torch.save(state.optimizer, folder / OPTIMIZER_FILE)
+    (folder / LOG_FILE).write_text(json.dumps(state.log, indent=1))
+
+
+def checkpoints_to(folder: str | Path, then=None):
+    """A ``train`` callback writing every checkpoint into ``folder`` (``save_checkpoint``) and passing
+    every event on to ``then`` (e.g. a live plot)."""
+    def callback(event: Event) -> None:
+        if event.kind == "checkpoint":
+            save_checkpoint(folder, event.checkpoint, event.improved)
+        if then is not None:
+            then(event)
+
+    return callback
+
+
+def load_checkpoint(folder: str | Path, device=hf.HOST) -> Checkpoint:
+    """A run folder's last checkpoint, to resume from (``train(..., state=...)``)."""
+    folder = Path(folder)
+    policy = Policy.load(folder / POLICY_FILE)
+    best = Policy.load(folder / BEST_FILE) if (folder / BEST_FILE).is_file() else None
+    optimizer = torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location=device)  # tensors only
+    return Checkpoint(policy, optimizer, json.loads((folder / LOG_FILE).read_text()), best)
 
 
 def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...], press=None,
@@ -397,32 +529,3 @@ def validation_kls(model, scorer, per_head: bool, samples: list[Sample], keeps: 
                 evictor = DecodeEvictor(press, budget=n_keep, window=window, interval=interval)
                 kls.append(float(held_kl(model, sample, idx, evictor).mean()))
     return kls
-
-
-def _checkpoint(model, out: Path, policy, opt, log: dict, held_out: list[Sample], cfg: TrainConfig) -> None:
-    """Validate, save the current policy and optimizer, and keep the best policy so far."""
-    from scdviz.evict.press import DistillCachePress
-
-    press = DistillCachePress(policy=policy) if cfg.val_decode else None
-    val = round(validate(model, lambda s: rows(policy, s.obs), policy.config.per_head, held_out, cfg.keeps, press,
-                         cfg.decode_interval, cfg.policy.window), 5)
-    log["val"].append({"step": len(log["steps"]), "kl": val})
-    if val <= min(v["kl"] for v in log["val"]):  # compared as logged (an unrounded value could miss its own entry)
-        policy.save(out / "best.safetensors", meta={"steps": len(log["steps"]), "val_kl": val})
-    log["seconds"] = round(time.time() - log["started"], 1)
-    _save_checkpoint(out, policy, opt, log)
-
-
-def _save_checkpoint(out: Path, policy: Policy, opt, log: dict) -> None:
-    policy.save(out / "policy.safetensors", meta={"steps": len(log["steps"])})
-    torch.save(opt.state_dict(), out / "optimizer.pt")
-    (out / "log.json").write_text(json.dumps(log, indent=1))
-
-
-def _load_checkpoint(out: Path, cfg: TrainConfig, device=hf.HOST):
-    policy = Policy.load(out / "policy.safetensors").to(device).train()
-    if policy.config != cfg.policy:
-        raise ValueError(f"checkpoint policy config {policy.config} differs from the requested {cfg.policy}")
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    opt.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True, map_location=device))  # tensors only
-    return policy, opt, json.loads((out / "log.json").read_text())
