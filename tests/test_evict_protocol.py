@@ -206,11 +206,11 @@ def test_training_samples_score_the_tail_after_the_question_as_the_benchmark_doe
 
 
 def test_agreement_with_h2o_is_exact_on_known_masks():
-    from scdviz.evict.view import _slot_masks, agreement
+    from scdviz.evict.view import slot_masks, agreement
 
     head = [torch.tensor([[[0, 1], [2, 3]]]), torch.tensor([[[0, 2], [1, 3]]])]  # 2 layers, 2 KV heads, keep 2 of 4
     glob = torch.tensor([[0, 1]])  # one set for every layer and head
-    a, b = _slot_masks(head, 4, 2, 2), _slot_masks(glob, 4, 2, 2)
+    a, b = slot_masks(head, 4, 2, 2), slot_masks(glob, 4, 2, 2)
     assert a.shape == (2, 2, 4) and a.sum() == 8 and b[:, :, :2].all() and not b[:, :, 2:].any()
     assert agreement(a, a) == {"jaccard_vs_h2o": 1.0, "kept_not_by_h2o": 0.0}
     both = 2 + 1 + 1  # layer 0 head 0 shares {0, 1}; layer 1 head 0 shares {0}, head 1 shares {1}

@@ -41,21 +41,21 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from scdviz import metrics, protocol, qa, settings
+from scdviz import metrics, protocol, qa
 from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
-from scdviz.evict.policy import Policy, keep_count
+from scdviz.evict.policy import SHIPPED_DIR, Policy, keep_count
 from scdviz.evict.press import DistillCachePress
 from scdviz.models import hf
 from scdviz.records import BenchRecord
 
 SHIPPED_POLICIES = (
-    settings.ASSETS_DIR / "policy" / "per_head" / "best.safetensors",  # per-head, W = 512
-    settings.ASSETS_DIR / "policy" / "global" / "best.safetensors",  # one set for all layers (as specified)
-    settings.ASSETS_DIR / "policy" / "per_head_w64" / "best.safetensors",  # per-head, W = 64
-    settings.ASSETS_DIR / "policy" / "lookahead_w64" / "best.safetensors",  # per-head, W = 64, + lookahead feature
-    settings.ASSETS_DIR / "policy" / "lookahead_w512" / "best.safetensors",  # W = 512, lookahead G = 40, K = 8
+    SHIPPED_DIR / "per_head" / "best.safetensors",  # per-head, W = 512
+    SHIPPED_DIR / "global" / "best.safetensors",  # one set for all layers (as specified)
+    SHIPPED_DIR / "per_head_w64" / "best.safetensors",  # per-head, W = 64
+    SHIPPED_DIR / "lookahead_w64" / "best.safetensors",  # per-head, W = 64, + lookahead feature
+    SHIPPED_DIR / "lookahead_w512" / "best.safetensors",  # W = 512, lookahead G = 40, K = 8
 )
 
 

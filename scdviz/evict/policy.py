@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from scdviz import artefact, config
+from scdviz import artefact, config, settings
 from scdviz.config import opt
 from scdviz.evict.features import N_FEATURES, POS
 
 KIND = "distillcache-policy"
 FILE = "best.safetensors"  # the policy of a policy folder: the checkpoint chosen on validation
 LOG = "log.json"  # the training log beside a policy file
+SHIPPED_DIR = settings.ASSETS_DIR / "policy"  # shipped policies, one folder each
 _LOG_FEATURES = (0, 1, 2, 5)  # alpha, vnorm, sigma (and the lookahead) are positive and heavy-tailed
 
 
@@ -127,6 +128,15 @@ class Policy(nn.Module):
         if pair is not None:
             policy = policy.to(pair.device)
         return policy.eval()
+
+    @classmethod
+    def shipped(cls, name: str = "global", pair=None) -> Policy:
+        """A policy shipped in ``assets/policy/NAME`` (its checkpoint chosen on validation);
+        ValueError naming the shipped ones for another name."""
+        names = sorted(p.parent.name for p in SHIPPED_DIR.glob(f"*/{FILE}"))
+        if name not in names:
+            raise ValueError(f"no shipped policy named {name!r}; shipped: {', '.join(names)}")
+        return cls.load(SHIPPED_DIR / name, pair)
 
 
 def standardise(features: Tensor) -> Tensor:

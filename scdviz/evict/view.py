@@ -47,7 +47,7 @@ class EvictionView:
 H2O = "ObservedAttention"  # kvpress's H2O: what attention history alone keeps
 
 
-def _slot_masks(idx, n_tokens: int, n_layers: int, n_kv: int) -> torch.Tensor:
+def slot_masks(idx, n_tokens: int, n_layers: int, n_kv: int) -> torch.Tensor:
     """(L, Hkv, T) 1 where a layer's KV head keeps a token, from per-layer (B, Hkv, n) or one (B, n) set."""
     per_layer = idx if isinstance(idx, list) else [idx] * n_layers
     rows = []
@@ -96,7 +96,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         policies = bench.load_policies(()) | dict(policies or {})
         out = bench.score_context(model, window, prefix, cfg, policies, presses)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
-        slots = {m: _slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
+        slots = {m: slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}
         res = out["results"]
         methods = sorted(masks)
