@@ -206,7 +206,7 @@ def test_training_samples_score_the_tail_after_the_question_as_the_benchmark_doe
 
 
 def test_agreement_with_h2o_is_exact_on_known_masks():
-    from scdviz.evict.view import slot_masks, agreement
+    from scdviz.evict.view import agreement, slot_masks
 
     head = [torch.tensor([[[0, 1], [2, 3]]]), torch.tensor([[[0, 2], [1, 3]]])]  # 2 layers, 2 KV heads, keep 2 of 4
     glob = torch.tensor([[0, 1]])  # one set for every layer and head

@@ -378,8 +378,9 @@ def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
 def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pair, tiny_calib):
     from scdviz.scd import bench
 
-    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,),
-                         progress=False, sent_rows=True)
+    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)],
+                         bench.ScdBenchConfig(cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,), sent_rows=True,
+                                              qa_answer_len=0), progress=False)
     recs = bench.rows(report)
     measured = [r for r in recs if r.get("row") == "measured"]
     need = {"specialist", "method", "payload_bytes_per_token", "compression_vs_fp16", "kl", "top1", "ppl", "ppl_oracle",
@@ -394,7 +395,9 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     assert max(tc["sent"]["cols_k"] + tc["sent"]["cols_v"]) <= max(tiny_calib.key_codes[0].max_rank, 1)
     raw_row = next(r for r in measured if r["method"] == "raw KV")
     assert set(raw_row["sent"]["cols_k"]) == {tiny_pair.consumer_facts.kv_heads * tiny_pair.consumer_facts.head_dim}
-    claim = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cont_len=8, gen_tokens=0, rank_claim=True, progress=False)
+    claim = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)],
+                        bench.ScdBenchConfig(cont_len=8, gen_tokens=0, rank_claim=True, sent_rows=False, qa_answer_len=0),
+                        progress=False)
     table = bench.rank_claim_table([claim])
     assert sorted(set(table["reduced"])) == ["K", "V"] and len(table) == 2 * len(plans.RANK_CLAIM)
     for _, rows in table.groupby("reduced"):

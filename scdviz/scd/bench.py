@@ -1,6 +1,6 @@
 """The SCD benchmark of one pair: the method lineup, the sweeps, JSON records, a projection.
 
-``bench(pair, calib, windows, ...)`` runs oracle, raw KV, 4-bit KV, DroidSpeak-style
+``bench(pair, calib, windows, cfg)`` runs oracle, raw KV, 4-bit KV, DroidSpeak-style
 recompute, SCD reuse-only and SCD full on the same held-out windows (with greedy
 generation for token-F1), optionally the patch-budget sweep (k = 0..patch_k, selected vs
 drift placement) and a rank (byte-budget) sweep, and an analytic projection of each
@@ -138,49 +138,39 @@ def bench(
     pair: Pair,
     calib: calibration.Calibration,
     windows: list[list[int]],
-    cont_len: int = 32,
-    gen_tokens: int = 32,
-    sweeps: bool = False,
-    budgets: tuple[float, ...] = (),
+    cfg: ScdBenchConfig,
     specialist: str | None = None,
     progress: bool = True,
     scd_full: Plan | None = None,
-    budget: float | None = None,
-    coder: str = "transform",
-    sink: str = "recompute",
-    sent_rows: bool = False,
-    kivi_window: int = 0,
-    qa_answer_len: int = 0,
-    entropy: bool = False,
-    rank_claim: bool = False,
 ) -> BenchReport:
-    """Run the lineup (and sweeps) on ``windows``; see the module docstring.
+    """Run the lineup (and sweeps) on ``windows`` with ``cfg``'s settings; see the module docstring.
 
     scd_full: the SCD plan in the lineup (default: the calibration's operating point).
-    budget: SCD full is instead the ``coder`` plan at this many bytes/token (``budget_plan``). budgets:
-    the transform-coded plan, the rate-distortion plan (packed and entropy coded) and the rank-only
-    allocation at each ("budget sweep"). Both use the calibration's rate curves, measured now when
-    it has none.
-    sink: token-0 handling of every method in the lineup; sent_rows: the lineup again with
-    the other handling, as the "token 0" group.
+    cfg.budget: SCD full is instead the ``cfg.coder`` plan at this many bytes/token (``budget_plan``).
+    cfg.budgets: the transform-coded plan, the rate-distortion plan (packed and entropy coded) and the
+    rank-only allocation at each ("budget sweep"). Both use the calibration's rate curves, measured now
+    when it has none. cfg.sink: token-0 handling of every method in the lineup; cfg.sent_rows: the
+    lineup again with the other handling, as the "token 0" group. (cfg's texts, domains, lodo, limit,
+    prompt_len and seed choose the windows: ``reports`` reads them.)
     """
-    cases = measure.prepare_cases(pair, windows, cont_len, progress, qa_answer_len)
+    cont_len, gen_tokens, budget, budgets, sink = cfg.cont_len, cfg.gen_tokens, cfg.budget, cfg.budgets, cfg.sink
+    cases = measure.prepare_cases(pair, windows, cont_len, progress, cfg.qa_answer_len)
     n_tokens = cases[0].state.ids.shape[1]
     curves = (calib.rate or rate.measure(pair, calib, progress=progress)) if budget or budgets else None
     if budget:
-        scd_full = budget_plan(calib, curves, budget, n_tokens, sink, coder, name="SCD full")
+        scd_full = budget_plan(calib, curves, budget, n_tokens, sink, cfg.coder, name="SCD full")
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
-    lineup = plans.lineup(calib, scd_full, sink, kivi_window, entropy)
+    lineup = plans.lineup(calib, scd_full, sink, cfg.kivi_window, cfg.entropy)
     results = measure.run_methods(pair, calib, cases, lineup, "method", gen_tokens, gens, progress)
     report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup},
                          calibrated_on=list(calib.stats.get("domains", [])))
-    if sent_rows:
-        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", kivi_window, entropy)
+    if cfg.sent_rows:
+        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", cfg.kivi_window, cfg.entropy)
         report.sweeps += measure.run_methods(pair, calib, cases, other, "token 0", progress=progress)
-    if sweeps:
+    if cfg.sweeps:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep", progress=progress)
         report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep", progress=progress)
-    if rank_claim:
+    if cfg.rank_claim:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim", progress=progress)
     if budgets:
         swept = []
@@ -255,9 +245,7 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
     def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
         if not cfg.lodo:  # with lodo, refit seeded before calibrating
             torch.manual_seed(cfg.seed)
-        report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg.cont_len, cfg.gen_tokens, cfg.sweeps,
-                       tuple(cfg.budgets), name, progress, budget=cfg.budget, coder=cfg.coder, sink=cfg.sink, sent_rows=cfg.sent_rows,
-                       kivi_window=cfg.kivi_window, qa_answer_len=cfg.qa_answer_len, entropy=cfg.entropy, rank_claim=cfg.rank_claim)
+        report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg, name, progress)
         report.domain = domain
         if on_report is not None:
             on_report(report)
@@ -434,5 +422,6 @@ def bench_text(pair: Pair, calib: calibration.Calibration | Codec, text: str, pl
     if isinstance(calib, Codec):
         calib, plan = calib.calibration, calib.plan
     window = window_of(pair, text, cont_len, max_tokens)
-    return bench(pair, calib, [window], cont_len, gen_tokens, sweeps, (), pair.consumer_source,
-                 progress=False, scd_full=plan, budget=budget, coder=coder)
+    cfg = ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=sweeps, budget=budget, coder=coder,
+                         sent_rows=False, qa_answer_len=0)
+    return bench(pair, calib, [window], cfg, pair.consumer_source, progress=False, scd_full=plan)
