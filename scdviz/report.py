@@ -87,9 +87,9 @@ def _flag_value(value) -> str:
 
 def _cli_defaults(kind: str) -> dict[str, tuple[str, object]]:
     """{field: (flag, default)} of ``bench KIND``'s settings, from the CLI's own dataclasses."""
-    from scdviz import cli  # lazily: the CLI imports every bench (and torch)
+    from scdviz import commands  # lazily: the command settings import every bench (and torch)
 
-    cls = next(c for name, _, c, _ in cli.COMMANDS if name == f"bench {kind}")
+    cls = commands.BENCHES[kind]
     out: dict[str, tuple[str, object]] = {}
 
     def walk(c) -> None:

@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from scdviz import artefact, cli, config, records
+from scdviz import artefact, cli, commands, config, records
 from scdviz.evict.bench import EvalConfig
 from scdviz.evict.policy import Policy, PolicyConfig
 from scdviz.evict.train import TrainConfig
@@ -50,11 +50,11 @@ def test_every_flag_has_help_with_its_default():
 def test_lists_are_space_separated_and_become_the_field_type():
     args = cli.parser().parse_args(["bench", "evict", "--keeps", "0.5", "0.125", "--token-budgets", "96", "--modes",
                                     "agnostic", "aware", "--no-qa"])
-    cmd = config.from_args(cli.BenchEvict, args)
+    cmd = config.from_args(commands.BenchEvict, args)
     assert cmd.eval.keeps == (0.5, 0.125) and cmd.eval.token_budgets == (96,)
     assert cmd.eval.modes == ("agnostic", "aware") and cmd.eval.qa is False
     args = cli.parser().parse_args(["train-policy", "--out", "r", "--no-per-head", "--window", "64"])
-    assert config.from_args(cli.TrainPolicy, args).train.policy == PolicyConfig(per_head=False, window=64)
+    assert config.from_args(commands.TrainPolicy, args).train.policy == PolicyConfig(per_head=False, window=64)
 
 
 def test_config_without_help_is_refused():
@@ -130,7 +130,7 @@ def _strict(text: str):
 
 
 def test_record_is_strict_json_with_settings_versions_and_seed(tmp_path):
-    cmd = cli.BenchEvict(eval=EvalConfig(limit=4, keeps=(0.25,)), out=str(tmp_path / "r.json"))
+    cmd = commands.BenchEvict(eval=EvalConfig(limit=4, keeps=(0.25,)), out=str(tmp_path / "r.json"))
     rows = [{"method": "m", "kl": float("nan"), "se": math.inf, "steps": (1.0, float("-inf"))}]
     rec = records.make("evict", config.to_dict(cmd), 5, rows, "cpu")
     path = records.write(rec, tmp_path / "r.json")
@@ -141,7 +141,7 @@ def test_record_is_strict_json_with_settings_versions_and_seed(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == len(obj) + len(rows) + 3  # braces, a line per field and per row, the rows' closing bracket
     back = records.read(path)
-    again, unknown = config.from_dict(cli.BenchEvict, back.settings)
+    again, unknown = config.from_dict(commands.BenchEvict, back.settings)
     assert again == cmd and unknown == []  # the record says how to run it again
     with pytest.raises(ValueError, match="unknown bench kind"):
         records.BenchRecord("speed", {}, 0, rows)
@@ -156,7 +156,7 @@ def test_shipped_records_and_artefacts_are_current():
         rec = records.read(path)
         scd = path.relative_to(settings.ASSETS_DIR).parts[0] == "scd"
         assert rec.kind == (("ttft" if path.name == "ttft.json" else "scd") if scd else "evict"), path
-        settings_cls = {"scd": cli.BenchScd, "evict": cli.BenchEvict, "ttft": cli.BenchTtft}[rec.kind]
+        settings_cls = {"scd": commands.BenchScd, "evict": commands.BenchEvict, "ttft": commands.BenchTtft}[rec.kind]
         assert config.from_dict(settings_cls, rec.settings)[1] == [], path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
         assert Policy.load(path).identity["model_source"] == "builtin:smollm2-135m"
@@ -229,7 +229,7 @@ def test_a_config_file_value_is_used_and_a_flag_beside_it_wins(tmp_path):
     path.write_text('producer = "builtin:x"\n\n[bench]\nlimit = 5\nbudgets = [2500.0, 3800.0]\n')
     top = cli.parser()
     args = top.parse_args(["bench", "scd", "--limit", "7"])
-    args.parser.set_defaults(**config.read_toml(cli.BenchScd, str(path)))
-    cmd = config.from_args(cli.BenchScd, top.parse_args(["bench", "scd", "--limit", "7"]))
+    args.parser.set_defaults(**config.read_toml(commands.BenchScd, str(path)))
+    cmd = config.from_args(commands.BenchScd, top.parse_args(["bench", "scd", "--limit", "7"]))
     assert cmd.producer == "builtin:x" and cmd.bench.budgets == (2500.0, 3800.0) and cmd.bench.limit == 7
 
