@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         report["timing"] = [row for shape in args.timing.split(",") if shape
-                            for row in scale.timing(shape.strip(), device=args.device, dtype=dtype)]
+                            for row in scale.Timing(shape.strip(), device=args.device, dtype=dtype).rows()]
         for row in report["timing"]:
             print(f"{row['model']:10s} {row['tokens']:5d} tokens: oracle prefill {row['oracle_prefill_ms']:9.1f} ms, SCD "
                   f"consumer {row['scd_consumer_ms']:8.1f} ms (parse on CPU {row['parse_cpu_ms']:.1f}), TTFT at 10 Gbit/s "

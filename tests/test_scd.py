@@ -856,7 +856,7 @@ def test_ttft_table_counts_every_step_and_break_even_follows_from_it(tiny_pair, 
 def test_scale_timing_adds_up_its_steps_and_scales_the_link_with_bytes():
     from scdviz.scd import scale
 
-    (row,) = scale.timing("tiny", (32,), "cpu", torch.float32, reps=1, warmup=0)
+    (row,) = scale.Timing("tiny", (32,), "cpu", torch.float32, reps=1, warmup=0).rows()
     parts = row["token0_ms"] + row["codes_ms"] + row["patches_ms"] + row["parse_cpu_ms"]
     assert row["scd_consumer_ms"] == pytest.approx(parts, abs=0.01)
     hidden, layers, heads, kv, hd, ffn, vocab = scale.SHAPES["tiny"]
