@@ -96,11 +96,13 @@ def _hover(part: pd.DataFrame, fields: list[tuple[str, str]]) -> list[str]:
 
 
 def _overlay(fig: go.Figure, df: pd.DataFrame, x: str, y: str, series: str, group: str | None = None,
-             mode: str = "markers", hover: list[tuple[str, str]] = (), sort_x: bool = False, symbol_of=None,
-             dash_of=None) -> None:
+             mode: str = "markers", hover: list[tuple[str, str]] = (), sort_x: bool = False,
+             group_style=None) -> None:
     """One trace per (group, series): a colour per series (the same in every group), a marker symbol
-    and line dash per group (per series when there is one group), a titled legend group per group and
-    the ``hover`` fields on hover. Points never carry text: where points cluster, labels overlap."""
+    and line dash per group (per series when there is one group; ``group_style`` = (symbol_of(group),
+    dash_of(group)) sets them for several groups), a titled legend group per group and the ``hover``
+    fields on hover. Points never carry text: where points cluster, labels overlap."""
+    symbol_of, dash_of = group_style or (None, None)
     colors = {s: COLORS[i % len(COLORS)] for i, s in enumerate(dict.fromkeys(df[series]))}
     groups = list(dict.fromkeys(df[group])) if group else [None]
     for gi, g in enumerate(groups):
@@ -464,7 +466,7 @@ def _scd_payload_kl(frames, symbol_of, dash_of) -> go.Figure | None:
         return None
     fig = go.Figure()
     _overlay(fig, _concat(parts), "payload_bytes_per_token", "kl", "series", group="record",
-             symbol_of=symbol_of, dash_of=dash_of,
+             group_style=(symbol_of, dash_of),
              hover=[("record", "record"), ("method", "method"), ("group", "group"), ("specialist", "specialist"),
                     ("domain", "domain"), ("held out", "held_out"), ("payload (B/token)", "payload_bytes_per_token"),
                     ("KL", "kl"), ("KL s.e.", "kl_se"), ("top-1", "top1"), ("prompts", "n_prompts")])
@@ -489,7 +491,7 @@ def _evict_kl_budget(frames, symbol_of, dash_of) -> go.Figure | None:
             name = name + " · " + df[col].astype(str).str.replace("builtin:", "", regex=False)
     fig = go.Figure()
     _overlay(fig, df.assign(series=name), "kept_pct", "kl", "series", group="record", mode="lines+markers",
-             sort_x=True, symbol_of=symbol_of, dash_of=dash_of,
+             sort_x=True, group_style=(symbol_of, dash_of),
              hover=[("record", "record"), ("method", "method"), ("mode", "mode"), ("model", "model"),
                     ("kept (%)", "kept_pct"), ("tokens kept", "tokens_kept"), ("KL", "kl"), ("KL s.e.", "kl_se"),
                     ("top-1", "top1"), ("QA F1", "qa_f1"), ("contexts", "n_contexts")])
@@ -518,7 +520,7 @@ def _ttft_lines(frames, symbol_of, dash_of) -> go.Figure | None:
     df = df[df["ttft"] > 0]
     fig = go.Figure()
     _overlay(fig, df.assign(series=df["method"].astype(str)), "gbps", "ttft", "series", group="record",
-             mode="lines+markers", sort_x=True, symbol_of=symbol_of, dash_of=dash_of,
+             mode="lines+markers", sort_x=True, group_style=(symbol_of, dash_of),
              hover=[("record", "record"), ("method", "method"), ("link (Gbit/s)", "gbps"), ("TTFT (ms)", "ttft"),
                     ("with producer prefill (ms)", "with_prefill"), ("payload (B/token)", "bytes_per_token"),
                     ("break-even (Gbit/s)", "break_even_gbps")])

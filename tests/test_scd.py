@@ -702,12 +702,12 @@ def test_linear_aligner_recovers_an_exact_linear_relation_in_kv_space_and_shrink
     true = torch.eye(d) + 0.3 * torch.randn(d, d, generator=g)
     h_c = h_p @ true + 0.5
     weight = torch.randn(d_out, d, generator=g)  # consumer k/v projection
-    exact = fit_patch(0, h_p, h_c, weight, steps=0, shrink=0.0, ridge=1e-9)
+    exact = fit_patch(0, h_p, h_c, weight, shrink=0.0, ridge=1e-9)
     assert exact.fit_err < 1e-8  # the K, V it regenerates equal the consumer's
-    identity = fit_patch(0, h_p, h_c, weight, steps=0, shrink=float("inf"))
+    identity = fit_patch(0, h_p, h_c, weight, shrink=float("inf"))
     assert torch.count_nonzero(identity.aligner.lin.weight) == 0
     shrinks = [0.0, 0.1, 1.0, 10.0, float("inf")]
-    errs = [fit_patch(0, h_p, h_c, weight, steps=0, shrink=a).fit_err for a in shrinks]
+    errs = [fit_patch(0, h_p, h_c, weight, shrink=a).fit_err for a in shrinks]
     assert errs == [p.fit_err for p in fit_patches(0, h_p, h_c, weight, shrinks=shrinks)]  # one shared fit, same result
     assert errs == sorted(errs) and errs[-1] > 10 * errs[1]  # shrinking costs fit error, monotonically
     # Directions the projection ignores get no correction: Δ maps into the row space of P Pᵀ only.

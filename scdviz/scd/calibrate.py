@@ -31,7 +31,7 @@ from scdviz.models.pair import Pair
 from scdviz.scd import calibration, rate, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.calibration import CalibConfig, Calibration, domains_of, pair_identity
-from scdviz.scd.patch import Patch, fit_patch, fit_patches
+from scdviz.scd.patch import MlpFit, Patch, fit_patch, fit_patches
 from scdviz.scd.rrr import LinearCode, RRRStats
 
 # ----------------------------------------------------------------------------- fitting
@@ -227,8 +227,8 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
     best = min(lodo, key=lodo.get)
     for f, (train, held) in enumerate(split):
         if cfg.aligner_steps:
-            mlp_sse += sse(fit_patch(layer, train[0], train[1], kv_weight, cfg.rank_h, cfg.aligner_hidden, cfg.aligner_steps,
-                                     seed=cfg.seed, shrink=best, ridge=cfg.ridge), held)
+            mlp_sse += sse(fit_patch(layer, train[0], train[1], kv_weight, cfg.rank_h, _mlp(cfg), shrink=best,
+                                     ridge=cfg.ridge), held)
         _, _, kp, kc, vp, vc = held
         mu_x, mu_y, b, _ = joint_map(summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
                                      shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], refine[1], refine[0] or 0)
@@ -298,6 +298,11 @@ def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int
     return chosen, kls
 
 
+def _mlp(cfg: CalibConfig) -> MlpFit:
+    """The aligners' MLP training of ``cfg``."""
+    return MlpFit(hidden=cfg.aligner_hidden, steps=cfg.aligner_steps, seed=cfg.seed)
+
+
 def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     """Fit codes and aligners on a mixture of domains, select patch layers; see the module docstring."""
     torch.manual_seed(cfg.seed)
@@ -331,7 +336,7 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
         choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]), weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
         calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
-                                         cfg.aligner_hidden, cfg.aligner_steps if choice["mlp"] else 0, seed=cfg.seed,
+                                         _mlp(cfg) if choice["mlp"] else None,
                                          shrink=float("inf") if choice["shrink"] == "identity" else choice["shrink"],
                                          ridge=cfg.ridge)
     t_align = time.perf_counter() - t1

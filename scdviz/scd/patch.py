@@ -145,25 +145,33 @@ def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None =
     return out
 
 
+@dataclass(frozen=True)
+class MlpFit:
+    """How an aligner's MLP is trained on top of its frozen linear part."""
+
+    hidden: int = 128  # MLP width
+    steps: int = 300  # Adam steps (0: no MLP)
+    batch: int = 512  # rows per step
+    lr: float = 1e-3  # Adam learning rate
+    seed: int = 0  # initialisation and batches
+
+
 def fit_patch(
     layer: int,
     h_p: Tensor,
     h_c: Tensor,
     kv_weight: Tensor | None = None,
     rank_h: int | None = None,
-    hidden: int = 128,
-    steps: int = 300,
-    batch: int = 512,
-    lr: float = 1e-3,
-    seed: int = 0,
+    mlp: MlpFit | None = None,
     shrink: float = 0.1,
     ridge: float = 1e-3,
 ) -> Patch:
-    """Fit a Patch: the closed-form linear part (``fit_patches``), then, when ``steps`` > 0, an MLP of
-    width ``hidden`` trained with Adam with the linear part frozen (same loss)."""
+    """Fit a Patch: the closed-form linear part (``fit_patches``), then, with ``mlp`` (steps > 0), an MLP
+    trained with Adam with the linear part frozen (same loss)."""
     patch = fit_patches(layer, h_p, h_c, kv_weight, rank_h, [shrink], ridge)[0]
-    if not steps:
+    if mlp is None or not mlp.steps:
         return patch
+    hidden, steps, batch, lr, seed = mlp.hidden, mlp.steps, mlp.batch, mlp.lr, mlp.seed
     zp = patch.encode(h_p.float())
     zp = zp if patch.basis is None else zp @ patch.basis.T
     zc = (h_c.float() - patch.out_mean) / patch.out_std
