@@ -158,6 +158,13 @@ def _ci(lo: float, hi: float, nd: int = 2, sign: bool = False) -> str:
     return f"[{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
+def _protocol():
+    """scdviz.protocol, imported on first use (its intervals need torch)."""
+    from scdviz import protocol
+
+    return protocol
+
+
 def _paired(a: list[float], b: list[float]) -> dict:
     """The benches' paired bootstrap (b against a over paired items): diff, ratio and their 95% intervals."""
     from scdviz import metrics  # lazily: torch
@@ -365,17 +372,17 @@ def _vs_best(rels: list[str], mode: str = "agnostic", learned_only: bool = False
         for m, r in sorted(at.items(), key=lambda kv: kv[1]["kl"]):
             if learned_only and r.get("baseline") and m != best:
                 continue
-            a, b = base[best]["kl_per_context"], r["kl_per_context"]
             name = m + (" *" if r.get("chosen_on_validation") else "") + (" (best baseline)" if m == best else "")
             if m == best:
                 cells = ["", "", "", ""]
             else:
-                boot = _paired(a, b)
-                wins = sum(y < x for x, y in zip(a, b, strict=True)) / n
+                versus = _protocol().vs_best({best: base[best]["kl_per_context"], m: r["kl_per_context"]}, m, [best])
+                boot, b = versus["boot"], r["kl_per_context"]
                 wins_ctx = ("" if r.get("baseline") else
                             f"{sum(y < x for x, y in zip(ctx_best, b, strict=True)) / n:.2f}")
                 cells = [f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
-                         f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{wins:.2f}", wins_ctx]
+                         f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{versus['wins']:.2f}",
+                         wins_ctx]
             cost = r.get("overhead_frac")
             out.append([_pct(keep), name, f"{r['kl']:.4f} ± {r['kl_se']:.4f}", *cells, f"{r['top1']:.3f}",
                         _f(r.get("qa_acc"), 2), "" if cost is None else f"{cost:.2f}×"])
@@ -410,18 +417,14 @@ def evict_domains() -> str:
     for keep in KEEPS:
         at = {m: r for (m, k), r in rows.items() if k == keep}
         chosen = next(m for m, r in at.items() if r.get("chosen_on_validation"))
-        doms = at[chosen]["domains"]
         trained = at[chosen].get("trained_on") or []
-        for dom in dict.fromkeys(doms):
-            idx = [i for i, d in enumerate(doms) if d == dom]
-            kl = {m: [r["kl_per_context"][i] for i in idx] for m, r in at.items()}
-            best = min((m for m, r in at.items() if r.get("baseline")), key=lambda m: sum(kl[m]))
-            boot = _paired(kl[best], kl[chosen])
-            wins = sum(a < b for a, b in zip(kl[chosen], kl[best], strict=True)) / len(idx)
-            out.append([_pct(keep), dom + (" (trained on)" if dom in trained else ""),
-                        f"{sum(kl[chosen]) / len(idx):.4f}",
-                        best, f"{sum(kl[best]) / len(idx):.4f}", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
-                        f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{wins:.2f}"])
+        values = {m: r["kl_per_context"] for m, r in at.items()}
+        baselines = [m for m, r in at.items() if r.get("baseline")]
+        for dom, versus in _protocol().per_domain(at[chosen]["domains"], values, chosen, baselines):
+            boot = versus["boot"]
+            out.append([_pct(keep), dom + (" (trained on)" if dom in trained else ""), f"{versus['mean']:.4f}",
+                        versus["best"], f"{versus['best_mean']:.4f}", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
+                        f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{versus['wins']:.2f}"])
     head = ["kept", "domain", f"{chosen} KL", "best baseline on the domain", "its KL", "ratio [95% CI]",
             "difference [95% CI]", "wins"]
     return _table(head, out) + "\n\n" + _source_line(PROTOCOL)
