@@ -9,11 +9,10 @@ check converts as well as bounds. This module imports neither torch nor gradio.
 from __future__ import annotations
 
 import math
-import re
 
+from scdviz.errors import UserError
 
-class UserError(ValueError):
-    """A request the user can fix; the message says how."""
+__all__ = ["UserError", "number", "integer", "choice", "choices", "flag", "text"]
 
 
 def number(value, field: str, lo: float, hi: float) -> float:
@@ -76,20 +75,6 @@ def text(value, field: str, max_chars: int, required: bool = True) -> str:
     if required and not value.strip():
         raise UserError(f"{field} is empty")
     return value
-
-
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-def run_name(value) -> str:
-    """A run name usable as one folder name: letters, digits, ``_.-``, not starting with a dot."""
-    name = (value or "").strip() if isinstance(value, str) else value
-    if not isinstance(name, str) or not name:
-        raise UserError("the run name is empty; use letters, digits, '-', '_' or '.' (e.g. my-run-1)")
-    if not RUN_NAME.fullmatch(name):
-        raise UserError(f"run name {_short(name)} is not allowed: use 1-64 letters, digits, '-', '_' or '.', "
-                        "starting with a letter or digit (no path separators, no '.' or '..')")
-    return name
 
 
 def _short(value, n: int = 40) -> str:

@@ -40,16 +40,18 @@ def builtin_choices() -> tuple[str, list[str]]:
 def get_pair(producer, consumer, progress=None) -> Pair:
     """The loaded pair for these sources, loading (and caching) it on first request.
 
-    Sources are checked (scdviz.hosting) before anything loads. Only requests for the
+    Sources are checked (scdviz.hosting: hosted mode's rules, hub ids probed) before anything loads. Only requests for the
     *same* pair wait for its load; everyone else's pairs stay available meanwhile.
     """
+    hub = []
     for what, source in (("producer", producer), ("consumer", consumer)):
         if not isinstance(source, str) or not source.strip():
             raise UserError(f"choose a {what}")
         try:
-            hosting.check_source(source)
+            kind, name = hosting.check_source(source)
         except UserError as err:
             raise UserError(f"{what}: {err}") from None
+        hub += [name] if kind == "hub" else []
     key = (producer.strip(), consumer.strip())
     with _LOCK:
         if key in _PAIRS:
@@ -61,6 +63,8 @@ def get_pair(producer, consumer, progress=None) -> Pair:
             if key in _PAIRS:
                 return _PAIRS[key]
         try:
+            for repo_id in hub:  # in seconds, rather than after transformers' own retries
+                hosting.probe_hub(repo_id)
             pair = load_pair(*key, progress=progress)
         except PairError as err:
             raise UserError(str(err)) from None
