@@ -136,7 +136,7 @@ class BenchEvict:
 
 
 def _app(_) -> None:
-    from scdviz.webapp import main
+    from scdviz.app.webapp import main
 
     main()
 

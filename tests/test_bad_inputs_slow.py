@@ -232,9 +232,9 @@ def files(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(builtin.producer_dir())
     window = next(iter(data.token_windows(tok, data.load_split("jargon", "eval"), 160, 1)))
     out["window"] = tok.decode(window)
-    from scdviz import service
+    from scdviz.app import results
 
-    out["thirteen_shipped"] = list(service.shipped_records())[:13]  # one more than the Results tab opens at once
+    out["thirteen_shipped"] = list(results.shipped_records())[:13]  # one more than the Results tab opens at once
     return out
 
 

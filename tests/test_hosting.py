@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scdviz import hosting, inputs, runs, session, settings
-from scdviz.inputs import UserError
+from scdviz import runs, settings
+from scdviz.app import hosting, inputs, session
+from scdviz.app.inputs import UserError
 from scdviz.models import builtin
 
 OUTSIDE = ["builtin:/etc", "builtin:../../../..", "builtin:../adapters/jargon", "builtin:jargon/../bible",
@@ -186,7 +187,7 @@ def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(mon
         return wrap
 
     monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=gpu))
-    from scdviz import webapp as app
+    from scdviz.app import webapp as app
 
     app = importlib.reload(app)
     try:

@@ -11,7 +11,7 @@ turn into a file-system or network access passes through here:
 * ``user_folder`` / ``user_file`` check a folder or file a user names (a calibration to
   load, a benchmark record to open): refused when hosted unless inside the allowed roots.
 
-Per-session folders and what a visitor may write are ``scdviz.session``. This module
+Per-session folders and what a visitor may write are ``scdviz.app.session``. This module
 imports neither torch nor gradio.
 """
 

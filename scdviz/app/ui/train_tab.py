@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.ui.common import figure_downloads, guard
+from scdviz.app.ui.common import figure_downloads, guard
 
 
 def build(calibrate: Callable, load_calibration: Callable, train: Callable, corpora: list[str],

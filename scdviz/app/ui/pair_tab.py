@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from scdviz.ui.common import diff_tokens, guard
+from scdviz.app.ui.common import diff_tokens, guard
 
 
 @dataclass

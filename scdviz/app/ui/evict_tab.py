@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from scdviz.app.ui.common import figure_downloads, guard
 from scdviz.plots import rounded
-from scdviz.ui.common import figure_downloads, guard
 
 FIGURES = ("kl_steps", "sweep", "heatmap", "features")
 

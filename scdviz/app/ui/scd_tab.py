@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select
 from scdviz.plots import rounded
-from scdviz.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select
 
 FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
            "ttft", "plan")
