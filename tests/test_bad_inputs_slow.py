@@ -32,7 +32,7 @@ TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
 
 
 def scd(**kw):
-    return ("/scd", tuple({**SCD, **kw}.values()))
+    return ("/scd_transfer", tuple({**SCD, **kw}.values()))
 
 
 def ev(**kw):
@@ -283,7 +283,7 @@ def _ask(client, endpoint, args) -> tuple[str, float]:
 def test_the_catalogue_is_large_and_covers_every_tab():
     assert len(ROWS) >= 60
     endpoints = {endpoint for _, (endpoint, _), _ in ROWS}
-    assert endpoints >= {"/load_pair", "/generate", "/scd", "/evict", "/calibrate", "/train", "/load_calibration",
+    assert endpoints >= {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/train", "/load_calibration",
                          "/open_upload", "/open_shipped"}
 
 

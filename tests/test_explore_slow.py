@@ -6,6 +6,7 @@ import pytest
 
 from scdviz.app import evict, scd, train
 from scdviz.app.inputs import UserError
+from scdviz.app.requests import EvictRequest, ScdRequest
 from scdviz.scd import bench
 from scdviz.scd import calibrate as cal
 from scdviz.scd import plan as plans
@@ -41,13 +42,13 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
     with pytest.raises(ValueError, match="SCD needs at least"):
         bench.window_of(builtin_pair, "too short", 32, 1024)
     with pytest.raises(UserError, match="integers separated by commas"):
-        scd.scd_run(builtin_pair, "x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.0005)
+        scd.scd_run(builtin_pair, ScdRequest("x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.5))
     with pytest.raises(UserError, match="between 0 and 100"):
-        evict.evict_run(builtin_pair, "some context " * 20, "", False, "% kept", 120, "producer", "")
+        evict.evict_run(builtin_pair, EvictRequest("some context " * 20, "", False, "% kept", 120, "producer", ""))
     with pytest.raises(UserError, match="must be a whole number between 1 and"):
-        evict.evict_run(builtin_pair, "some context " * 20, "", False, "tokens kept", 2.5, "producer", "")
+        evict.evict_run(builtin_pair, EvictRequest("some context " * 20, "", False, "tokens kept", 2.5, "producer", ""))
     with pytest.raises(UserError, match="context is empty"):
-        evict.evict_run(builtin_pair, " ", "", False, "% kept", 25, "producer", "")
+        evict.evict_run(builtin_pair, EvictRequest(" ", "", False, "% kept", 25, "producer", ""))
 
 
 def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
@@ -56,10 +57,10 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
     from scdviz import data
 
     text = data.load_split("jargon", "eval")[5][:1400]
-    args = (builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005)
+    request = ScdRequest(text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.5)
     kls = {}
     for coder, said in (("transform", "transform-coded plan for 2304 B/token"), ("rd", "rate-distortion plan for 2304 B/token")):
-        out = scd.scd_run(*args, budget=2304, coder=coder)
+        out = scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=2304, coder=coder))
         full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
         assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
         assert said in out["info"]
@@ -68,13 +69,13 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
         assert ("as sent" in plan_fig.layout.title.text) == (coder == "transform")  # ranks follow the data
         kls[coder] = full["kl"]
         with pytest.raises(ValueError, match="below the smallest"):
-            scd.scd_run(*args, budget=2, coder=coder)
+            scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=2, coder=coder))
     assert kls["transform"] < kls["rd"]  # the README's finding holds on this text too
     bare = dataclasses.replace(calib, rate=None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scd, "get_calibration", lambda pair, session=None: bare)
         with pytest.raises(UserError, match="no rate-distortion curves"):
-            scd.scd_run(*args, budget=3840)
+            scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=3840))
 
 
 def test_scd_fan_out_covers_every_specialist(builtin_pair):
@@ -84,7 +85,7 @@ def test_scd_fan_out_covers_every_specialist(builtin_pair):
 
     key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
     text = data.load_split("jargon", "eval")[3][:1200]
-    out = app.scd_run(key, None, text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True)
+    out = app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True))
     table = out["table"]
     assert set(table["specialist"]) == {f"builtin:{name}" for name in builtin.specialists()} >= {"builtin:jargon", "builtin:austen-qkv"}
     for _, rows in table.groupby("specialist"):

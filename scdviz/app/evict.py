@@ -1,32 +1,26 @@
-"""The DistillCache tab's work: every eviction method on one context."""
+"""The DistillCache tab's work: every eviction method on one context (``EvictRequest``)."""
 
 from __future__ import annotations
 
 from scdviz import settings
 from scdviz.app import inputs
 from scdviz.app.inputs import UserError
-from scdviz.app.pairs import text_field
+from scdviz.app.requests import EvictRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 
-EVICT_UNITS = ("% kept", "tokens kept")
-EVICT_MODELS = ("producer", "consumer")
 
-
-def evict_run(pair: Pair, context: str, question: str, aware: bool, unit: str, budget: float, which: str,
-              method: str, session: Session | None = None) -> dict:
+def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None) -> dict:
     """Every eviction method on one context, with retained-token views, texts and figures."""
     from scdviz import plots
     from scdviz.evict.view import eviction_view
 
-    context = text_field(context, "the context")
-    question = text_field(question, "the question", required=False)
+    req = request.checked()
+    context, question, aware, unit, budget, which, method = (req.context, req.question, req.question_aware,
+                                                             req.budget_unit, req.budget, req.model, req.method)
     if len(context) + len(question) > settings.max_prompt_chars():
         raise UserError(f"context and question have {len(context) + len(question):,} characters together; this app "
                         f"accepts at most {settings.max_prompt_chars():,} (SCDVIZ_MAX_PROMPT_CHARS)")
-    aware = inputs.flag(aware, "Question-aware")
-    unit = inputs.choice(unit, "Budget unit", EVICT_UNITS)
-    which = inputs.choice(which, "Model", EVICT_MODELS)
     n_ctx = len(pair.tokenizer(context, add_special_tokens=False)["input_ids"])
     n_q = len(pair.tokenizer(question, add_special_tokens=False)["input_ids"]) if question.strip() else 0
     if n_ctx + n_q > settings.max_prompt_tokens():

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from scdviz import settings
 from scdviz.app import hosting, inputs
 from scdviz.app.inputs import UserError
+from scdviz.app.requests import GenerateRequest
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, load_pair
 
@@ -110,10 +111,11 @@ class Generation:
     seconds: float  # wall time for both
 
 
-def generate_both(pair: Pair, prompt: str, max_new_tokens: int, chat: bool = False) -> Generation:
+def generate_both(pair: Pair, request: GenerateRequest) -> Generation:
     """Greedy generation from the producer and the consumer, each from its own prefill."""
-    max_new_tokens = inputs.integer(max_new_tokens, "New tokens", 1, settings.max_new_tokens())
-    ids = encode_prompt(pair, prompt, inputs.flag(chat, "Chat template"))
+    req = request.checked()
+    max_new_tokens = req.new_tokens
+    ids = encode_prompt(pair, req.prompt, req.chat)
     t0 = time.perf_counter()
     prefix, last = hf.ids_tensor(ids[:-1]), hf.ids_tensor(ids[-1:])  # cache covers prompt[:-1]
     outs = []

@@ -1,4 +1,4 @@
-"""The SCD tab's work: calibrations (the visitor's or the shipped one) and every method on one text."""
+"""The SCD tab's work: calibrations (the visitor's or the shipped one) and every method on one text (``ScdRequest``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ import threading
 from scdviz import settings
 from scdviz.app import inputs
 from scdviz.app.inputs import UserError
-from scdviz.app.pairs import builtin_choices, text_field
+from scdviz.app.pairs import builtin_choices
+from scdviz.app.requests import ScdRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 
 _SHIPPED_CALIBS: dict[tuple[str, str], object] = {}  # read-only shipped calibrations, loaded once
 _SHIPPED_LOCK = threading.Lock()
-CODE_BITS = (4, 8, 16)  # code precisions the SCD controls offer (calibration and transfer)
-PLACEMENTS = ("selected", "drift", "manual")
 
 
 def calibration_summary(calib) -> str:
@@ -55,13 +54,7 @@ def get_calibration(pair: Pair, session: Session | None = None):
         return _SHIPPED_CALIBS[key]
 
 
-def code_bits(value, field: str) -> int:
-    """One of CODE_BITS, from what a Radio or an API client sends."""
-    return int(inputs.choice(inputs.integer(value, field, min(CODE_BITS), max(CODE_BITS)), field, CODE_BITS))
-
-
-def _parse_layers(text, n_layers: int) -> list[int]:
-    text = inputs.text(text, "Manual patch layers", 200, required=False)
+def _parse_layers(text: str, n_layers: int) -> list[int]:
     try:
         layers = [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
@@ -72,32 +65,26 @@ def _parse_layers(text, n_layers: int) -> list[int]:
     return layers
 
 
-def scd_run(pair: Pair, text: str, cont_len: int, gen_tokens: int, bits: int, rank_k: int, rank_v: int,
-            patch_k: int, placement: str, layers: str, gbps: float, latency_s: float, budget: float = 0.0,
-            coder: str = "transform", session: Session | None = None) -> dict:
+def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> dict:
     """Every SCD method on one text, with tables, token texts and figures for the tab."""
     from scdviz import link, plots
     from scdviz.scd import bench, measure
     from scdviz.scd import plan as plans
 
-    text = text_field(text, "the text")
-    cont_len = inputs.integer(cont_len, "Continuation tokens scored", 8, 64)
-    gen_tokens = inputs.integer(gen_tokens, "Tokens generated per method", 1, 48)
-    bits = code_bits(bits, "Code precision (bits)")
-    placement = inputs.choice(placement, "Placement", PLACEMENTS)
-    gbps = inputs.number(gbps, "Link bandwidth (Gbit/s)", 0.01, 10_000)
-    latency_s = inputs.number(latency_s, "Link latency (s)", 0, 10)
+    req = request.checked()
+    text, cont_len, gen_tokens, bits, placement = (req.text, req.continuation_tokens, req.generated_tokens, req.bits,
+                                                   req.placement)
+    gbps, latency_s, budget, coder = req.bandwidth_gbps, req.latency_ms / 1000, req.byte_budget, req.coder
     calib = get_calibration(pair, session)
     full_k = max(c.max_rank for c in calib.key_codes)
     full_v = max(c.max_rank for c in calib.value_codes)
-    rank_k = inputs.integer(rank_k, "r_K", 0, full_k)
-    rank_v = inputs.integer(rank_v, "r_V", 0, full_v)
-    patch_k = inputs.integer(patch_k, "Patch layers k", 0, calib.n_layers)
+    rank_k = inputs.integer(req.rank_k, "r_K", 0, full_k)  # within this calibration's ranks and layers
+    rank_v = inputs.integer(req.rank_v, "r_V", 0, full_v)
+    patch_k = inputs.integer(req.patch_layers, "Patch layers k", 0, calib.n_layers)
     ordered = len(calib.patch_order if placement == "selected" else calib.drift_order)
     asked, patch_k = patch_k, min(patch_k, ordered)  # "up to k": a gated calibration may order fewer
-    manual = _parse_layers(layers, calib.n_layers)
-    budget = inputs.number(budget, "Byte budget (B/token)", 0, 100_000)
-    coder = inputs.choice(coder, "Budget coder", bench.CODERS)
+    manual = _parse_layers(req.manual_layers, calib.n_layers)
+    assert coder in bench.CODERS, coder  # the request offers only the bench's coders
     if budget and calib.rate is None:
         raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: add them with "
                          "python -m scdviz rate, or calibrate again; or set the byte budget to 0")

@@ -8,23 +8,19 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from scdviz import data
-from scdviz.app import hosting, inputs
-from scdviz.app.scd import code_bits
+from scdviz.app import hosting
+from scdviz.app.requests import CalibrateRequest, TrainRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 
 
-def calibrate_for(pair: Pair, session: Session, domains, n_fit: int, op_k: int, bits: int,
-                  name: str) -> tuple[object, Path]:
+def calibrate_for(pair: Pair, session: Session, request: CalibrateRequest) -> tuple[object, Path]:
     """Calibrate SCD for a loaded pair on a mixture of shipped corpora, save it in a new run
     folder, and make it this session's calibration for the pair (no one else's changes)."""
     from scdviz.scd import calibrate as cal
 
-    domains = inputs.choices(domains, "Calibration domains", data.corpora())
-    n_fit = inputs.integer(n_fit, "Windows for the fits", 4, 64)
-    op_k = inputs.integer(op_k, "Patch layers at the operating point", 0, 6)
-    bits = code_bits(bits, "Code bits")
+    req = request.checked()
+    domains, n_fit, op_k, bits, name = req.domains, req.fit_windows, req.patch_layers, req.bits, req.name
     folder = session.new_run(name, "calibrations")
     cfg = cal.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
                           patch_k=max(op_k, 2))
@@ -47,15 +43,14 @@ def load_calibration_for(pair: Pair, session: Session, folder) -> object:
     return calib
 
 
-def train_policy_live(pair: Pair, session: Session, steps: int, contexts: int, per_head: bool, name: str):
+def train_policy_live(pair: Pair, session: Session, request: TrainRequest):
     """Train a DistillCache policy on the pair's producer in a thread; yields the growing log
     every ~2 s, then (folder, final log). The best policy joins this session's eviction methods."""
     from scdviz.evict.policy import Policy, PolicyConfig
     from scdviz.evict.trainer import TrainConfig, train
 
-    steps = inputs.integer(steps, "REINFORCE steps", 1, 300)
-    contexts = inputs.integer(contexts, "Training contexts", 2, 32)
-    per_head = inputs.flag(per_head, "Per layer and KV head")
+    req = request.checked()
+    steps, contexts, per_head, name = req.steps, req.contexts, req.per_head, req.name
     folder = session.new_run(name, "policies")
     # the CLI's defaults except the sizes a live session can afford (learning rate, entropy: as the CLI)
     cfg = TrainConfig(out=str(folder), contexts=contexts, steps=steps, warm_steps=50,

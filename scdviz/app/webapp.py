@@ -68,9 +68,9 @@ def load(producer, consumer, progress):
 
 
 @gpu("generate")
-def generate(key, prompt, max_new, chat):
+def generate(key, request):
     pair = _pair(key)
-    gen = pairs.generate_both(pair, prompt, max_new, chat)
+    gen = pairs.generate_both(pair, request)
     tok = pair.tokenizer
     pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
     same = sum(a == b for a, b in zip(gen.producer_ids, gen.consumer_ids))
@@ -79,32 +79,28 @@ def generate(key, prompt, max_new, chat):
     return pieces[0], pieces[1], md
 
 
-def scd_run(key, sess, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_ms,
-            fan_out=False, budget=0, coder="transform"):
+def scd_run(key, sess, request):
     """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
-    from scdviz.app import inputs
-
-    latency = inputs.number(latency_ms, "Link latency (ms)", 0, 10_000) / 1000
-    args = (text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency, budget, coder)
-    run = _scd_fan_out if inputs.flag(fan_out, "All built-in specialists") else _scd_one
-    return run(key, _session(sess), args)
+    request = request.checked()  # fan_out decides the GPU duration: checked before either starts
+    run = _scd_fan_out if request.fan_out else _scd_one
+    return run(key, _session(sess), request)
 
 
 @gpu("scd")
-def _scd_one(key, sess, args):
-    return scd.scd_run(_pair(key), *args, session=sess)
+def _scd_one(key, sess, request):
+    return scd.scd_run(_pair(key), request, session=sess)
 
 
 @gpu("scd_fan_out")
-def _scd_fan_out(key, sess, args):
+def _scd_fan_out(key, sess, request):
     import pandas as pd
 
     pair = _pair(key)
-    out = scd.scd_run(pair, *args, session=sess)
+    out = scd.scd_run(pair, request, session=sess)
     tables = [out["table"].assign(specialist=pair.consumer_source)]
     for consumer in pairs.builtin_choices()[1]:
         if consumer != pair.consumer_source:
-            other = scd.scd_run(pairs.get_pair(pair.producer_source, consumer), *args, session=sess)
+            other = scd.scd_run(pairs.get_pair(pair.producer_source, consumer), request, session=sess)
             tables.append(other["table"].assign(specialist=consumer))
     out["table"] = pd.concat(tables, ignore_index=True)
     out["info"] += (f" Fan-out: {len(tables)} specialists on the same text from the same producer, each with "
@@ -113,16 +109,16 @@ def _scd_fan_out(key, sess, args):
 
 
 @gpu("evict")
-def evict_run(key, sess, context, question, aware, unit, budget, which, method):
-    return evict.evict_run(_pair(key), context, question, aware, unit, budget, which, method, session=_session(sess))
+def evict_run(key, sess, request):
+    return evict.evict_run(_pair(key), request, session=_session(sess))
 
 
 @gpu("calibrate")
-def calibrate(key, sess, domains, n_fit, op_k, bits, name, page=None):
+def calibrate(key, sess, request, page=None):
     from scdviz import plots
 
     sess = _session(sess, page)
-    calib, folder = training.calibrate_for(_pair(key), sess, domains, n_fit, op_k, bits, name)
+    calib, folder = training.calibrate_for(_pair(key), sess, request)
     md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(folder)}`; the SCD tab "
           f"now uses it for you (other visitors keep theirs). {scd.calibration_summary(calib)}")
     return md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
@@ -138,11 +134,11 @@ def load_calibration(key, sess, folder):
 
 
 @gpu("train")
-def train(key, sess, steps, contexts, per_head, name, page=None):
+def train(key, sess, request, page=None):
     from scdviz import plots
 
     pair, sess = _pair(key), _session(sess, page)
-    for item in training.train_policy_live(pair, sess, steps, contexts, per_head, name):
+    for item in training.train_policy_live(pair, sess, request):
         if isinstance(item, tuple):  # (folder, final log)
             folder, log = item
             yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(folder)}` and added to your "
@@ -210,8 +206,6 @@ def build_demo() -> gr.Blocks:
                     load=load,
                     generate=generate,
                     examples=_examples(),
-                    max_new_tokens=settings.max_new_tokens(),
-                    max_chars=settings.max_prompt_chars(),
                 ),
                 pair_state,
                 demo,
@@ -219,14 +213,13 @@ def build_demo() -> gr.Blocks:
         windows = _windows()
         with gr.Tab("SCD transfer") as tab:
             redraw_on_select(tab)
-            scd_tab.build(scd_run, windows, pair_state, sess, settings.max_prompt_chars(), export=export_figures)
+            scd_tab.build(scd_run, windows, pair_state, sess, export=export_figures)
         with gr.Tab("DistillCache eviction") as tab:
             redraw_on_select(tab)
-            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, settings.max_prompt_chars(),
-                            export=export_figures)
+            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, export=export_figures)
         with gr.Tab("Calibrate / train") as tab:
             redraw_on_select(tab)
-            train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state, sess, export=export_figures)
+            train_tab.build(calibrate, load_calibration, train, pair_state, sess, export=export_figures)
         with gr.Tab("Results") as tab:
             redraw_on_select(tab)
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
@@ -238,11 +231,14 @@ def build_demo() -> gr.Blocks:
                               local_runs=None if settings.hosted() else lambda: list(results.local_records()),
                               runs_folder=results.runs_root_shown())
         demo.unload(_on_page_closed)
+    for dep in demo.fns.values():  # gr.State's per-page initial value: an event gradio names after the function
+        if dep.fn is session.open_session:
+            dep.api_visibility = "private"  # internal, as the page-close handler: not an API endpoint
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
 
 
-def _on_page_closed(request: gr.Request):
+def _on_page_closed(request: gr.Request):  # registered by demo.unload, which keeps it private
     """A page closed: its session folder (scratch files, hosted runs) goes at once; gradio drops
     the in-memory state an hour later (and calls Session.close then)."""
     if request is not None and request.session_hash:
