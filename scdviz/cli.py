@@ -36,7 +36,7 @@ from scdviz.commands import (
 
 
 def _app(_) -> None:
-    from scdviz.webapp import main
+    from scdviz.app.webapp import main
 
     main()
 

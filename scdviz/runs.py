@@ -9,13 +9,27 @@ Kinds: ``calibrations`` (SCD), ``policies`` (DistillCache), ``specialists`` (LoR
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 from scdviz import settings
-from scdviz.inputs import UserError, run_name
+from scdviz.errors import UserError
 
 KINDS = ("calibrations", "policies", "specialists", "bench")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def run_name(value) -> str:
+    """A run name usable as one folder name: letters, digits, ``_.-``, not starting with a dot."""
+    name = (value or "").strip() if isinstance(value, str) else value
+    if not isinstance(name, str) or not name:
+        raise UserError("the run name is empty; use letters, digits, '-', '_' or '.' (e.g. my-run-1)")
+    if not RUN_NAME.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
+        raise UserError(f"run name {shown} is not allowed: use 1-64 letters, digits, '-', '_' or '.', "
+                        "starting with a letter or digit (no path separators, no '.' or '..')")
+    return name
 
 
 def root() -> Path:

@@ -37,7 +37,7 @@ def device_name() -> str:
 
 def hosted() -> bool:
     """Hosted (public demo) mode: no local paths, hub ids only from an allow-list, per-session
-    folders (SCDVIZ_HOSTED=1). The rules themselves are in scdviz.hosting."""
+    folders (SCDVIZ_HOSTED=1). The rules themselves are in scdviz.app.hosting."""
     return os.environ.get("SCDVIZ_HOSTED", "0").lower() in ("1", "true", "yes")
 
 

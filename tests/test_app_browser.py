@@ -110,9 +110,10 @@ def test_pair_tab_loads_pair_and_generates(page, builtin_pair, tmp_path_factory)
     page.locator("#pair-generate").click()
     info = page.locator("#pair-gen-info")
     info.get_by_text("generated positions").wait_for(timeout=240_000)
-    from scdviz import service
+    from scdviz.app import pairs
+    from scdviz.app.requests import GenerateRequest
 
-    gen = service.generate_both(builtin_pair, page.locator("#pair-prompt textarea").input_value(), 32)  # page default
+    gen = pairs.generate_both(builtin_pair, GenerateRequest(page.locator("#pair-prompt textarea").input_value(), 32))  # page default
     squash = lambda text: "".join(text.split())  # noqa: E731 - tokens are shown as separate chips
     assert squash(gen.producer_text) in squash(page.locator("#producer-text").inner_text())
     assert squash(gen.consumer_text) in squash(page.locator("#consumer-text").inner_text())
@@ -138,7 +139,7 @@ def _plots_drawn(page, prefix: str, names: tuple[str, ...]) -> None:
 
 
 def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
-    from scdviz.ui.scd_tab import FIGURES, GROUPS
+    from scdviz.app.ui.scd_tab import FIGURES, GROUPS
 
     page.get_by_role("tab", name="SCD transfer").click()
     page.locator("#scd-run").click()
@@ -174,7 +175,7 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
-    from scdviz.ui.evict_tab import FIGURES
+    from scdviz.app.ui.evict_tab import FIGURES
 
     page.get_by_role("tab", name="DistillCache eviction").click()
     page.locator("#ev-run").click()
@@ -279,7 +280,9 @@ def test_bad_input_shows_a_message_not_a_traceback(page):
 
 def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, builtin_pair, tmp_path_factory):
     """One page runs SCD while another generates and then evicts; both show their own, correct results."""
-    from scdviz import data, service
+    from scdviz import data
+    from scdviz.app import evict, pairs, scd
+    from scdviz.app.requests import EvictRequest, GenerateRequest, ScdRequest
     from scdviz.plots import round_sig  # the tables show 4 significant digits
 
     tok = builtin_pair.tokenizer
@@ -305,15 +308,15 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     one.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=600_000)
     two.locator("#ev-info").get_by_text("keeps").wait_for(timeout=600_000)
 
-    gen = service.generate_both(builtin_pair, prompt, 32)  # the page's default: 32 new tokens
+    gen = pairs.generate_both(builtin_pair, GenerateRequest(prompt, 32))  # the page's default: 32 new tokens
     assert f"Prompt: {gen.prompt_tokens} tokens" in two.locator("#pair-gen-info").inner_text()
     assert gen.consumer_text.split()[0] in two.locator("#consumer-text").inner_text()
-    alone = service.scd_run(builtin_pair, window, 32, 24, 4, 0, 0, 2, "selected", "", 10, 0.0005)  # page defaults
+    alone = scd.scd_run(builtin_pair, ScdRequest(window))  # page defaults
     assert alone["info"].split(" SCD full")[0] in one.locator("#scd-info").inner_text()
     scd_shown = one.locator("#scd-table").inner_text()
     for row in alone["table"].itertuples():
         assert row.method in scd_shown and f"{round_sig(float(row.kl)):g}" in scd_shown, row.method
-    ev = service.evict_run(builtin_pair, context, "", False, "% kept", 25, "producer", "distillcache-head")
+    ev = evict.evict_run(builtin_pair, EvictRequest(context, "", False, "% kept", 25, "producer", "distillcache-head"))
     shown = two.locator("#ev-table").inner_text()
     for row in ev["table"].itertuples():
         assert row.method in shown and f"{round_sig(float(row.kl)):g}" in shown, row.method

@@ -32,7 +32,7 @@ TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
 
 
 def scd(**kw):
-    return ("/scd", tuple({**SCD, **kw}.values()))
+    return ("/scd_transfer", tuple({**SCD, **kw}.values()))
 
 
 def ev(**kw):
@@ -232,9 +232,9 @@ def files(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(builtin.producer_dir())
     window = next(iter(data.token_windows(tok, data.load_split("jargon", "eval"), 160, 1)))
     out["window"] = tok.decode(window)
-    from scdviz import service
+    from scdviz.app import results
 
-    out["thirteen_shipped"] = list(service.shipped_records())[:13]  # one more than the Results tab opens at once
+    out["thirteen_shipped"] = list(results.shipped_records())[:13]  # one more than the Results tab opens at once
     return out
 
 
@@ -283,7 +283,7 @@ def _ask(client, endpoint, args) -> tuple[str, float]:
 def test_the_catalogue_is_large_and_covers_every_tab():
     assert len(ROWS) >= 60
     endpoints = {endpoint for _, (endpoint, _), _ in ROWS}
-    assert endpoints >= {"/load_pair", "/generate", "/scd", "/evict", "/calibrate", "/train", "/load_calibration",
+    assert endpoints >= {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/train", "/load_calibration",
                          "/open_upload", "/open_shipped"}
 
 

@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
-from scdviz import drift, service
+from scdviz import drift
+from scdviz.app import pairs
+from scdviz.app.requests import GenerateRequest
 from scdviz.models import builtin, hf
 from scdviz.models.pair import load_pair
 
@@ -79,7 +81,7 @@ def test_the_qkv_specialist_moves_further_from_the_producer_than_jargon():
 
 
 def test_generation_runs_on_both(builtin_pair):
-    gen = service.generate_both(builtin_pair, "The hacker looked at the terminal and", 8)
+    gen = pairs.generate_both(builtin_pair, GenerateRequest("The hacker looked at the terminal and", 8))
     assert len(gen.producer_ids) == len(gen.consumer_ids) == 8
     assert gen.producer_text and gen.consumer_text
 

@@ -13,7 +13,9 @@ import time
 import pytest
 from apprunner import running_app
 
-from scdviz import data, service
+from scdviz import data
+from scdviz.app import evict, pairs, scd
+from scdviz.app.requests import EvictRequest, GenerateRequest, ScdRequest
 
 pytestmark = pytest.mark.slow
 
@@ -32,19 +34,19 @@ def texts(builtin_pair):
 
 
 def _gen(pair, prompt):
-    g = service.generate_both(pair, prompt, 12)
+    g = pairs.generate_both(pair, GenerateRequest(prompt, 12))
     return ("gen", g.prompt_tokens, tuple(g.producer_ids), tuple(g.consumer_ids))
 
 
 def _scd(pair, text):
-    out = service.scd_run(pair, text, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.0005)
+    out = scd.scd_run(pair, ScdRequest(text, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5))
     t = out["table"]
     return ("scd", out["info"].split(" prompt tokens")[0], tuple(t["method"]), tuple(round(x, 4) for x in t["kl"]),
             tuple(tuple(tok) for _, tok in out["texts"]))
 
 
 def _evict(pair, context):
-    out = service.evict_run(pair, context, "", False, "% kept", 25, "producer", "distillcache-head")
+    out = evict.evict_run(pair, EvictRequest(context, "", False, "% kept", 25, "producer", "distillcache-head"))
     return ("evict", tuple(tok for tok, _ in out["kept"]), tuple(round(x, 3) for _, x in out["kept"]),
             tuple(round(x, 4) for x in out["table"]["kl"]), tuple(tuple(r) for r in out["texts"]))
 
@@ -97,7 +99,7 @@ def _http(url, kind, arg):
         info, prod, cons = client.predict(arg, 12, False, api_name="/generate")
         what = (info.split(" tokens.")[0], "".join(d["token"] for d in cons))
     elif kind == "scd":
-        out = client.predict(arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5, False, api_name="/scd")
+        out = client.predict(arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5, False, api_name="/scd_transfer")
         what = (out[0].split(" prompt tokens")[0], tuple(row[1] for row in out[1]["data"]))
     else:
         out = client.predict(arg, "", False, "% kept", 25, "producer", "distillcache-head", api_name="/evict")
@@ -117,12 +119,12 @@ def _expected(pair, kind, arg):
 
 def _alone(pair, kind, arg):
     if kind == "gen":
-        g = service.generate_both(pair, arg, 12)
+        g = pairs.generate_both(pair, GenerateRequest(arg, 12))
         return (f"Prompt: {g.prompt_tokens}", "".join(pair.tokenizer.decode([i]) for i in g.consumer_ids))
     if kind == "scd":
-        out = service.scd_run(pair, arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.0005)
+        out = scd.scd_run(pair, ScdRequest(arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5))
         return (out["info"].split(" prompt tokens")[0], tuple(out["table"]["method"]))
-    out = service.evict_run(pair, arg, "", False, "% kept", 25, "producer", "distillcache-head")
+    out = evict.evict_run(pair, EvictRequest(arg, "", False, "% kept", 25, "producer", "distillcache-head"))
     return "".join(tok for tok, _ in out["kept"])
 
 

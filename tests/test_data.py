@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from scdviz import data, service
+from scdviz import data
+from scdviz.app import pairs
 
 SHIPPED = {"jargon", "bible", "gcide", "austen", "handbook", "manpages"}
 MIN_CHARS = {"train": 300_000, "calib": 100_000, "eval": 100_000}
@@ -172,12 +173,12 @@ class _FakePair:
 
 def test_prompt_limits(monkeypatch):
     monkeypatch.setenv("SCDVIZ_MAX_PROMPT_TOKENS", "5")
-    with pytest.raises(service.UserError, match="empty"):
-        service.encode_prompt(_FakePair(), "   ")
-    with pytest.raises(service.UserError, match="6 tokens; this app accepts at most 5"):
-        service.encode_prompt(_FakePair(), "abcdef")
-    with pytest.raises(service.UserError, match="at least 2 tokens"):
-        service.encode_prompt(_FakePair(), "a")
-    assert service.encode_prompt(_FakePair(), "abc") == [97, 98, 99]
-    with pytest.raises(service.UserError, match="choose a consumer"):
-        service.get_pair("builtin:smollm2-135m", "")
+    with pytest.raises(pairs.UserError, match="empty"):
+        pairs.encode_prompt(_FakePair(), "   ")
+    with pytest.raises(pairs.UserError, match="6 tokens; this app accepts at most 5"):
+        pairs.encode_prompt(_FakePair(), "abcdef")
+    with pytest.raises(pairs.UserError, match="at least 2 tokens"):
+        pairs.encode_prompt(_FakePair(), "a")
+    assert pairs.encode_prompt(_FakePair(), "abc") == [97, 98, 99]
+    with pytest.raises(pairs.UserError, match="choose a consumer"):
+        pairs.get_pair("builtin:smollm2-135m", "")

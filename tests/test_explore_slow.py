@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scdviz import service
+from scdviz.app import evict, scd, train
+from scdviz.app.inputs import UserError
+from scdviz.app.requests import EvictRequest, ScdRequest
 from scdviz.scd import bench, calibration
 from scdviz.scd import plan as plans
 
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def calib(builtin_pair):
-    return service.get_calibration(builtin_pair)
+    return scd.get_calibration(builtin_pair)
 
 
 def test_default_controls_are_the_shipped_operating_point(calib):
@@ -38,14 +40,14 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
         plans.user_plan(calib, placement="manual", layers=[missing])
     with pytest.raises(ValueError, match="SCD needs at least"):
         bench.window_of(builtin_pair, "too short", 32, 1024)
-    with pytest.raises(service.UserError, match="integers separated by commas"):
-        service.scd_run(builtin_pair, "x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.0005)
-    with pytest.raises(service.UserError, match="between 0 and 100"):
-        service.evict_run(builtin_pair, "some context " * 20, "", False, "% kept", 120, "producer", "")
-    with pytest.raises(service.UserError, match="must be a whole number between 1 and"):
-        service.evict_run(builtin_pair, "some context " * 20, "", False, "tokens kept", 2.5, "producer", "")
-    with pytest.raises(service.UserError, match="context is empty"):
-        service.evict_run(builtin_pair, " ", "", False, "% kept", 25, "producer", "")
+    with pytest.raises(UserError, match="integers separated by commas"):
+        scd.scd_run(builtin_pair, ScdRequest("x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.5))
+    with pytest.raises(UserError, match="between 0 and 100"):
+        evict.evict_run(builtin_pair, EvictRequest("some context " * 20, "", False, "% kept", 120, "producer", ""))
+    with pytest.raises(UserError, match="must be a whole number between 1 and"):
+        evict.evict_run(builtin_pair, EvictRequest("some context " * 20, "", False, "tokens kept", 2.5, "producer", ""))
+    with pytest.raises(UserError, match="context is empty"):
+        evict.evict_run(builtin_pair, EvictRequest(" ", "", False, "% kept", 25, "producer", ""))
 
 
 def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
@@ -54,10 +56,10 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
     from scdviz import data
 
     text = data.load_split("jargon", "eval")[5][:1400]
-    args = (builtin_pair, text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.0005)
+    request = ScdRequest(text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.5)
     kls = {}
     for coder, said in (("transform", "transform-coded plan for 2304 B/token"), ("rd", "rate-distortion plan for 2304 B/token")):
-        out = service.scd_run(*args, budget=2304, coder=coder)
+        out = scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=2304, coder=coder))
         full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
         assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
         assert said in out["info"]
@@ -66,23 +68,23 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
         assert ("as sent" in plan_fig.layout.title.text) == (coder == "transform")  # ranks follow the data
         kls[coder] = full["kl"]
         with pytest.raises(ValueError, match="below the smallest"):
-            service.scd_run(*args, budget=2, coder=coder)
+            scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=2, coder=coder))
     assert kls["transform"] < kls["rd"]  # the README's finding holds on this text too
     bare = dataclasses.replace(calib, rate=None)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(service, "get_calibration", lambda pair, session=None: bare)
-        with pytest.raises(service.UserError, match="no rate-distortion curves"):
-            service.scd_run(*args, budget=3840)
+        mp.setattr(scd, "get_calibration", lambda pair, session=None: bare)
+        with pytest.raises(UserError, match="no rate-distortion curves"):
+            scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=3840))
 
 
 def test_scd_fan_out_covers_every_specialist(builtin_pair):
     from scdviz import data
-    from scdviz import webapp as app
+    from scdviz.app import webapp as app
     from scdviz.models import builtin
 
     key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
     text = data.load_split("jargon", "eval")[3][:1200]
-    out = app.scd_run(key, None, text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True)
+    out = app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True))
     table = out["table"]
     assert set(table["specialist"]) == {f"builtin:{name}" for name in builtin.specialists()} >= {"builtin:jargon", "builtin:austen-qkv"}
     for _, rows in table.groupby("specialist"):
@@ -95,19 +97,19 @@ def test_a_loaded_calibration_belongs_to_one_visitor(builtin_pair, tmp_path, mon
     """One visitor's calibration never replaces the shipped one for anybody else (hosted or not)."""
     import shutil
 
-    from scdviz.session import Session
+    from scdviz.app.session import Session
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
     a, b = Session(), Session()
     shutil.copytree(calibration.shipped_folder("builtin:jargon"), tmp_path / "mine")
-    shipped = service.get_calibration(builtin_pair)
-    mine = service.load_calibration_for(builtin_pair, a, str(tmp_path / "mine"))
+    shipped = scd.get_calibration(builtin_pair)
+    mine = train.load_calibration_for(builtin_pair, a, str(tmp_path / "mine"))
     assert mine is not shipped
-    assert service.get_calibration(builtin_pair, a) is mine
-    assert service.get_calibration(builtin_pair, b) is shipped and service.get_calibration(builtin_pair) is shipped
+    assert scd.get_calibration(builtin_pair, a) is mine
+    assert scd.get_calibration(builtin_pair, b) is shipped and scd.get_calibration(builtin_pair) is shipped
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")  # a visitor of a hosted demo names only their own session's runs
-    with pytest.raises(service.UserError, match="does not read local paths"):
-        service.load_calibration_for(builtin_pair, b, str(tmp_path / "mine"))
+    with pytest.raises(UserError, match="does not read local paths"):
+        train.load_calibration_for(builtin_pair, b, str(tmp_path / "mine"))
     shutil.copytree(tmp_path / "mine", b.folder / "runs" / "mine")
-    assert service.load_calibration_for(builtin_pair, b, str(b.folder / "runs" / "mine")) is not shipped
-    assert service.get_calibration(builtin_pair, a) is mine
+    assert train.load_calibration_for(builtin_pair, b, str(b.folder / "runs" / "mine")) is not shipped
+    assert scd.get_calibration(builtin_pair, a) is mine

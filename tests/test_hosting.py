@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scdviz import hosting, inputs, session, settings
-from scdviz.inputs import UserError
+from scdviz import runs, settings
+from scdviz.app import hosting, inputs, session
+from scdviz.app.inputs import UserError
 from scdviz.models import builtin
 
 OUTSIDE = ["builtin:/etc", "builtin:../../../..", "builtin:../adapters/jargon", "builtin:jargon/../bible",
@@ -45,6 +46,19 @@ def test_hosted_sources(monkeypatch, tmp_path):
     assert hosting.check_source("builtin:austen-qkv") == ("builtin", "austen-qkv")
     with pytest.raises(UserError, match="at most 300 characters"):
         hosting.check_source("org/" + "x" * 400)
+
+
+def test_the_app_checks_hosted_rules_before_the_loader(tmp_path, monkeypatch):
+    """What the library's loader once refused in hosted mode, the app's check refuses with the same messages."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    monkeypatch.delenv("SCDVIZ_HUB_ALLOW", raising=False)
+    with pytest.raises(UserError, match="local folders are not available here"):
+        hosting.check_source(str(tmp_path))
+    with pytest.raises(UserError, match="allow-list"):
+        hosting.check_source("org/model")
+    monkeypatch.setenv("SCDVIZ_HUB_ALLOW", "org/model, org/other")
+    assert hosting.check_source("org/model")[0] == "hub"
 
 
 def test_local_sources_when_not_hosted(monkeypatch, tmp_path):
@@ -109,7 +123,7 @@ def test_number_and_choice_accept_what_the_ui_sends():
 @pytest.mark.parametrize("name", ["", " ", ".", "..", "../x", "a/b", "a\\b", ".hidden", "x" * 65, "a b", "é", None])
 def test_bad_run_names(name):
     with pytest.raises(UserError, match="run name"):
-        inputs.run_name(name)
+        runs.run_name(name)
 
 
 def test_text_is_capped_before_tokenising():
@@ -173,7 +187,7 @@ def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(mon
         return wrap
 
     monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=gpu))
-    from scdviz import webapp as app
+    from scdviz.app import webapp as app
 
     app = importlib.reload(app)
     try:

@@ -192,10 +192,11 @@ def test_the_tree_fits_the_device_machine():
 
 
 def test_a_shipped_ttft_record_opens_in_the_results_tab_view():
-    from scdviz import plots, service, settings
+    from scdviz import plots, settings
+    from scdviz.app import results
 
     (path,) = settings.ASSETS_DIR.glob("scd/jargon/ttft.json")
-    df, kind = service.load_results(path)
+    df, kind = results.load_results(path)
     assert kind == "ttft" and df["method"].iloc[0] == "oracle"
     from scdviz import records
 

@@ -14,7 +14,7 @@ def test_wheel_holds_the_app_the_cli_and_the_shipped_artefacts(tmp_path):
                     str(tmp_path), str(settings.REPO_DIR)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("scdviz-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in ("scdviz/__main__.py", "scdviz/webapp.py", "scdviz/ui/scd_tab.py", "scdviz/models/hf.py",
+    for path in ("scdviz/__main__.py", "scdviz/app/webapp.py", "scdviz/app/ui/scd_tab.py", "scdviz/models/hf.py",
                  "scdviz/assets/adapters/jargon/adapter_model.safetensors", "scdviz/assets/scd/austen-qkv/calibration.safetensors",
                  "scdviz/assets/policy/per_head/best.safetensors", "scdviz/assets/text/jargon/eval.txt"):
         assert path in names, path

@@ -62,13 +62,9 @@ def test_source_resolution_errors(tmp_path, monkeypatch):
     (tmp_path / "adapter_config.json").write_text("{}")
     assert pairmod._resolve(str(tmp_path))[0] == "adapter"
     assert pairmod._resolve("org/model")[0] == "hub"
+    # hosted mode's rules are the app's (test_hosting): the library resolves what it is given
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")
-    with pytest.raises(pairmod.PairError, match="local folders are not available here"):
-        pairmod._resolve(str(tmp_path))
-    with pytest.raises(pairmod.PairError, match="allow-list"):
-        pairmod._resolve("org/model")
-    monkeypatch.setenv("SCDVIZ_HUB_ALLOW", "org/model, org/other")
-    assert pairmod._resolve("org/model")[0] == "hub"
+    assert pairmod._resolve(str(tmp_path))[0] == "adapter" and pairmod._resolve("org/model")[0] == "hub"
 
 
 def test_choose_threads_respects_setting(monkeypatch):

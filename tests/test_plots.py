@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from scdviz import plots, records, service, settings
-from scdviz.inputs import UserError
+from scdviz import plots, records, settings
+from scdviz.app import results
+from scdviz.app.inputs import UserError
 
 
 def scd_record(scale: float = 1.0, prompt_len: int = 256) -> records.BenchRecord:
@@ -67,7 +68,7 @@ def test_two_records_of_one_kind_share_one_plot_with_a_legend_group_each():
 
 def test_no_record_figure_writes_text_on_points():
     """Points cluster (seven patch-sweep points within 800 B/token): labels go to the legend and the hover."""
-    labelled = [(p.stem, records.read(p)) for p in service.shipped_results()]
+    labelled = [(p.stem, records.read(p)) for p in results.shipped_results()]
     figs = plots.record_figures(labelled)
     assert set(figs) == {"payload_vs_kl", "kl_vs_budget", "ttft"}
     for name, fig in figs.items():
@@ -127,13 +128,13 @@ def test_rounding_for_display_only():
 
 
 def test_results_view_rounds_the_table_and_exports_raw_values(monkeypatch, tmp_path):
-    from scdviz import session, webapp
+    from scdviz.app import session
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path))
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     records.write(scd_record(), a)
     records.write(evict_record(), b)
-    out = webapp.compare_results(["assets/scd/jargon/bench.json"], [str(a), str(b)], [], session.Session())
+    out = results.compare_results(["assets/scd/jargon/bench.json"], [str(a), str(b)], [], session.Session())
     assert set(out["figures"]) == {"payload_vs_kl", "kl_vs_budget"}
     assert groups(out["figures"]["payload_vs_kl"]) == {"scd/jargon/bench", "a"}
     shown, raw = out["table"], pd.read_csv(out["csv"])
@@ -147,50 +148,50 @@ def test_results_view_rounds_the_table_and_exports_raw_values(monkeypatch, tmp_p
     assert set(raw["bench_kind"]) == {"scd", "evict"}
     assert "3 records" in out["info"] and "plotted separately" in out["info"]
     # the export reads back as the same records, split by record and kind
-    back = service.read_records(out["csv"])
+    back = results.read_records(out["csv"])
     assert [(label, rec.kind, len(rec.rows)) for label, rec in back] == [
         ("results:scd/jargon/bench", "scd", len(shipped)), ("results:a", "scd", 13), ("results:b", "evict", 10)]
     with pytest.raises(UserError, match="this one holds evict, scd"):
-        service.load_results(out["csv"])  # one frame of one kind: the old single-file reader refuses it
-    empty = webapp.compare_results([], None, [], session.Session())
+        results.load_results(out["csv"])  # one frame of one kind: the old single-file reader refuses it
+    empty = results.compare_results([], None, [], session.Session())
     assert empty["figures"] == {} and "Choose" in empty["info"]
 
 
 def test_open_records_refuses_bad_choices_with_a_message(monkeypatch, tmp_path):
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path))
     with pytest.raises(UserError, match="'nope.json' is not a shipped record"):
-        service.open_records(["nope.json"])
+        results.open_records(["nope.json"])
     with pytest.raises(UserError, match="no bench run named 'ghost'"):
-        service.open_records(local=["ghost"])
+        results.open_records(local=["ghost"])
     with pytest.raises(UserError, match="open at most 12 records"):
-        service.open_records(list(service.shipped_records()) * 2)
+        results.open_records(list(results.shipped_records()) * 2)
     with pytest.raises(UserError, match="expected a list of names"):
-        service.open_records([1, 2])
+        results.open_records([1, 2])
     folder = tmp_path / "runs" / "bench" / "mine"
     folder.mkdir(parents=True)
     records.write(evict_record(), folder / "record.json")
-    assert list(service.local_records()) == ["mine"]
-    ((label, rec),) = service.open_records(local=["mine"])
+    assert list(results.local_records()) == ["mine"]
+    ((label, rec),) = results.open_records(local=["mine"])
     assert label == "mine" and rec.kind == "evict"
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")
-    assert service.local_records() == {}  # hosted visitors never see the machine's runs
+    assert results.local_records() == {}  # hosted visitors never see the machine's runs
     with pytest.raises(UserError, match="does not read the runs folder"):
-        service.open_records(local=["mine"])
+        results.open_records(local=["mine"])
     with pytest.raises(UserError, match="does not read local paths"):
-        service.open_records(uploads=[str(folder / "record.json")])
+        results.open_records(uploads=[str(folder / "record.json")])
 
 
 def test_single_file_reader_keeps_its_behaviour(tmp_path):
     (path,) = settings.ASSETS_DIR.glob("scd/jargon/bench.json")
-    df, kind = service.load_results(path)
+    df, kind = results.load_results(path)
     assert kind == "scd" and len(df) == len(json.loads(path.read_text())["rows"])
     csv = tmp_path / "x.csv"
     df.assign(bench_kind=kind).to_csv(csv, index=False)
-    again, kind = service.load_results(csv)
+    again, kind = results.load_results(csv)
     assert kind == "scd" and list(again.columns) == list(df.columns)
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     with pytest.raises(UserError, match="needs one bench_kind"):
-        service.load_results(tmp_path / "bad.csv")
+        results.load_results(tmp_path / "bad.csv")
 
 
 def _result(method, modes, drift):

@@ -733,7 +733,7 @@ def test_patch_table_gives_each_k_relative_to_reuse_only_on_the_same_prompts(tin
 
 
 def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches_are_placed(tiny_calib):
-    from scdviz import service
+    from scdviz.app import scd
 
     gates = tiny_calib.stats["patch_gate"]
     assert set(map(int, gates)) == set(tiny_calib.patches)  # every aligner went through the same held-out choice
@@ -744,7 +744,7 @@ def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches
         assert g["kept"] == (g["patch_sse"] < g["code_sse"])
         assert g["mlp"] == (tiny_calib.patches[int(layer)].aligner.hidden > 0)
     assert set(tiny_calib.patch_order) <= {int(k) for k, g in gates.items() if g["kept"]}
-    assert "Aligners: identity + a linear correction" in service.calibration_summary(tiny_calib)
+    assert "Aligners: identity + a linear correction" in scd.calibration_summary(tiny_calib)
 
 
 def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_pair, texts):

@@ -15,6 +15,7 @@ tensors (scdviz.models.hf) or evaluate anything.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,14 +180,40 @@ def check_compatible(a: ModelFacts, b: ModelFacts) -> None:
         raise PairError("incompatible pair: the consumer cannot use the producer's KV cache:\n- " + "\n- ".join(found))
 
 
-def _resolve(source: str) -> tuple[str, Path | str, Path | None]:
-    """(kind, model location, adapter folder) for a source string (checked by scdviz.hosting)."""
-    from scdviz import hosting
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
-    try:
-        kind, what = hosting.check_source(source)
-    except ValueError as err:
-        raise PairError(str(err)) from None
+
+def looks_local(source: str) -> bool:
+    """Whether a source string names a folder (a path) rather than a hub id ``org/name``."""
+    return source.startswith(("/", ".", "~", "\\")) or "\\" in source or source.count("/") != 1
+
+
+def source_kind(source) -> tuple[str, str]:
+    """(kind, what) for a model source string: ('builtin', NAME), ('local', PATH) or ('hub', ID).
+
+    ``builtin:NAME`` is only ever one of the shipped names (never joined to a path). PairError
+    names what is accepted. Which sources a public demo may load is the app's rule, not this one.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise PairError("empty model source; choose a built-in model, or type a model folder or hub id")
+    source = source.strip()
+    if source.startswith("builtin:"):
+        name = source.split(":", 1)[1]
+        if name not in builtin.BASES and name not in builtin.specialists():
+            known = ", ".join(f"builtin:{n}" for n in (builtin.PRODUCER_NAME, *builtin.specialists(), builtin.GEMMA_NAME))
+            raise PairError(f"unknown built-in model {name[:60]!r}; built-in: {known}")
+        return "builtin", name
+    path = Path(source).expanduser()
+    if looks_local(source) or path.exists():
+        return "local", str(path)
+    if not HUB_ID.fullmatch(source):
+        raise PairError(f"{source[:80]!r} is neither a built-in name, an existing folder nor a hub id (org/name)")
+    return "hub", source
+
+
+def _resolve(source: str) -> tuple[str, Path | str, Path | None]:
+    """(kind, model location, adapter folder) for a source string (classified by ``source_kind``)."""
+    kind, what = source_kind(source)
     if kind == "builtin":
         if what in builtin.BASES:
             return "builtin", what, None
@@ -216,13 +243,6 @@ def load_model(source: str, base: str | None = None, progress=None):
             raise PairError("the base of a LoRA adapter must be a full model, not another adapter")
         model, tokenizer = load_model(base, progress=progress)
         return _merge_adapter(model, adapter), tokenizer
-    elif kind == "hub":
-        from scdviz import hosting
-
-        try:
-            hosting.probe_hub(where)
-        except ValueError as err:
-            raise PairError(str(err)) from None
     device, dtype = choose_device()
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=False,

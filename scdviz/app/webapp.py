@@ -7,7 +7,8 @@
 Settings come from environment variables (see scdviz/settings.py and the README). Models
 load once and are shared by all users (scdviz.models.hf serialises the model work that
 installs hooks); each visitor's artefacts live in a ``Session`` in gr.State; hosted mode's
-rules are in scdviz.hosting. Nothing heavy happens at import time.
+rules are in scdviz.app.hosting; the tabs' work is in scdviz.app.pairs / scd / evict / train /
+results. Nothing heavy happens at import time.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import gradio as gr
 
-from scdviz import data, drift, service, session, settings
-from scdviz.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
-from scdviz.ui.common import redraw_on_select
+from scdviz import data, drift, settings
+from scdviz.app import evict, pairs, results, scd, session
+from scdviz.app import train as training
+from scdviz.app.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
+from scdviz.app.ui.common import redraw_on_select
 
 # Seconds of GPU each handler may hold on a ZeroGPU Space (its default is 60; its maximum
 # is about 300). Calibration and training are capped by their controls to fit.
@@ -50,7 +53,7 @@ def _key(producer: str, consumer: str) -> str:
 
 
 def _pair(key: str):
-    return service.get_pair(*key.split("\n"))
+    return pairs.get_pair(*key.split("\n"))
 
 
 def _session(sess, key: str | None = None) -> session.Session:
@@ -60,14 +63,14 @@ def _session(sess, key: str | None = None) -> session.Session:
 
 @gpu("load")
 def load(producer, consumer, progress):
-    pair = service.get_pair(producer, consumer, progress=progress)
-    return service.pair_summary(pair), drift.facts_rows(pair), _key(pair.producer_source, pair.consumer_source)
+    pair = pairs.get_pair(producer, consumer, progress=progress)
+    return pairs.pair_summary(pair), drift.facts_rows(pair), _key(pair.producer_source, pair.consumer_source)
 
 
 @gpu("generate")
-def generate(key, prompt, max_new, chat):
+def generate(key, request):
     pair = _pair(key)
-    gen = service.generate_both(pair, prompt, max_new, chat)
+    gen = pairs.generate_both(pair, request)
     tok = pair.tokenizer
     pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
     same = sum(a == b for a, b in zip(gen.producer_ids, gen.consumer_ids))
@@ -76,32 +79,28 @@ def generate(key, prompt, max_new, chat):
     return pieces[0], pieces[1], md
 
 
-def scd_run(key, sess, text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency_ms,
-            fan_out=False, budget=0, coder="transform"):
+def scd_run(key, sess, request):
     """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
-    from scdviz import inputs
-
-    latency = inputs.number(latency_ms, "Link latency (ms)", 0, 10_000) / 1000
-    args = (text, cont, gen, bits, rank_k, rank_v, patch_k, placement, layers, gbps, latency, budget, coder)
-    run = _scd_fan_out if inputs.flag(fan_out, "All built-in specialists") else _scd_one
-    return run(key, _session(sess), args)
+    request = request.checked()  # fan_out decides the GPU duration: checked before either starts
+    run = _scd_fan_out if request.fan_out else _scd_one
+    return run(key, _session(sess), request)
 
 
 @gpu("scd")
-def _scd_one(key, sess, args):
-    return service.scd_run(_pair(key), *args, session=sess)
+def _scd_one(key, sess, request):
+    return scd.scd_run(_pair(key), request, session=sess)
 
 
 @gpu("scd_fan_out")
-def _scd_fan_out(key, sess, args):
+def _scd_fan_out(key, sess, request):
     import pandas as pd
 
     pair = _pair(key)
-    out = service.scd_run(pair, *args, session=sess)
+    out = scd.scd_run(pair, request, session=sess)
     tables = [out["table"].assign(specialist=pair.consumer_source)]
-    for consumer in service.builtin_choices()[1]:
+    for consumer in pairs.builtin_choices()[1]:
         if consumer != pair.consumer_source:
-            other = service.scd_run(service.get_pair(pair.producer_source, consumer), *args, session=sess)
+            other = scd.scd_run(pairs.get_pair(pair.producer_source, consumer), request, session=sess)
             tables.append(other["table"].assign(specialist=consumer))
     out["table"] = pd.concat(tables, ignore_index=True)
     out["info"] += (f" Fan-out: {len(tables)} specialists on the same text from the same producer, each with "
@@ -110,18 +109,18 @@ def _scd_fan_out(key, sess, args):
 
 
 @gpu("evict")
-def evict_run(key, sess, context, question, aware, unit, budget, which, method):
-    return service.evict_run(_pair(key), context, question, aware, unit, budget, which, method, session=_session(sess))
+def evict_run(key, sess, request):
+    return evict.evict_run(_pair(key), request, session=_session(sess))
 
 
 @gpu("calibrate")
-def calibrate(key, sess, domains, n_fit, op_k, bits, name, page=None):
+def calibrate(key, sess, request, page=None):
     from scdviz import plots
 
     sess = _session(sess, page)
-    calib, folder = service.calibrate_for(_pair(key), sess, domains, n_fit, op_k, bits, name)
+    calib, folder = training.calibrate_for(_pair(key), sess, request)
     md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(folder)}`; the SCD tab "
-          f"now uses it for you (other visitors keep theirs). {service.calibration_summary(calib)}")
+          f"now uses it for you (other visitors keep theirs). {scd.calibration_summary(calib)}")
     return md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
 
 
@@ -129,17 +128,17 @@ def load_calibration(key, sess, folder):
     from scdviz import plots
 
     sess = _session(sess)
-    calib = service.load_calibration_for(_pair(key), sess, folder)
+    calib = training.load_calibration_for(_pair(key), sess, folder)
     return (f"Loaded; the SCD tab now uses it for you. Patch order: {calib.patch_order}.",
             plots.selection_curve(calib.selection_kl, calib.patch_order), sess)
 
 
 @gpu("train")
-def train(key, sess, steps, contexts, per_head, name, page=None):
+def train(key, sess, request, page=None):
     from scdviz import plots
 
     pair, sess = _pair(key), _session(sess, page)
-    for item in service.train_policy_live(pair, sess, steps, contexts, per_head, name):
+    for item in training.train_policy_live(pair, sess, request):
         if isinstance(item, tuple):  # (folder, final log)
             folder, log = item
             yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(folder)}` and added to your "
@@ -157,51 +156,13 @@ def _shown(folder: Path) -> str:
 
 
 def compare_results(shipped, uploads, local, sess, upload_roots=(), page=None) -> dict:
-    """The Results tab's view of the chosen records: figures overlaid per kind, the settings that
-    differ, every row (rounded for display) and the unrounded rows as a CSV in the visitor's scratch folder."""
-    from scdviz import plots
-
-    sess = _session(sess, page)
-    labelled = service.open_records(shipped, uploads, local, upload_roots)
-    if not labelled:
-        return {"info": "Choose one or more records above.", "figures": {}, "settings": None, "table": None, "csv": None}
-    table = plots.records_table(labelled)
-    csv = sess.scratch() / "results.csv"  # one file per session, removed with it
-    table.to_csv(csv, index=False)
-    listed = [c for c in table if table[c].map(lambda v: isinstance(v, list)).any()]  # per-context lists: CSV only
-    figs = plots.record_figures(labelled)
-    diff = plots.settings_diff(labelled)
-    kinds = sorted({rec.kind for _, rec in labelled})
-    lines = [f"{len(labelled)} record{'s' if len(labelled) > 1 else ''} ({', '.join(kinds)}): "
-             + "; ".join(f"`{label}` ({rec.kind}, {len(rec.rows)} rows)" for label, rec in labelled) + "."]
-    if len(labelled) > 1:
-        lines.append(f"{len(diff)} settings differ between them (table below)." if len(diff) else
-                     "Their settings are the same.")
-    if len(kinds) > 1:
-        lines.append("Records of different kinds are plotted separately, one plot per kind.")
-    missing = [label for label, rec in labelled if not any(label in {t.legendgroup for t in f.data} for f in figs.values())]
-    if missing:
-        lines.append(f"Nothing to plot from {', '.join(f'`{m}`' for m in missing)} (no rows with the plotted values).")
-    lines += [f"**Note on `{label}`**: {rec.note}" for label, rec in labelled if rec.note]
-    return {"info": "\n\n".join(lines), "figures": figs, "settings": diff,
-            "table": plots.rounded(table.drop(columns=listed)), "csv": str(csv)}
+    """The Results tab's view of the chosen records (``results.compare_results``) for this visitor."""
+    return results.compare_results(shipped, uploads, local, _session(sess, page), upload_roots)
 
 
 def export_figures(figs, sess, tab: str, page=None) -> list[str]:
-    """Write a tab's current figures as PNG, SVG and standalone HTML into the visitor's scratch folder
-    (the previous export of that tab replaced); returns the files for a gr.File."""
-    import shutil
-
-    from scdviz import figures
-
-    if not isinstance(figs, dict) or not figs:
-        raise service.UserError("no figures to download yet: run this tab first")
-    if not str(tab).isidentifier():
-        raise service.UserError(f"unknown tab {tab!r}")
-    sess = _session(sess, page)
-    folder = sess.scratch() / f"figures-{tab}"
-    shutil.rmtree(folder, ignore_errors=True)
-    return [str(p) for p in figures.export({f"{tab}_{name}": fig for name, fig in figs.items()}, folder)]
+    """A tab's current figures as files in this visitor's scratch folder (``results.export_figures``)."""
+    return results.export_figures(figs, _session(sess, page), tab)
 
 
 def _windows(n: int = 3, tokens: int = 288) -> list[str]:
@@ -222,7 +183,7 @@ def build_demo() -> gr.Blocks:
     """The whole app as a Blocks object (tests build it without launching)."""
     from gradio.utils import get_upload_folder
 
-    producer, consumers = service.builtin_choices()
+    producer, consumers = pairs.builtin_choices()
     # gradio's own cache of served/uploaded files is swept hourly (files older than an hour)
     with gr.Blocks(title="scdviz", delete_cache=(3600, 3600)) as demo:
         gr.Markdown(
@@ -245,8 +206,6 @@ def build_demo() -> gr.Blocks:
                     load=load,
                     generate=generate,
                     examples=_examples(),
-                    max_new_tokens=settings.max_new_tokens(),
-                    max_chars=settings.max_prompt_chars(),
                 ),
                 pair_state,
                 demo,
@@ -254,14 +213,13 @@ def build_demo() -> gr.Blocks:
         windows = _windows()
         with gr.Tab("SCD transfer") as tab:
             redraw_on_select(tab)
-            scd_tab.build(scd_run, windows, pair_state, sess, settings.max_prompt_chars(), export=export_figures)
+            scd_tab.build(scd_run, windows, pair_state, sess, export=export_figures)
         with gr.Tab("DistillCache eviction") as tab:
             redraw_on_select(tab)
-            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, settings.max_prompt_chars(),
-                            export=export_figures)
+            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, export=export_figures)
         with gr.Tab("Calibrate / train") as tab:
             redraw_on_select(tab)
-            train_tab.build(calibrate, load_calibration, train, data.corpora(), pair_state, sess, export=export_figures)
+            train_tab.build(calibrate, load_calibration, train, pair_state, sess, export=export_figures)
         with gr.Tab("Results") as tab:
             redraw_on_select(tab)
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
@@ -269,15 +227,18 @@ def build_demo() -> gr.Blocks:
             def open_records(shipped, files, local, s, page=None):
                 return compare_results(shipped, files, local, s, uploads, page)
 
-            results_tab.build(open_records, list(service.shipped_records()), sess, export_figures,
-                              local_runs=None if settings.hosted() else lambda: list(service.local_records()),
-                              runs_folder=service.runs_root_shown())
+            results_tab.build(open_records, list(results.shipped_records()), sess, export_figures,
+                              local_runs=None if settings.hosted() else lambda: list(results.local_records()),
+                              runs_folder=results.runs_root_shown())
         demo.unload(_on_page_closed)
+    for dep in demo.fns.values():  # gr.State's per-page initial value: an event gradio names after the function
+        if dep.fn is session.open_session:
+            dep.api_visibility = "private"  # internal, as the page-close handler: not an API endpoint
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
 
 
-def _on_page_closed(request: gr.Request):
+def _on_page_closed(request: gr.Request):  # registered by demo.unload, which keeps it private
     """A page closed: its session folder (scratch files, hosted runs) goes at once; gradio drops
     the in-memory state an hour later (and calls Session.close then)."""
     if request is not None and request.session_hash:

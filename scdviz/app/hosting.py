@@ -3,29 +3,28 @@
 A public demo (``SCDVIZ_HOSTED=1``) is used by strangers, so every string a request can
 turn into a file-system or network access passes through here:
 
-* ``check_source`` classifies a model source. ``builtin:NAME`` is only ever one of the
-  shipped names (never joined to a path); local folders are refused when hosted; hub ids
-  are refused when hosted unless listed in ``SCDVIZ_HUB_ALLOW``.
+* ``check_source`` classifies a model source (``scdviz.models.pair.source_kind``) and applies
+  hosted mode's rules: local folders are refused when hosted; hub ids are refused when
+  hosted unless listed in ``SCDVIZ_HUB_ALLOW``. The app checks here before the library loads.
 * ``probe_hub`` answers within seconds whether a hub id can be fetched (before any lock
   other users need is taken and before transformers' own long retries).
 * ``user_folder`` / ``user_file`` check a folder or file a user names (a calibration to
   load, a benchmark record to open): refused when hosted unless inside the allowed roots.
 
-Per-session folders and what a visitor may write are ``scdviz.session``. This module
+Per-session folders and what a visitor may write are ``scdviz.app.session``. This module
 imports neither torch nor gradio.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from scdviz import settings
-from scdviz.inputs import UserError
-from scdviz.models import builtin
+from scdviz.errors import UserError
+from scdviz.models import builtin, pair
+from scdviz.models.pair import PairError
 
 MAX_SOURCE_CHARS = 300
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 def builtin_sources() -> list[str]:
@@ -37,22 +36,15 @@ def check_source(source) -> tuple[str, str]:
     """(kind, what) for a model source string: ('builtin', NAME), ('local', PATH) or ('hub', ID).
 
     Raises UserError naming what is accepted (in hosted mode: built-in names and the hub
-    allow-list only).
+    allow-list only). The app checks every source here before the library loads it.
     """
     if not isinstance(source, str) or not source.strip():
         raise UserError("empty model source; choose a built-in model, or type a model folder or hub id")
     source = source.strip()
     if len(source) > MAX_SOURCE_CHARS:
         raise UserError(f"a model source has at most {MAX_SOURCE_CHARS} characters, got {len(source):,}")
-    if source.startswith("builtin:"):
-        name = source.split(":", 1)[1]
-        if name not in builtin.BASES and name not in builtin.specialists():
-            known = ", ".join([*builtin_sources(), f"builtin:{builtin.GEMMA_NAME}"])
-            raise UserError(f"unknown built-in model {name[:60]!r}; built-in: {known}")
-        return "builtin", name
-    looks_local = source.startswith(("/", ".", "~", "\\")) or "\\" in source or source.count("/") != 1
-    if settings.hosted():
-        if looks_local or not HUB_ID.fullmatch(source):
+    if settings.hosted() and not source.startswith("builtin:"):
+        if pair.looks_local(source) or not pair.HUB_ID.fullmatch(source):
             raise UserError(f"this hosted demo loads only built-in models ({', '.join(builtin_sources())})"
                             + (f" and these hub models: {', '.join(settings.hub_allow())}" if settings.hub_allow() else "")
                             + "; local folders are not available here")
@@ -61,12 +53,10 @@ def check_source(source) -> tuple[str, str]:
             raise UserError(f"this hosted demo loads hub models only from its allow-list (SCDVIZ_HUB_ALLOW: "
                             f"{allowed}); {source!r} is not on it")
         return "hub", source
-    path = Path(source).expanduser()
-    if looks_local or path.exists():
-        return "local", str(path)
-    if not HUB_ID.fullmatch(source):
-        raise UserError(f"{source[:80]!r} is neither a built-in name, an existing folder nor a hub id (org/name)")
-    return "hub", source
+    try:
+        return pair.source_kind(source)
+    except PairError as err:
+        raise UserError(str(err)) from None
 
 
 def probe_hub(repo_id: str, timeout: float | None = None) -> None:

@@ -1,7 +1,8 @@
 """DistillCache tab: compress one context with every eviction method and compare.
 
-Widgets and wiring only; ``run`` arrives from app.py and returns the retained-token
-views, texts, table and figures.
+Widgets and wiring only: the controls are built from ``EvictRequest``'s fields and reach
+``run`` (from the webapp) as one ``EvictRequest``; it returns the retained-token views, texts,
+table and figures.
 """
 
 from __future__ import annotations
@@ -10,35 +11,34 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from scdviz.app.requests import EvictRequest
+from scdviz.app.ui import controls
+from scdviz.app.ui.common import figure_downloads, guard
 from scdviz.plots import rounded
-from scdviz.ui.common import figure_downloads, guard
 
 FIGURES = ("kl_steps", "sweep", "heatmap", "features")
 
 
-def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, max_chars: int = 16384,
-          export: Callable | None = None) -> None:
-    """Add the eviction tab's widgets; ``run(pair_key, session, context, question, ...)`` checks and does the work;
-    ``export`` (see ``common.figure_downloads``) offers the figures as files."""
+def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, export: Callable | None = None,
+          request_type: type = EvictRequest) -> None:
+    """Add the eviction tab's widgets (built from ``request_type``'s fields); ``run(pair_key, session, request)``
+    checks the request and does the work; ``export`` (see ``common.figure_downloads``) offers the figures as files."""
     gr.Markdown(
         "Prune the producer's cache of the context to a budget with the learned DistillCache policies and "
         "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
         "full cache's own greedy continuation. Same code as `python -m scdviz bench evict`."
     )
-    context = gr.Textbox(label="Context", lines=5, value=examples[0] if examples else "", elem_id="ev-context",
-                         max_length=max_chars)
-    if examples:
-        gr.Examples([[e] for e in examples], inputs=[context], label="Passages from the shipped evaluation text")
-    with gr.Row():
-        question = gr.Textbox(label="Question (optional)", value="", elem_id="ev-question", max_length=max_chars)
-        aware = gr.Checkbox(label="Question-aware (compress context + question)", value=False)
-    with gr.Row():
-        unit = gr.Radio(["% kept", "tokens kept"], value="% kept", label="Budget unit")
-        budget = gr.Number(value=25, label="Budget", elem_id="ev-budget")
-        model = gr.Radio(["producer", "consumer"], value="producer", label="Model")
-        show = gr.Dropdown(["distillcache-head"], value="distillcache-head", label="Method to inspect",
-                           allow_custom_value=True, elem_id="ev-show")
-        go_btn = gr.Button("Evict", variant="primary", elem_id="ev-run")
+    buttons = {}
+
+    def add_examples(context):
+        if examples:
+            gr.Examples([[e] for e in examples], inputs=[context], label="Passages from the shipped evaluation text")
+
+    def add_button(_):
+        buttons["go"] = gr.Button("Evict", variant="primary", elem_id="ev-run")
+
+    widgets = controls.build(request_type, {"context": examples[0] if examples else ""},
+                             after={"context": add_examples, "method": add_button})
     info = gr.Markdown(elem_id="ev-info")
     kept = gr.HighlightedText(label="Retained tokens (darker = kept by more layers × KV heads)",
                               combine_adjacent=False, show_legend=False, elem_id="ev-kept")
@@ -58,15 +58,15 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                 plots[name] = gr.Plot(elem_id=f"ev-{name}", label=name)
     downloads = [figure_downloads("ev", figs, session, export, name="evict")] if export is not None else []
 
-    def on_run(key, sess, ctx, q, aw, u, b, m, method, progress=gr.Progress()):  # noqa: B008
-        if not key:
+    def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
+        if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         progress(0.1, desc="one eager prefill, then every method")
-        out = run(key, sess, ctx, q, aw, u, b, m, method)
+        out = run(pair_key, session, request_type(**values))
         return ([out["info"], out["kept"], out["versus"], rounded(out["table"]), out["texts"],
                 gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES] + [out["figures"]]
                 + [None] * len(downloads))  # a new run: the previous figure files go
 
-    go_btn.click(guard(on_run), [pair_state, session, context, question, aware, unit, budget, model, show],
-                 [info, kept, versus, table, texts, show] + [plots[n] for n in FIGURES] + [figs] + downloads,
-                 concurrency_limit=1, api_name="evict")
+    buttons["go"].click(guard(on_run), [pair_state, session],
+                        [info, kept, versus, table, texts, widgets["method"]] + [plots[n] for n in FIGURES] + [figs]
+                        + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="evict")

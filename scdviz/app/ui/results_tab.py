@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.ui.common import figure_downloads, guard
+from scdviz.app.ui.common import figure_downloads, guard
 
 FIGURES = ("payload_vs_kl", "kl_vs_budget", "ttft")  # scdviz.plots.record_figures' names, one per kind
 TITLES = {"payload_vs_kl": "SCD: payload vs KL", "kl_vs_budget": "Eviction: KL vs budget", "ttft": "TTFT"}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scdviz import runs, settings
-from scdviz.inputs import UserError
+from scdviz.errors import UserError
 
 
 def sessions_root() -> Path:

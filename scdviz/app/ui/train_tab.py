@@ -10,12 +10,16 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.ui.common import figure_downloads, guard
+from scdviz.app.requests import CalibrateRequest, TrainRequest
+from scdviz.app.ui import controls
+from scdviz.app.ui.common import figure_downloads, guard
 
 
-def build(calibrate: Callable, load_calibration: Callable, train: Callable, corpora: list[str],
-          pair_state: gr.State, session: gr.State, export: Callable | None = None) -> None:
-    """Add the tab: ``calibrate`` / ``load_calibration`` return (markdown, figure, session); ``train`` yields them;
+def build(calibrate: Callable, load_calibration: Callable, train: Callable, pair_state: gr.State, session: gr.State,
+          export: Callable | None = None) -> None:
+    """Add the tab (its controls built from ``CalibrateRequest`` and ``TrainRequest``): ``calibrate(pair_key,
+    session, request, page)`` / ``load_calibration(pair_key, session, folder)`` return (markdown, figure,
+    session); ``train(pair_key, session, request, page)`` yields them;
     ``export`` (see ``common.figure_downloads``) offers the tab's two figures as files.
 
     What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
@@ -23,13 +27,7 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
                 "*calib* splits of the chosen domains (shrinkage toward identity and patch gates chosen on held-out "
                 "domains); the result becomes *your* calibration for the pair in the SCD tab "
                 "(other visitors keep theirs) and is saved as a run named NAME. (Same code as `python -m scdviz calibrate`; minutes on a CPU.)")
-    with gr.Row():
-        corpus = gr.Dropdown(corpora, value=list(corpora), multiselect=True, label="Calibration domains",
-                             elem_id="cal-domains")
-        n_fit = gr.Slider(4, 64, value=16, step=4, label="Windows for the fits")
-        op_k = gr.Slider(0, 6, value=2, step=1, label="Patch layers at the operating point")
-        bits = gr.Radio([4, 8, 16], value=4, label="Code bits")
-        name = gr.Textbox(value="my-calibration", label="Save as")
+    calibration = controls.build(CalibrateRequest)
     with gr.Row():
         cal_btn = gr.Button("Calibrate", variant="primary", elem_id="cal-run")
         folder = gr.Textbox(label="…or load a saved calibration folder", elem_id="cal-folder")
@@ -41,12 +39,12 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
                 "baseline on the producer, after a short warm start. Saved as a run named NAME and added to your "
                 "eviction methods. "
                 "(Same code as `python -m scdviz train-policy`.)")
-    with gr.Row():
-        steps = gr.Slider(5, 300, value=20, step=5, label="REINFORCE steps")
-        contexts = gr.Slider(2, 32, value=4, step=2, label="Training contexts")
-        per_head = gr.Checkbox(value=True, label="Per layer and KV head (else one token set, as specified)")
-        run_name = gr.Textbox(value="my-policy", label="Save as")
-        train_btn = gr.Button("Train", variant="primary", elem_id="train-run")
+    buttons = {}
+
+    def add_button(_):
+        buttons["train"] = gr.Button("Train", variant="primary", elem_id="train-run")
+
+    training = controls.build(TrainRequest, after={"name": add_button})
     train_info = gr.Markdown(elem_id="train-info")
     train_plot = gr.Plot(elem_id="train-plot")
     figs = gr.State({})  # this visitor's figures of the tab, for the download button
@@ -56,29 +54,29 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, corp
         md, fig, sess = out
         return md, fig, sess, {**(figures or {}), name: fig}, *[None] * len(downloads)  # earlier files go
 
-    def on_calibrate(key, sess, figures, c, n, k, b, nm, request: gr.Request,
-                     progress=gr.Progress(track_tqdm=True)):  # noqa: B008
-        if not key:
+    def on_calibrate(pair_key, session, figures, request: gr.Request, progress=gr.Progress(track_tqdm=True),  # noqa: B008
+                     **values):
+        if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        out = calibrate(key, sess, c, n, k, b, nm, page=request.session_hash if request else None)
+        out = calibrate(pair_key, session, CalibrateRequest(**values), page=request.session_hash if request else None)
         return with_figure(out, figures, "patch_selection")
 
-    def on_load(key, sess, figures, path):
-        if not key:
+    def on_load(pair_key, session, figures, folder):
+        if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        return with_figure(load_calibration(key, sess, path), figures, "patch_selection")
+        return with_figure(load_calibration(pair_key, session, folder), figures, "patch_selection")
 
-    def on_train(key, sess, figures, n, ctx, ph, nm, request: gr.Request,
-                 progress=gr.Progress(track_tqdm=True)):  # noqa: B008
-        if not key:
+    def on_train(pair_key, session, figures, request: gr.Request, progress=gr.Progress(track_tqdm=True),  # noqa: B008
+                 **values):
+        if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        for out in train(key, sess, n, ctx, ph, nm, page=request.session_hash if request else None):
+        for out in train(pair_key, session, TrainRequest(**values), page=request.session_hash if request else None):
             yield with_figure(out, figures, "policy_training")
 
-    cal_btn.click(guard(on_calibrate), [pair_state, session, figs, corpus, n_fit, op_k, bits, name],
-                  [cal_info, cal_plot, session, figs, *downloads], concurrency_limit=1, api_name="calibrate")
+    cal_btn.click(guard(on_calibrate), [pair_state, session, figs], [cal_info, cal_plot, session, figs, *downloads],
+                  inputs_kwargs=calibration, concurrency_limit=1, api_name="calibrate")
     load_btn.click(guard(on_load), [pair_state, session, figs, folder], [cal_info, cal_plot, session, figs, *downloads],
                    concurrency_limit=1, api_name="load_calibration")
-    train_btn.click(guard(on_train), [pair_state, session, figs, steps, contexts, per_head, run_name],
-                    [train_info, train_plot, session, figs, *downloads], concurrency_limit=1, api_name="train")
-
+    buttons["train"].click(guard(on_train), [pair_state, session, figs], [train_info, train_plot, session, figs,
+                                                                         *downloads],
+                           inputs_kwargs=training, concurrency_limit=1, api_name="train")

@@ -1,7 +1,8 @@
 """Pair tab: choose a producer and consumer, load them with progress, see facts and the
 compatibility verdict, and generate from both side by side.
 
-Widgets and wiring only; the processing functions arrive in ``PairTabFns``.
+Widgets and wiring only; the processing functions arrive in ``PairTabFns``; the generation
+controls are built from ``GenerateRequest``'s fields.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from scdviz.ui.common import diff_tokens, guard
+from scdviz.app.requests import GenerateRequest
+from scdviz.app.ui import controls
+from scdviz.app.ui.common import diff_tokens, guard
 
 
 @dataclass
@@ -23,10 +26,8 @@ class PairTabFns:
     default_producer: str  # preselected producer
     default_consumer: str  # preselected consumer
     load: Callable  # (producer, consumer, progress) -> (summary_md, facts_rows, pair_key)
-    generate: Callable  # (pair_key, prompt, max_new, chat) -> (prod_tokens, cons_tokens, info_md)
+    generate: Callable  # (pair_key, GenerateRequest) -> (prod_tokens, cons_tokens, info_md)
     examples: list[str]  # example prompts
-    max_new_tokens: int  # upper bound of the slider
-    max_chars: int = 16384  # longest prompt in characters (checked again on the server)
 
 
 def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
@@ -48,14 +49,16 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
                          elem_id="pair-facts")
 
     gr.Markdown("### Generate from both (each from its own prefill)")
-    prompt = gr.Textbox(label="Prompt", lines=4, value=fns.examples[0] if fns.examples else "", elem_id="pair-prompt",
-                        max_length=fns.max_chars)
-    with gr.Row():
-        max_new = gr.Slider(1, fns.max_new_tokens, value=min(32, fns.max_new_tokens), step=1, label="New tokens")
-        chat = gr.Checkbox(label="Wrap in the chat template", value=False)
-        gen_btn = gr.Button("Generate", elem_id="pair-generate")
+    buttons = {}
+
+    def add_button(_):
+        buttons["generate"] = gr.Button("Generate", elem_id="pair-generate")
+
+    widgets = controls.build(GenerateRequest, {"prompt": fns.examples[0] if fns.examples else ""},
+                             after={"chat": add_button})
     if fns.examples:
-        gr.Examples([[e] for e in fns.examples], inputs=[prompt], label="Examples from the shipped evaluation text")
+        gr.Examples([[e] for e in fns.examples], inputs=[widgets["prompt"]],
+                    label="Examples from the shipped evaluation text")
     info = gr.Markdown(elem_id="pair-gen-info")
     with gr.Row():
         prod_out = gr.HighlightedText(label="Producer", elem_id="producer-text", combine_adjacent=False)
@@ -64,22 +67,22 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
                                       color_map={"differs": "orange"}, show_inline_category=False,
                                       show_legend=True)
 
-    def on_load(p, c, progress=gr.Progress()):  # noqa: B008 - gradio injects progress this way
+    def on_load(producer, consumer, progress=gr.Progress()):  # noqa: B008 - gradio injects progress this way
         def report(frac, msg):
             progress(frac, desc=msg)
 
-        md, rows, key = fns.load(p, c, report)
+        md, rows, key = fns.load(producer, consumer, report)
         return md, rows, key
 
-    def on_generate(key, text, n, use_chat):
-        if not key:
+    def on_generate(pair_key, **values):
+        if not pair_key:
             raise gr.Error("load a pair first", print_exception=False)
-        prod_tokens, cons_tokens, md = fns.generate(key, text, n, use_chat)
+        prod_tokens, cons_tokens, md = fns.generate(pair_key, GenerateRequest(**values))
         return md, [(t, None) for t in prod_tokens], diff_tokens(cons_tokens, prod_tokens)
 
     load_btn.click(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
                    api_name="load_pair")
     demo.load(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
               api_name=False)
-    gen_btn.click(guard(on_generate), [pair_state, prompt, max_new, chat], [info, prod_out, cons_out],
-                  concurrency_limit=1, api_name="generate")
+    buttons["generate"].click(guard(on_generate), [pair_state], [info, prod_out, cons_out], inputs_kwargs=widgets,
+                              concurrency_limit=1, api_name="generate")

@@ -1,0 +1,109 @@
+"""One request dataclass per tab: every control declared once, on its field.
+
+A field's ``control(default, label, kind, ...)`` says how the control shows (label, widget,
+limits, row) and how its value is checked (``inputs.Control.check``). The tab builds its
+widgets from the fields (``scdviz.app.ui.controls``), its handler receives the values by
+field name and builds the request by keyword, and the tab's work (``scdviz.app.scd``, ...)
+takes the request and calls ``checked()`` before work starts. Adding a control is one field
+here (plus the code that uses its value). Over the API the endpoint's parameters are these
+field names, in this order. This module imports neither torch nor gradio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scdviz import settings
+from scdviz.app.inputs import Request, control
+
+
+def _corpora() -> list[str]:
+    from scdviz import data  # torch: only when the choices are read
+
+    return data.corpora()
+
+
+CODE_BITS = (4, 8, 16)  # code precisions the SCD controls offer (calibration and transfer)
+PLACEMENTS = ("selected", "drift", "manual")
+CODERS = (("transform coding: one step per section, entropy coded", "transform"),
+          ("rate-distortion plan: ranks, bits and patches", "rd"))
+EVICT_UNITS = ("% kept", "tokens kept")
+EVICT_MODELS = ("producer", "consumer")
+
+
+@dataclass
+class GenerateRequest(Request):
+    """Pair tab: greedy continuations of one prompt by producer and consumer."""
+
+    prompt: str = control("", "Prompt", "text", name="the prompt", hi=settings.max_prompt_chars,
+                          props={"lines": 4, "elem_id": "pair-prompt"})
+    new_tokens: int = control(32, "New tokens", "int", lo=1, hi=settings.max_new_tokens, step=1, row="generate")
+    chat: bool = control(False, "Wrap in the chat template", "flag", name="Chat template", row="generate")
+
+
+@dataclass
+class ScdRequest(Request):
+    """SCD tab: one text through every transfer method, with the plan's controls."""
+
+    text: str = control("", "Text (prompt + continuation)", "text", name="the text", hi=settings.max_prompt_chars,
+                        props={"lines": 5, "elem_id": "scd-text"})
+    continuation_tokens: int = control(32, "Continuation tokens scored", "int", lo=8, hi=64, step=8, row="score")
+    generated_tokens: int = control(24, "Tokens generated per method", "int", lo=4, hi=48, step=4, row="score")
+    bits: int = control(4, "Code precision (bits)", "choice", choices=CODE_BITS, row="score")
+    rank_k: int = control(0, "r_K (0 = operating point)", "int", name="r_K", lo=0, hi=192, step=8, row="plan")
+    rank_v: int = control(0, "r_V (0 = operating point)", "int", name="r_V", lo=0, hi=192, step=8, row="plan")
+    patch_layers: int = control(2, "Patch layers k", "int", lo=0, hi=8, step=1, row="plan")
+    placement: str = control("selected", "Placement", "choice", choices=PLACEMENTS, row="plan")
+    manual_layers: str = control("", "Manual patch layers (e.g. 14, 18)", "text", name="Manual patch layers", hi=200,
+                                 required=False, row="plan")
+    bandwidth_gbps: float = control(10.0, "Link bandwidth (Gbit/s)", "number", lo=0.5, hi=100, widget="slider",
+                                    row="link")
+    latency_ms: float = control(0.5, "Link latency (ms)", "number", lo=0, hi=20, step=0.5, widget="slider", row="link")
+    fan_out: bool = control(False, "All built-in specialists (one table)", "flag", name="All built-in specialists",
+                            row="link")
+    byte_budget: float = control(0.0, "Byte budget, B/token (0 = the controls; else the budget coder decides)", "number",
+                                 name="Byte budget (B/token)", lo=0, hi=100_000, widget="number", row="budget",
+                                 props={"elem_id": "scd-budget"})
+    coder: str = control("transform", "Budget coder", "choice", choices=CODERS, row="budget",
+                         props={"elem_id": "scd-coder"})
+
+
+@dataclass
+class EvictRequest(Request):
+    """DistillCache tab: one context pruned by every eviction method."""
+
+    context: str = control("", "Context", "text", name="the context", hi=settings.max_prompt_chars,
+                           props={"lines": 5, "elem_id": "ev-context"})
+    question: str = control("", "Question (optional)", "text", name="the question", hi=settings.max_prompt_chars,
+                            required=False, row="question", props={"elem_id": "ev-question"})
+    question_aware: bool = control(False, "Question-aware (compress context + question)", "flag",
+                                   name="Question-aware", row="question")
+    budget_unit: str = control("% kept", "Budget unit", "choice", choices=EVICT_UNITS, row="budget")
+    # its range depends on the unit: checked by scdviz.app.evict
+    budget: float = control(25, "Budget", "number", widget="number", row="budget", props={"elem_id": "ev-budget"})
+    model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
+    method: str = control("distillcache-head", "Method to inspect", "pick", choices=("distillcache-head",),
+                          row="budget", props={"elem_id": "ev-show"})
+
+
+@dataclass
+class CalibrateRequest(Request):
+    """Calibrate / train tab: an SCD calibration of the loaded pair, saved as a run."""
+
+    domains: list = control(None, "Calibration domains", "choices", choices=_corpora, row="calibrate",
+                            props={"elem_id": "cal-domains"})
+    fit_windows: int = control(16, "Windows for the fits", "int", lo=4, hi=64, step=4, row="calibrate")
+    patch_layers: int = control(2, "Patch layers at the operating point", "int", lo=0, hi=6, step=1, row="calibrate")
+    bits: int = control(4, "Code bits", "choice", choices=CODE_BITS, row="calibrate")
+    name: str = control("my-calibration", "Save as", "text", hi=200, required=False, row="calibrate")
+
+
+@dataclass
+class TrainRequest(Request):
+    """Calibrate / train tab: a DistillCache policy trained on the producer, saved as a run."""
+
+    steps: int = control(20, "REINFORCE steps", "int", lo=5, hi=300, step=5, row="train")
+    contexts: int = control(4, "Training contexts", "int", lo=2, hi=32, step=2, row="train")
+    per_head: bool = control(True, "Per layer and KV head (else one token set, as specified)", "flag",
+                             name="Per layer and KV head", row="train")
+    name: str = control("my-policy", "Save as", "text", hi=200, required=False, row="train")

@@ -1,0 +1,79 @@
+"""SCD tab: one prompt through every transfer method, plan controls, text, table and plots.
+
+Widgets and wiring only: the controls are built from ``ScdRequest``'s fields and reach ``run``
+(from the webapp) as one ``ScdRequest``, built by field name; ``run`` returns a dict (info,
+table, texts per method, figures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+
+from scdviz.app.requests import ScdRequest
+from scdviz.app.ui import controls
+from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select
+from scdviz.plots import rounded
+
+FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
+           "ttft", "plan")
+# the plots' sub-tabs (every figure in one), so the text, table and controls stay in view
+GROUPS = {"Quality": ("pareto",), "Drift and error": ("drift_k", "drift_v", "accumulation", "amplification"),
+          "Compression": ("plan", "placement", "spectra_k", "spectra_v"), "Timing": ("ttft",)}
+
+
+def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, export: Callable | None = None,
+          request_type: type = ScdRequest) -> None:
+    """Add the SCD tab's widgets; ``run(pair_key, session, request)`` checks the request and does the work;
+    ``export`` (see ``common.figure_downloads``) offers the figures as files. ``request_type``: the
+    dataclass whose fields are the controls (``ScdRequest``, or a subclass with more)."""
+    gr.Markdown(
+        "The producer prefills the text; each method moves its cache to the consumer, which scores the last "
+        "*continuation* tokens teacher-forced and generates greedily. KL is KL(oracle ‖ method) per token; "
+        "the oracle is the consumer's own prefill. Same code as `python -m scdviz bench scd`."
+    )
+    buttons = {}
+
+    def add_examples(text):
+        if examples:
+            gr.Examples([[e] for e in examples], inputs=[text], label="Windows from the shipped evaluation text")
+
+    def add_button(_):
+        buttons["go"] = gr.Button("Transfer", variant="primary", elem_id="scd-run")
+
+    widgets = controls.build(request_type, {"text": examples[0] if examples else ""},
+                             after={"text": add_examples, "fan_out": add_button})
+    info = gr.Markdown(elem_id="scd-info")
+    table = gr.Dataframe(label="Results (one prompt)", interactive=False, elem_id="scd-table")
+    texts = gr.HighlightedText(label="Generated text per method (tokens that differ from the oracle's are marked)",
+                               combine_adjacent=False, show_inline_category=False, show_legend=True,
+                               color_map={"differs": "orange"}, elem_id="scd-texts")
+    figs = gr.State({})
+    plots = {}
+    with gr.Tabs(elem_id="scd-plot-tabs"):
+        for title, names in GROUPS.items():
+            with gr.Tab(title, elem_id=f"scd-tab-{title.split()[0].lower()}") as tab:
+                redraw_on_select(tab)
+                for i in range(0, len(names), 2):
+                    with gr.Row():
+                        for name in names[i : i + 2]:
+                            plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
+    assert set(plots) == set(FIGURES)
+    downloads = [figure_downloads("scd", figs, session, export)] if export is not None else []
+
+    def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
+        if not pair_key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        progress(0.1, desc="transferring with every method")
+        out = run(pair_key, session, request_type(**values))
+        segments = []
+        oracle = out["texts"][0][1]
+        for method, tokens in out["texts"]:
+            segments.append((f"\n{method}: ", None))
+            segments += diff_tokens(tokens, oracle)
+        return ([out["info"], rounded(out["table"]), segments] + [out["figures"][n] for n in FIGURES]
+                + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
+
+    buttons["go"].click(guard(on_run), [pair_state, session], [info, table, texts] + [plots[n] for n in FIGURES]
+                        + [figs] + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="scd_transfer")

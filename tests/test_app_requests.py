@@ -1,0 +1,98 @@
+"""One request dataclass per tab: its fields build the widgets, check the values and name the API (fast: no models)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import gradio as gr
+import pandas as pd
+import pytest
+
+from scdviz.app import requests
+from scdviz.app.inputs import UserError, control
+from scdviz.app.requests import ScdRequest
+
+
+@dataclass
+class _WithKnob(ScdRequest):
+    """The SCD request with one more control, as a maintainer would add it: one field."""
+
+    knob_level: int = control(3, "Knob level", "int", lo=0, hi=9, step=1)
+
+
+def _labels(demo: gr.Blocks) -> dict[str, gr.components.Component]:
+    return {b.label: b for b in demo.blocks.values() if isinstance(b, gr.components.Component) and b.label}
+
+
+def test_scd_tab_is_built_from_the_request_and_its_handler_gets_values_by_name():
+    from scdviz.app.ui import scd_tab
+
+    got = []
+
+    def run(pair_key, session, request):
+        got.append((pair_key, session, request))
+        return {"info": "ok", "table": pd.DataFrame({"method": ["oracle"]}), "texts": [("oracle", ["a"])],
+                "figures": dict.fromkeys(scd_tab.FIGURES)}
+
+    with gr.Blocks() as demo:
+        state = gr.State("")
+        scd_tab.build(run, ["an example window"], state, state, request_type=_WithKnob)
+    labels = _labels(demo)
+    controls = _WithKnob.controls()
+    assert list(controls) == [f.name for f in fields(_WithKnob)] and "knob_level" in controls
+    for name, c in controls.items():  # every field has its widget, with its label and default
+        assert c.label in labels, name
+    assert labels["Knob level"].value == 3 and labels["Knob level"].maximum == 9
+    assert labels["Text (prompt + continuation)"].value == "an example window"  # the tab's own default
+    (dep,) = [d for d in demo.fns.values() if d.api_name == "scd_transfer"]
+    params = [p["parameter_name"] for p in demo.get_api_info()["named_endpoints"]["/scd_transfer"]["parameters"]]
+    assert params == list(controls)  # the API's parameters are the field names, in field order
+    values = {name: getattr(_WithKnob(text="a text"), name) for name in controls} | {"knob_level": 7, "rank_k": 16}
+    dep.fn("the pair", "the session", **values)
+    ((pair_key, session, request),) = got
+    assert (pair_key, session) == ("the pair", "the session")
+    assert isinstance(request, _WithKnob) and request.knob_level == 7 and request.rank_k == 16
+    assert request.text == "a text"
+
+
+def test_every_tab_request_declares_each_control_once_and_checks_it_from_there():
+    for cls in (requests.GenerateRequest, requests.ScdRequest, requests.EvictRequest, requests.CalibrateRequest,
+                requests.TrainRequest):
+        assert [f.name for f in fields(cls)] == list(cls.controls()), cls  # every field is a control
+    ok = ScdRequest(text="some text", bits="8", rank_k=16.0).checked()
+    assert ok.bits == 8 and ok.rank_k == 16 and isinstance(ok.rank_k, int)  # converted as declared
+    with pytest.raises(UserError, match="Continuation tokens scored must be between 8 and 64"):
+        ScdRequest(text="x", continuation_tokens=3).checked()
+    with pytest.raises(UserError, match="r_K must be a whole number"):
+        ScdRequest(text="x", rank_k=12.5).checked()
+    with pytest.raises(UserError, match="All built-in specialists must be true or false"):
+        ScdRequest(text="x", fan_out="maybe").checked()
+    with pytest.raises(UserError, match="the text is empty"):
+        ScdRequest().checked()
+    with pytest.raises(UserError, match="Calibration domains: choose at least 1"):
+        requests.CalibrateRequest(domains=[]).checked()
+    assert requests.EvictRequest(context="c", budget="abc").checked().budget == "abc"  # its range is the unit's: the tab checks
+    with pytest.raises(ValueError, match="unknown control kind"):
+        control(0, "Bad", "float")
+
+
+def test_the_api_names_endpoints_and_parameters_in_words_and_hides_internal_ones():
+    from scdviz.app import webapp
+
+    demo = webapp.build_demo()
+    info = demo.get_api_info()["named_endpoints"]
+    assert {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/load_calibration", "/train"} <= set(info)
+    for endpoint, cls in (("/scd_transfer", requests.ScdRequest), ("/evict", requests.EvictRequest),
+                          ("/generate", requests.GenerateRequest), ("/calibrate", requests.CalibrateRequest),
+                          ("/train", requests.TrainRequest)):
+        params = info[endpoint]["parameters"]
+        assert [p["parameter_name"] for p in params] == [f.name for f in fields(cls)], endpoint
+        for p in params:  # integer controls are typed int for a script user
+            if cls.controls()[p["parameter_name"]].kind == "int":
+                assert p["python_type"]["type"] == "int", (endpoint, p["parameter_name"])
+    assert [p["parameter_name"] for p in info["/load_pair"]["parameters"]] == ["producer", "consumer"]
+    assert [p["parameter_name"] for p in info["/load_calibration"]["parameters"]] == ["folder"]
+    listed = set(demo.get_api_info(all_endpoints=True)["named_endpoints"])
+    assert "/open_session" not in listed and "/scd" not in listed
+    internal = [d for d in demo.fns.values() if d.fn is not None and d.fn.__name__ in ("open_session", "_on_page_closed")]
+    assert len(internal) == 2 and all(d.api_visibility == "private" for d in internal)
