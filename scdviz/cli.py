@@ -74,7 +74,8 @@ def _finetune(cmd: Finetune) -> None:
     log = finetune(cfg)
     _save_run(cmd, out, "finetune", cfg.seed, "", time.perf_counter() - t0)
     tail = log['loss'][-5:]
-    print(f"done in {log['seconds']} s; loss {log['loss'][0]} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})")
+    print(f"done in {log['seconds']} s; loss {log['loss'][0]} -> {sum(tail) / len(tail):.3f} "
+          f"(mean of the last {len(tail)})")
     print(f"specialist saved to {out}; use it as --consumer {out}")
 
 
@@ -174,7 +175,8 @@ def _bench_scd(cmd: BenchScd) -> None:
             proj = [p for p in report.projection if p["model"] == model and p["gpu"] == bench.PROJECTION_GPU.name
                     and p["link_gbps"] == 10]
             print(f"analytic projection (not measured) for {model}: {bench.PROJECTION_GPU.name}, "
-                  f"{bench.PROJECTION_TOKENS} tokens, 10 Gbit/s: " + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
+                  f"{bench.PROJECTION_TOKENS} tokens, 10 Gbit/s: "
+                  + ", ".join(f"{p['method']} {p['speedup']:.2f}x" for p in proj))
         reports.append(report)
 
     t0 = time.perf_counter()
@@ -184,15 +186,16 @@ def _bench_scd(cmd: BenchScd) -> None:
     print("\n== per domain: raw reuse vs SCD full, same token-0 handling (ratio_ci: paired bootstrap over prompts) ==")
     print(protocol.show(bench.domain_table(reports)))
     if cmd.bench.sweeps:
-        print("\n== patch-budget sweep: KL at k patch layers, relative to k = 0 (vs_k0_ci95: paired bootstrap over prompts) ==")
+        print("\n== patch-budget sweep: KL at k patch layers, relative to k = 0 "
+              "(vs_k0_ci95: paired bootstrap over prompts) ==")
         print(protocol.show(bench.patch_table(reports)))
     if cmd.bench.rank_claim:
         print("\n== rank claim: one rank for every key code (values at full rank) and vice versa, KL relative to "
               "reuse-only at full rank (ci95: paired bootstrap over prompts) ==")
         print(protocol.show(bench.rank_claim_table(reports)))
     if cmd.bench.budgets:
-        print("\n== budget sweep: transform-coded and rate-distortion plans (both a hard byte limit) and rank-only allocation, KL relative to raw "
-              "reuse (vs_raw_ci95: paired bootstrap over prompts) ==")
+        print("\n== budget sweep: transform-coded and rate-distortion plans (both a hard byte limit) and rank-only "
+              "allocation, KL relative to raw reuse (vs_raw_ci95: paired bootstrap over prompts) ==")
         print(protocol.show(bench.budget_table(reports)))
     qa_rows = bench.qa_table(reports)
     if len(qa_rows):
@@ -223,7 +226,8 @@ def _train_policy(cmd: TrainPolicy) -> None:
     _save_run(cmd, folder, "train-policy", cfg.seed, str(next(model.parameters()).device), time.perf_counter() - t0)
     best = min(log["val"], key=lambda v: v["kl"]) if log["val"] else None
     print(f"done in {log['seconds']} s; heuristic val KL {log['val_heuristic']}; best val KL {best}")
-    print(f"policy saved to {folder}; bench it with: python -m scdviz bench evict --policies {folder / 'best.safetensors'}")
+    print(f"policy saved to {folder}; bench it with: "
+          f"python -m scdviz bench evict --policies {folder / 'best.safetensors'}")
 
 
 def _bench_evict(cmd: BenchEvict) -> None:
@@ -253,8 +257,8 @@ def _bench_ttft(cmd: BenchTtft) -> None:
     t0 = time.perf_counter()
     table = ttft.run(cmd.ttft, pair, calib)
     c = cmd.ttft
-    print(f"\n== time to first token, {c.prompt_len}-token prompts, {c.limit} prompts x {c.reps} interleaved rounds after "
-          f"{c.warmup} warm-up, medians; device {pair.device}, {calibration.specialist_name(cmd.consumer)} ==")
+    print(f"\n== time to first token, {c.prompt_len}-token prompts, {c.limit} prompts x {c.reps} interleaved rounds "
+          f"after {c.warmup} warm-up, medians; device {pair.device}, {calibration.specialist_name(cmd.consumer)} ==")
     print(f"oracle (consumer prefill + first step): {table['oracle_ms'].iloc[0]} ms; producer prefill: "
           f"{table['producer_prefill_ms'].iloc[0]} ms")
     with pd.option_context("display.width", 250, "display.max_columns", 40):
@@ -263,9 +267,11 @@ def _bench_ttft(cmd: BenchTtft) -> None:
         for label, what in (("", "without the producer's prefill"), ("_with_prefill", "with the producer's prefill"),
                             (f"_shared{c.fan_out}", f"with the producer's prefill shared by {c.fan_out} specialists")):
             cols = [f"ttft{label}_{g:g}gbps_ms" for g in ttft.BANDWIDTHS] + [f"break_even{label}_gbps"]
-            print(f"\nTTFT (ms) {what}; break-even: the slowest link (Gbit/s) at which the method still beats the oracle")
+            print(f"\nTTFT (ms) {what}; break-even: the slowest link (Gbit/s) at which the method still "
+                  f"beats the oracle")
             print(table[["method", *cols]].iloc[1:].to_string(index=False))
-    _write(cmd, protocol.record("ttft", table.to_dict("records"), {}, c.seed, str(pair.device), time.perf_counter() - t0))
+    _write(cmd, protocol.record("ttft", table.to_dict("records"), {}, c.seed, str(pair.device),
+                                time.perf_counter() - t0))
 
 
 # ----------------------------------------------------------------------------- where runs write
@@ -361,7 +367,8 @@ COMMANDS = [
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
     ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),
     ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
-    ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill (interleaved medians)",
+    ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill "
+                   "(interleaved medians)",
      BenchTtft, _bench_ttft),
     ("bench evict", "learned eviction vs kvpress baselines (KL, top-1, PPL, wins)", BenchEvict, _bench_evict),
     ("report", "write the docs' results tables (marked blocks of README.md, docs/) from the shipped records",
@@ -379,8 +386,9 @@ def parser() -> argparse.ArgumentParser:
         if " " in name:
             group, name = name.split(" ", 1)
             if group not in groups:
-                groups[group] = sub.add_parser(group, help="benchmarks that print tables and write records").add_subparsers(
-                    dest=group, required=True)
+                groups[group] = sub.add_parser(
+                    group, help="benchmarks that print tables and write records"
+                ).add_subparsers(dest=group, required=True)
             where = groups[group]
         p = where.add_parser(name, help=help_text, description=help_text,
                              epilog=f"model sources: {SOURCE_HELP}. Runs go to <runs>/<kind>/<name>, runs = "

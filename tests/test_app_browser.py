@@ -113,7 +113,8 @@ def test_pair_tab_loads_pair_and_generates(page, builtin_pair, tmp_path_factory)
     from scdviz.app import pairs
     from scdviz.app.requests import GenerateRequest
 
-    gen = pairs.generate_both(builtin_pair, GenerateRequest(page.locator("#pair-prompt textarea").input_value(), 32))  # page default
+    gen = pairs.generate_both(builtin_pair,
+                              GenerateRequest(page.locator("#pair-prompt textarea").input_value(), 32))  # page default
     squash = lambda text: "".join(text.split())  # noqa: E731 - tokens are shown as separate chips
     assert squash(gen.producer_text) in squash(page.locator("#producer-text").inner_text())
     assert squash(gen.consumer_text) in squash(page.locator("#consumer-text").inner_text())

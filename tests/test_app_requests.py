@@ -71,7 +71,8 @@ def test_every_tab_request_declares_each_control_once_and_checks_it_from_there()
         ScdRequest().checked()
     with pytest.raises(UserError, match="Calibration domains: choose at least 1"):
         requests.CalibrateRequest(domains=[]).checked()
-    assert requests.EvictRequest(context="c", budget="abc").checked().budget == "abc"  # its range is the unit's: the tab checks
+    # its range is the unit's: the tab checks
+    assert requests.EvictRequest(context="c", budget="abc").checked().budget == "abc"
     with pytest.raises(ValueError, match="unknown control kind"):
         control(0, "Bad", "float")
 
@@ -81,7 +82,8 @@ def test_the_api_names_endpoints_and_parameters_in_words_and_hides_internal_ones
 
     demo = webapp.build_demo()
     info = demo.get_api_info()["named_endpoints"]
-    assert {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/load_calibration", "/train"} <= set(info)
+    assert {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/load_calibration",
+            "/train"} <= set(info)
     for endpoint, cls in (("/scd_transfer", requests.ScdRequest), ("/evict", requests.EvictRequest),
                           ("/generate", requests.GenerateRequest), ("/calibrate", requests.CalibrateRequest),
                           ("/train", requests.TrainRequest)):
@@ -94,5 +96,6 @@ def test_the_api_names_endpoints_and_parameters_in_words_and_hides_internal_ones
     assert [p["parameter_name"] for p in info["/load_calibration"]["parameters"]] == ["folder"]
     listed = set(demo.get_api_info(all_endpoints=True)["named_endpoints"])
     assert "/open_session" not in listed and "/scd" not in listed
-    internal = [d for d in demo.fns.values() if d.fn is not None and d.fn.__name__ in ("open_session", "_on_page_closed")]
+    internal = [d for d in demo.fns.values()
+                if d.fn is not None and d.fn.__name__ in ("open_session", "_on_page_closed")]
     assert len(internal) == 2 and all(d.api_visibility == "private" for d in internal)

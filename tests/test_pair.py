@@ -27,7 +27,8 @@ def test_same_config_is_compatible():
         ({"num_key_value_heads": 1}, "KV heads", "2 vs consumer 1"),
         ({"head_dim": 16}, "head_dim", "8 vs consumer 16"),
         ({"vocab_size": 99}, "vocabulary size", "97 vs consumer 99"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "RoPE theta", "10000.0 vs consumer 500000.0"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "RoPE theta",
+         "10000.0 vs consumer 500000.0"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "RoPE scaling", "linear"),
     ],
 )
@@ -48,7 +49,8 @@ def test_architecture_sliding_window_and_tokenizer_mismatches():
 
 def test_layer_types_mismatch():
     types = ["full_attention", "sliding_attention", "full_attention"]
-    found = pairmod.mismatches(_facts("qwen2"), _facts("qwen2", layer_types=types, use_sliding_window=True, sliding_window=8))
+    found = pairmod.mismatches(_facts("qwen2"),
+                               _facts("qwen2", layer_types=types, use_sliding_window=True, sliding_window=8))
     assert any(m.startswith("layer types:") for m in found)
 
 

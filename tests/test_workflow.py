@@ -55,8 +55,8 @@ def test_own_text_goes_through_every_command_without_touching_the_repository(flo
     assert info["settings"]["finetune"]["texts"] == text and info["seed"] == 0 and info["seconds"] >= 0
     assert {"git_commit", "hardware", "torch"} <= set(info["versions"])
     report = root / "drift.json"
-    assert cli.main(["pair-info", "--producer", tiny, "--consumer", str(spec), "--eval", "--texts", text, "--limit", "2",
-                     "--prompt-len", "48", "--cont-len", "8", "--out", str(report)]) == 0
+    assert cli.main(["pair-info", "--producer", tiny, "--consumer", str(spec), "--eval", "--texts", text, "--limit",
+                     "2", "--prompt-len", "48", "--cont-len", "8", "--out", str(report)]) == 0
     assert list(json.loads(report.read_text())["corpora"]) == ["texts"]  # measured on the user's eval split
     assert cli.main(["calibrate", "--producer", tiny, "--consumer", str(spec), "--texts", text, "--n-fit", "4",
                      "--n-select", "2", "--prompt-len", "48", "--cont-len", "8", "--aligner-steps", "5",

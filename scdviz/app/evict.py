@@ -34,7 +34,8 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None)
     else:
         keep = inputs.integer(budget, "Budget (tokens kept)", 1, settings.max_prompt_tokens())
     model = pair.producer if which == "producer" else pair.consumer
-    view = eviction_view(model, pair.tokenizer, context, question, keep, aware, policies=session.policies if session else None)
+    view = eviction_view(model, pair.tokenizer, context, question, keep, aware,
+                         policies=session.policies if session else None)
     method = method if isinstance(method, str) and method in view.kept_fraction else next(iter(view.kept_fraction))
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd

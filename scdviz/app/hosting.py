@@ -46,7 +46,8 @@ def check_source(source) -> tuple[str, str]:
     if settings.hosted() and not source.startswith("builtin:"):
         if pair.looks_local(source) or not pair.HUB_ID.fullmatch(source):
             raise UserError(f"this hosted demo loads only built-in models ({', '.join(builtin_sources())})"
-                            + (f" and these hub models: {', '.join(settings.hub_allow())}" if settings.hub_allow() else "")
+                            + (f" and these hub models: {', '.join(settings.hub_allow())}"
+                               if settings.hub_allow() else "")
                             + "; local folders are not available here")
         if source not in settings.hub_allow():
             allowed = ", ".join(settings.hub_allow()) or "none"

@@ -27,7 +27,8 @@ from scdviz.models.pair import Pair, PairError, load_pair
 _PAIRS: OrderedDict[tuple[str, str], Pair] = OrderedDict()
 _LOCK = threading.Lock()  # guards _PAIRS and _LOADING only (never held while a model loads)
 _LOADING: dict[tuple[str, str], threading.Lock] = {}  # one lock per pair being loaded
-MAX_PAIRS = 3  # pairs kept in memory at once (each ~1 GB in fp32 for the built-in pair): the producer with every built-in specialist
+# pairs kept in memory at once (each ~1 GB in fp32 for the built-in pair): the producer with every built-in specialist
+MAX_PAIRS = 3
 
 
 def builtin_choices() -> tuple[str, list[str]]:
@@ -39,8 +40,9 @@ def builtin_choices() -> tuple[str, list[str]]:
 def get_pair(producer, consumer, progress=None) -> Pair:
     """The loaded pair for these sources, loading (and caching) it on first request.
 
-    Sources are checked (scdviz.app.hosting: hosted mode's rules, hub ids probed) before anything loads. Only requests for the
-    *same* pair wait for its load; everyone else's pairs stay available meanwhile.
+    Sources are checked (scdviz.app.hosting: hosted mode's rules, hub ids probed) before anything
+    loads. Only requests for the *same* pair wait for its load; everyone else's pairs stay
+    available meanwhile.
     """
     hub = []
     for what, source in (("producer", producer), ("consumer", consumer)):
@@ -93,7 +95,8 @@ def encode_prompt(pair: Pair, prompt: str, chat: bool = False) -> list[int]:
         ids = pair.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     limit = settings.max_prompt_tokens()
     if len(ids) > limit:
-        raise UserError(f"the prompt has {len(ids)} tokens; this app accepts at most {limit} (SCDVIZ_MAX_PROMPT_TOKENS)")
+        raise UserError(f"the prompt has {len(ids)} tokens; this app accepts at most {limit} "
+                        f"(SCDVIZ_MAX_PROMPT_TOKENS)")
     if len(ids) < 2:
         raise UserError("the prompt needs at least 2 tokens")
     return list(ids)

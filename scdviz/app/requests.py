@@ -61,9 +61,9 @@ class ScdRequest(Request):
     latency_ms: float = control(0.5, "Link latency (ms)", "number", lo=0, hi=20, step=0.5, widget="slider", row="link")
     fan_out: bool = control(False, "All built-in specialists (one table)", "flag", name="All built-in specialists",
                             row="link")
-    byte_budget: float = control(0.0, "Byte budget, B/token (0 = the controls; else the budget coder decides)", "number",
-                                 name="Byte budget (B/token)", lo=0, hi=100_000, widget="number", row="budget",
-                                 props={"elem_id": "scd-budget"})
+    byte_budget: float = control(0.0, "Byte budget, B/token (0 = the controls; else the budget coder decides)",
+                                 "number", name="Byte budget (B/token)", lo=0, hi=100_000, widget="number",
+                                 row="budget", props={"elem_id": "scd-budget"})
     coder: str = control("transform", "Budget coder", "choice", choices=CODERS, row="budget",
                          props={"elem_id": "scd-coder"})
 

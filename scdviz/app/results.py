@@ -131,7 +131,8 @@ def _names(value, what: str) -> list[str]:
     return [str(v) for v in values]
 
 
-def open_records(shipped=None, uploads=None, local=None, upload_roots: tuple[Path, ...] = ()) -> list[tuple[str, object]]:
+def open_records(shipped=None, uploads=None, local=None,
+                 upload_roots: tuple[Path, ...] = ()) -> list[tuple[str, object]]:
     """The records a visitor chose in the Results tab, as unique (label, ``BenchRecord``) pairs:
     ``shipped`` names (``shipped_records``), uploaded files (under ``upload_roots``) and run names
     of the local runs folder (``local_records``; refused in hosted mode)."""
@@ -176,7 +177,8 @@ def compare_results(shipped, uploads, local, session: Session, upload_roots: tup
 
     labelled = open_records(shipped, uploads, local, upload_roots)
     if not labelled:
-        return {"info": "Choose one or more records above.", "figures": {}, "settings": None, "table": None, "csv": None}
+        return {"info": "Choose one or more records above.", "figures": {}, "settings": None, "table": None,
+                "csv": None}
     table = plots.records_table(labelled)
     csv = session.scratch() / "results.csv"  # one file per session, removed with it
     table.to_csv(csv, index=False)
@@ -191,7 +193,8 @@ def compare_results(shipped, uploads, local, session: Session, upload_roots: tup
                      "Their settings are the same.")
     if len(kinds) > 1:
         lines.append("Records of different kinds are plotted separately, one plot per kind.")
-    missing = [label for label, rec in labelled if not any(label in {t.legendgroup for t in f.data} for f in figs.values())]
+    missing = [label for label, rec in labelled
+               if not any(label in {t.legendgroup for t in f.data} for f in figs.values())]
     if missing:
         lines.append(f"Nothing to plot from {', '.join(f'`{m}`' for m in missing)} (no rows with the plotted values).")
     lines += [f"**Note on `{label}`**: {rec.note}" for label, rec in labelled if rec.note]

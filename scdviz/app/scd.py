@@ -25,14 +25,17 @@ def calibration_summary(calib) -> str:
         parts.append(f"REUSE maps shrunk toward identity by {st['shrink']:g} (chosen on held-out domains); identity "
                      f"code on {len(st.get('identity_k', []))} K and {len(st.get('identity_v', []))} V layers.")
     if st.get("joint_layers"):
-        parts.append(f"Joint K+V refinement (rank {st.get('joint_rank', calib.config.joint_rank)}, ridge {st['joint_shrink']:g}, chosen on held-out "
-                     f"domains) on {len(st['joint_layers'])} of {calib.n_layers} layers, weighed down for the codes' quantisation noise.")
+        parts.append(f"Joint K+V refinement (rank {st.get('joint_rank', calib.config.joint_rank)}, "
+                     f"ridge {st['joint_shrink']:g}, chosen on held-out domains) on {len(st['joint_layers'])} of "
+                     f"{calib.n_layers} layers, weighed down for the codes' quantisation noise.")
     gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]] if calib.config.gate_patches else []
-    parts.append(f"Patch order {calib.patch_order}" + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))
+    parts.append(f"Patch order {calib.patch_order}"
+                 + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))
     mlp = [int(k) for k, v in st.get("patch_gate", {}).items() if v.get("mlp")]
     if st.get("patch_gate"):
         parts.append("Aligners: identity + a linear correction shrunk toward identity (chosen on held-out domains)"
-                     + (f"; the MLP helped off-domain on layers {mlp} only." if mlp else "; the MLP helped on no layer off-domain."))
+                     + (f"; the MLP helped off-domain on layers {mlp} only." if mlp
+                        else "; the MLP helped on no layer off-domain."))
     return " ".join(parts)
 
 
@@ -49,7 +52,8 @@ def get_calibration(pair: Pair, session: Session | None = None):
             shipped = pair.producer_source == builtin_choices()[0] and pair.consumer_source in builtin_choices()[1]
             if not shipped or not (folder / calibration.FILE).is_file():
                 raise UserError(f"no SCD calibration for {pair.consumer_source} yet; make one in the Calibrate / train "
-                                f"tab or with `python -m scdviz calibrate --producer ... --consumer ...` (saved in the runs folder), then load it there")
+                                f"tab or with `python -m scdviz calibrate --producer ... --consumer ...` (saved in "
+                                f"the runs folder), then load it there")
             _SHIPPED_CALIBS[key] = calibration.Calibration.load(folder, pair)
         return _SHIPPED_CALIBS[key]
 
@@ -86,8 +90,8 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> 
     manual = _parse_layers(req.manual_layers, calib.n_layers)
     assert coder in bench.CODERS, coder  # the request offers only the bench's coders
     if budget and calib.rate is None:
-        raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: add them with "
-                         "python -m scdviz rate, or calibrate again; or set the byte budget to 0")
+        raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: "
+                        "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
     report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
                               budget=budget or None, coder=coder)
@@ -97,7 +101,8 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> 
     own = link.Link(gbps, latency_s)
     table["ttft_your_link_ms"] = [
         round(1000 * (r.oracle_seconds if r.method == "oracle" else
-                      link.ttft(r.payload_bytes_per_token * r.prompt_tokens, r.consumer_seconds + r.encode_seconds, own)), 1)
+                      link.ttft(r.payload_bytes_per_token * r.prompt_tokens, r.consumer_seconds + r.encode_seconds,
+                                own)), 1)
         for r in report.methods]
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
@@ -118,8 +123,9 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> 
     mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
     fewer = (f" (asked for {asked}; this calibration orders {ordered} patch layers for this placement)"
              if asked > patch_k and placement != "manual" else "")
-    how = (f"SCD full is the transform-coded plan for {budget:g} B/token ({full.payload_bytes_per_token:.0f} sent: one uniform "
-           f"step per section, entropy coded; the ranks sent and bits per value in the plan plot)" if budget and coder == "transform" else
+    how = (f"SCD full is the transform-coded plan for {budget:g} B/token ({full.payload_bytes_per_token:.0f} sent: "
+           f"one uniform step per section, entropy coded; the ranks sent and bits per value in the plan plot)"
+           if budget and coder == "transform" else
            f"SCD full is the rate-distortion plan for {budget:g} B/token (ranks and bits per layer in the plan plot; "
            f"patch layers {plan.layers_in('patch') or 'none'})" if budget else
            f"SCD full patches layers {plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes")

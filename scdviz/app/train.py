@@ -23,8 +23,8 @@ def calibrate_for(pair: Pair, session: Session, request: CalibrateRequest) -> tu
     req = request.checked()
     domains, n_fit, op_k, bits, name = req.domains, req.fit_windows, req.patch_layers, req.bits, req.name
     folder = session.new_run(name, "calibrations")
-    cfg = calibration.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k, code_bits=bits,
-                          patch_k=max(op_k, 2))
+    cfg = calibration.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k,
+                                  code_bits=bits, patch_k=max(op_k, 2))
     calib = cal.calibrate(pair, cfg)
     calib.save(folder)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib

@@ -145,7 +145,8 @@ def train(key, sess, request, page=None):
                    f"eviction methods as `yours:{folder.name}`.", plots.training_curve(log), sess)
         else:
             done = len((item or {}).get("steps", []))
-            yield f"Training on {pair.producer_source}: {done} REINFORCE steps so far.", plots.training_curve(item), sess
+            yield (f"Training on {pair.producer_source}: {done} REINFORCE steps so far.", plots.training_curve(item),
+                   sess)
 
 
 def _shown(folder: Path) -> str:
@@ -194,7 +195,8 @@ def build_demo() -> gr.Blocks:
         )
         pair_state = gr.State("")
         # one Session per open page: this visitor's calibrations, policies and folder (deleted with the page)
-        sess = gr.State(session.open_session, time_to_live=settings.session_ttl(), delete_callback=session.Session.close)
+        sess = gr.State(session.open_session, time_to_live=settings.session_ttl(),
+                        delete_callback=session.Session.close)
         with gr.Tab("Pair") as tab:
             redraw_on_select(tab)
             pair_tab.build(

@@ -200,7 +200,8 @@ def source_kind(source) -> tuple[str, str]:
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name not in builtin.BASES and name not in builtin.specialists():
-            known = ", ".join(f"builtin:{n}" for n in (builtin.PRODUCER_NAME, *builtin.specialists(), builtin.GEMMA_NAME))
+            known = ", ".join(f"builtin:{n}"
+                              for n in (builtin.PRODUCER_NAME, *builtin.specialists(), builtin.GEMMA_NAME))
             raise PairError(f"unknown built-in model {name[:60]!r}; built-in: {known}")
         return "builtin", name
     path = Path(source).expanduser()

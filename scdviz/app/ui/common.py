@@ -62,7 +62,8 @@ def diff_tokens(tokens: list[str], reference: list[str], label: str = "differs")
     return [(tok, None if i < len(reference) and reference[i] == tok else label) for i, tok in enumerate(tokens)]
 
 
-def figure_downloads(prefix: str, figs: gr.State, session: gr.State, export: Callable, name: str | None = None) -> gr.File:
+def figure_downloads(prefix: str, figs: gr.State, session: gr.State, export: Callable,
+                     name: str | None = None) -> gr.File:
     """A "Download figures" button for a tab (element ids ``<prefix>-figs-btn``, ``<prefix>-figs``; files
     named ``<name>_<figure>.<ext>``): ``export(figures, session, name, page)`` writes the tab's
     current figures (held in ``figs``, so no model work runs again) as PNG, SVG and standalone HTML

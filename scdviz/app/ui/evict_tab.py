@@ -44,7 +44,8 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                               combine_adjacent=False, show_legend=False, elem_id="ev-kept")
     versus = gr.HighlightedText(label="Where the inspected method differs from H2O (ObservedAttention): positive = "
                                 "kept here and dropped by H2O, negative = kept by H2O only (difference in the share of "
-                                "layer × KV-head slots keeping the token, the largest darkest)", combine_adjacent=False, show_legend=False, elem_id="ev-versus")
+                                "layer × KV-head slots keeping the token, the largest darkest)",
+                                combine_adjacent=False, show_legend=False, elem_id="ev-versus")
     table = gr.Dataframe(label="At this budget (jaccard_vs_h2o: overlap of kept layer × KV-head slots with H2O's; "
                                "kept_not_by_h2o: share of this method's kept slots H2O drops)",
                          interactive=False, elem_id="ev-table")

@@ -26,7 +26,8 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, pair
     gr.Markdown("### SCD calibration for the loaded pair\nFits REUSE codes, aligners and the patch order on the "
                 "*calib* splits of the chosen domains (shrinkage toward identity and patch gates chosen on held-out "
                 "domains); the result becomes *your* calibration for the pair in the SCD tab "
-                "(other visitors keep theirs) and is saved as a run named NAME. (Same code as `python -m scdviz calibrate`; minutes on a CPU.)")
+                "(other visitors keep theirs) and is saved as a run named NAME. (Same code as "
+                "`python -m scdviz calibrate`; minutes on a CPU.)")
     calibration = controls.build(CalibrateRequest)
     with gr.Row():
         cal_btn = gr.Button("Calibrate", variant="primary", elem_id="cal-run")
