@@ -56,17 +56,17 @@ def test_layer_types_mismatch():
 
 def test_source_resolution_errors(tmp_path, monkeypatch):
     with pytest.raises(pairmod.PairError, match="empty model source"):
-        pairmod._resolve("  ")
+        pairmod.resolve_source("  ")
     with pytest.raises(pairmod.PairError, match="unknown built-in model 'nope'"):
-        pairmod._resolve("builtin:nope")
+        pairmod.resolve_source("builtin:nope")
     with pytest.raises(pairmod.PairError, match="not a model folder"):
-        pairmod._resolve(str(tmp_path))
+        pairmod.resolve_source(str(tmp_path))
     (tmp_path / "adapter_config.json").write_text("{}")
-    assert pairmod._resolve(str(tmp_path))[0] == "adapter"
-    assert pairmod._resolve("org/model")[0] == "hub"
+    assert pairmod.resolve_source(str(tmp_path))[0] == "adapter"
+    assert pairmod.resolve_source("org/model")[0] == "hub"
     # hosted mode's rules are the app's (test_hosting): the library resolves what it is given
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")
-    assert pairmod._resolve(str(tmp_path))[0] == "adapter" and pairmod._resolve("org/model")[0] == "hub"
+    assert pairmod.resolve_source(str(tmp_path))[0] == "adapter" and pairmod.resolve_source("org/model")[0] == "hub"
 
 
 def test_choose_threads_respects_setting(monkeypatch):

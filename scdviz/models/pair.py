@@ -212,7 +212,7 @@ def source_kind(source) -> tuple[str, str]:
     return "hub", source
 
 
-def _resolve(source: str) -> tuple[str, Path | str, Path | None]:
+def resolve_source(source: str) -> tuple[str, Path | str, Path | None]:
     """(kind, model location, adapter folder) for a source string (classified by ``source_kind``)."""
     kind, what = source_kind(source)
     if kind == "builtin":
@@ -235,12 +235,12 @@ def load_model(source: str, base: str | None = None, progress=None):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight tensor floods logs; our own progress suffices
-    kind, where, adapter = _resolve(source)
+    kind, where, adapter = resolve_source(source)
     if kind == "builtin":
         where = builtin.base_dir(where, progress)
     elif kind == "adapter":
         base = base or f"builtin:{builtin.PRODUCER_NAME}"
-        if _resolve(base)[2] is not None:
+        if resolve_source(base)[2] is not None:
             raise PairError("the base of a LoRA adapter must be a full model, not another adapter")
         model, tokenizer = load_model(base, progress=progress)
         return _merge_adapter(model, adapter), tokenizer
@@ -288,7 +288,7 @@ def load_pair(producer: str, consumer: str, progress=None) -> Pair:
     prod, tok = load_model(producer, progress=progress)
     if progress:
         progress(0.5, f"loading consumer {consumer}")
-    base = producer if _resolve(producer)[2] is None else None
+    base = producer if resolve_source(producer)[2] is None else None
     cons, cons_tok = load_model(consumer, base=base, progress=progress)
     pf, cf = facts_of(prod, tok), facts_of(cons, cons_tok)
     check_compatible(pf, cf)
