@@ -81,3 +81,22 @@ def build(request_type: type, values: dict | None = None, after: dict[str, Calla
         i += len(group)
     return out
 
+
+def build_run(request_type: type, text_field: str, examples: list[str], examples_label: str, button_after: str,
+              button: dict) -> tuple[dict[str, gr.components.Component], gr.Button]:
+    """A run tab's controls (``build``): the first example in ``text_field`` with the examples under it,
+    and the run button (``gr.Button(**button)``) right after the ``button_after`` field. Returns
+    (field name -> widget, the button)."""
+    made = {}
+
+    def add_examples(text):
+        if examples:
+            gr.Examples([[e] for e in examples], inputs=[text], label=examples_label)
+
+    def add_button(_):
+        made["button"] = gr.Button(variant="primary", **button)
+
+    widgets = build(request_type, {text_field: examples[0] if examples else ""},
+                    after={text_field: add_examples, button_after: add_button})
+    return widgets, made["button"]
+

@@ -28,17 +28,9 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
         "full cache's own greedy continuation. Same code as `python -m scdviz bench evict`."
     )
-    buttons = {}
-
-    def add_examples(context):
-        if examples:
-            gr.Examples([[e] for e in examples], inputs=[context], label="Passages from the shipped evaluation text")
-
-    def add_button(_):
-        buttons["go"] = gr.Button("Evict", variant="primary", elem_id="ev-run")
-
-    widgets = controls.build(request_type, {"context": examples[0] if examples else ""},
-                             after={"context": add_examples, "method": add_button})
+    widgets, run_button = controls.build_run(request_type, "context", examples,
+                                             "Passages from the shipped evaluation text", "method",
+                                             {"value": "Evict", "elem_id": "ev-run"})
     info = gr.Markdown(elem_id="ev-info")
     kept = gr.HighlightedText(label="Retained tokens (darker = kept by more layers × KV heads)",
                               combine_adjacent=False, show_legend=False, elem_id="ev-kept")
@@ -68,6 +60,6 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                 gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES] + [out["figures"]]
                 + [None] * len(downloads))  # a new run: the previous figure files go
 
-    buttons["go"].click(guard(on_run), [pair_state, session],
+    run_button.click(guard(on_run), [pair_state, session],
                         [info, kept, versus, table, texts, widgets["method"]] + [plots[n] for n in FIGURES] + [figs]
                         + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="evict")

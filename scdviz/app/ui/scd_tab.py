@@ -33,17 +33,8 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         "*continuation* tokens teacher-forced and generates greedily. KL is KL(oracle ‖ method) per token; "
         "the oracle is the consumer's own prefill. Same code as `python -m scdviz bench scd`."
     )
-    buttons = {}
-
-    def add_examples(text):
-        if examples:
-            gr.Examples([[e] for e in examples], inputs=[text], label="Windows from the shipped evaluation text")
-
-    def add_button(_):
-        buttons["go"] = gr.Button("Transfer", variant="primary", elem_id="scd-run")
-
-    widgets = controls.build(request_type, {"text": examples[0] if examples else ""},
-                             after={"text": add_examples, "fan_out": add_button})
+    widgets, run_button = controls.build_run(request_type, "text", examples, "Windows from the shipped evaluation text",
+                                             "fan_out", {"value": "Transfer", "elem_id": "scd-run"})
     info = gr.Markdown(elem_id="scd-info")
     table = gr.Dataframe(label="Results (one prompt)", interactive=False, elem_id="scd-table")
     texts = gr.HighlightedText(label="Generated text per method (tokens that differ from the oracle's are marked)",
@@ -75,5 +66,5 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         return ([out["info"], rounded(out["table"]), segments] + [out["figures"][n] for n in FIGURES]
                 + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
 
-    buttons["go"].click(guard(on_run), [pair_state, session], [info, table, texts] + [plots[n] for n in FIGURES]
+    run_button.click(guard(on_run), [pair_state, session], [info, table, texts] + [plots[n] for n in FIGURES]
                         + [figs] + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="scd_transfer")
