@@ -45,7 +45,8 @@ def ridge(x, y, lam):
     mx, my = x.mean(0), y.mean(0)
     xc = (x - mx).double()
     g = xc.T @ xc
-    w = torch.linalg.solve(g + lam * g.diagonal().mean() * torch.eye(g.shape[0], dtype=torch.float64), xc.T @ (y - my).double())
+    w = torch.linalg.solve(g + lam * g.diagonal().mean() * torch.eye(g.shape[0], dtype=torch.float64),
+                           xc.T @ (y - my).double())
     return mx, my, w
 
 

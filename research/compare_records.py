@@ -18,7 +18,8 @@ from scdviz import metrics, records
 def per_prompt(path: str) -> dict[tuple, list[float]]:
     """(specialist, domain, method) -> per-prompt KL of one record."""
     rows = records.read(path).rows
-    return {(r.get("specialist"), r.get("domain"), r["method"]): r["kl_per_prompt"] for r in rows if r.get("kl_per_prompt")}
+    return {(r.get("specialist"), r.get("domain"), r["method"]): r["kl_per_prompt"] for r in rows
+            if r.get("kl_per_prompt")}
 
 
 def main(argv: list[str] | None = None) -> None:

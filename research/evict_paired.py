@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         best = min(base, key=lambda m: base[m]["kl"])
         ctx_best = [min(r["kl_per_context"][i] for r in base.values()) for i in range(len(domains))]
         print(f"\nkept {keep}: best baseline {best} (KL {base[best]['kl']:.4f}, QA {base[best].get('qa_acc')})")
-        print(f"{'method':34} {'KL':>8} {'− best [95% CI]':>28} {'/ best [95% CI]':>24} {'wins':>5} {'ctx-best':>8} {'QA':>5}")
+        print(f"{'method':34} {'KL':>8} {'− best [95% CI]':>28} {'/ best [95% CI]':>24} {'wins':>5} {'ctx-best':>8} "
+              f"{'QA':>5}")
         for m in learned:
             if (m, keep) not in rows:
                 continue

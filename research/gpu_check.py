@@ -82,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         report["timing"] = [row for shape in args.timing.split(",") if shape
                             for row in scale.Timing(shape.strip(), device=args.device, dtype=dtype).rows()]
         for row in report["timing"]:
-            print(f"{row['model']:10s} {row['tokens']:5d} tokens: oracle prefill {row['oracle_prefill_ms']:9.1f} ms, SCD "
-                  f"consumer {row['scd_consumer_ms']:8.1f} ms (parse on CPU {row['parse_cpu_ms']:.1f}), TTFT at 10 Gbit/s "
-                  f"{row['scd_ttft_10gbps_ms']:8.1f} ms, speed-up {row['speedup_10gbps']:.2f}x")
-        report["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1) if args.device.startswith("cuda") else None
+            print(f"{row['model']:10s} {row['tokens']:5d} tokens: oracle prefill {row['oracle_prefill_ms']:9.1f} ms, "
+                  f"SCD consumer {row['scd_consumer_ms']:8.1f} ms (parse on CPU {row['parse_cpu_ms']:.1f}), "
+                  f"TTFT at 10 Gbit/s {row['scd_ttft_10gbps_ms']:8.1f} ms, speed-up {row['speedup_10gbps']:.2f}x")
+        report["peak_gpu_mib"] = (round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                                  if args.device.startswith("cuda") else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "tests"}, indent=1))

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     for split, samples in splits.items():  # the same windows prepare cut
         per = -(-len(samples) // len(cfg.corpora))
         length = cfg.context_len + cfg.cont_len
-        windows = [w for c in cfg.corpora for w in data.token_windows(tokenizer, data.load_split(c, split), length, per)]
+        windows = [w for c in cfg.corpora
+                   for w in data.token_windows(tokenizer, data.load_split(c, split), length, per)]
         for sample, window in zip(samples, windows, strict=False):
             sample.stats = statistics(model, hf.ids_tensor(window)[:, : cfg.context_len])
     train, val = splits["train"], splits["calib"]
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             ys = [trainer.warm_rows(s, True, target) for s in train]
             for step in range(600):
                 i, n_keep = step % len(train), keep_count(cfg.context_len, cfg.keeps[step % len(cfg.keeps)])
-                loss = -trainer.plackett_luce_logprob(mlp(xs[i]).squeeze(-1), ys[i].topk(n_keep, -1).indices).mean() / n_keep
+                loss = -trainer.plackett_luce_logprob(mlp(xs[i]).squeeze(-1),
+                                                      ys[i].topk(n_keep, -1).indices).mean() / n_keep
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -114,18 +114,20 @@ def main(argv: list[str] | None = None) -> None:
                    "alpha, last 64 rows": lambda s: alpha(s, 64).flatten(0, 1),
                    f"alpha, all {CONTEXT} rows": lambda s: alpha(s, CONTEXT).flatten(0, 1)}
         for g, k in looks:
-            scorers[f"lookahead (G = {g}, K = {k})"] = lambda s, g=g, k=k: s.views[(64, g, k)][0][:, 0, ..., 5].flatten(0, 1)
+            scorers[f"lookahead (G = {g}, K = {k})"] = (
+                lambda s, g=g, k=k: s.views[(64, g, k)][0][:, 0, ..., 5].flatten(0, 1))
             for alpha_window in (64, CONTEXT):
                 for lam in (0.5, 0.75):
-                    scorers[f"{lam:g} look(G={g},K={k}) + {1 - lam:g} alpha({alpha_window})"] = mixed(g, k, alpha_window, lam)
+                    scorers[f"{lam:g} look(G={g},K={k}) + {1 - lam:g} alpha({alpha_window})"] = mixed(
+                        g, k, alpha_window, lam)
         scorers["true future attention (oracle)"] = lambda s: trainer.warm_rows(s, True, "foresight")
         per_head = {name: True for name in scorers}
         for name, policy in policies.items():
             scorers[name], per_head[name] = of_policy(policy), policy.config.per_head
         kls = {name: trainer.validation_kls(model, fn, per_head[name], samples, keeps) for name, fn in scorers.items()}
     base = kls["H2O (ObservedAttention)"]
-    print(f"\n{len(samples)} validation contexts ({args.per_domain} per domain, calib splits; {CONTEXT} context tokens, "
-          f"{args.question} unscored, {CONT} scored)")
+    print(f"\n{len(samples)} validation contexts ({args.per_domain} per domain, calib splits; "
+          f"{CONTEXT} context tokens, {args.question} unscored, {CONT} scored)")
     print(f"{'top-B by':44} {'kept':>6} {'val KL':>8} {'/ H2O [95% CI]':>24} {'beats H2O':>10}")
     for name, vals in kls.items():
         for j, keep in enumerate(keeps):

@@ -73,7 +73,8 @@ def more_input(pair, calib, name: str) -> None:
     for ridge in RIDGES:
         errs = {}
         for w in WIDTHS:
-            errs[w] = sum(cal.kv_error(stats[w][f][i], *cal.summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
+            errs[w] = sum(cal.kv_error(stats[w][f][i],
+                                       *cal.summed(stats[w], i, lambda g, f=f: g != f).full_map(ridge, 0.0))
                           for i in range(n) for f in range(n_folds)) / (n * n_folds)
         cells = "  ".join(f"layers l±{w}: {e:.4f}" for w, e in errs.items())
         print(f"more input  {name:10s} ridge {ridge:<6g} held-out-domain K/V error  {cells}", flush=True)
@@ -148,7 +149,8 @@ def value_error(calib, states: list, name: str) -> None:
     predicted KL does), on the transform-coded payloads of the producer prefills ``states`` at each budget."""
     for budget in BUDGETS:
         plan = plans.tc_plan(calib, budget)
-        rel = {(i, kind): s for kind, steps in (("k_code", plan.steps_k), ("v_code", plan.steps_v)) for i, s in enumerate(steps)}
+        rel = {(i, kind): s for kind, steps in (("k_code", plan.steps_k), ("v_code", plan.steps_v))
+               for i, s in enumerate(steps)}
         err = dict.fromkeys(RECONSTRUCTIONS, 0.0)
         for st in states:
             for s in payload.decode(transfer.build_payload(st, plan, calib)).sections:
@@ -159,7 +161,8 @@ def value_error(calib, states: list, name: str) -> None:
                 q = torch.round(s.data.double() / s.step)
                 for label, how in RECONSTRUCTIONS.items():
                     got = q if how is None else how(q)
-                    err[label] += float(((z[:, : q.shape[1]] - got * s.step) ** 2).sum() + (z[:, q.shape[1]:] ** 2).sum()) / rel[s.layer, s.kind] ** 2
+                    err[label] += float(((z[:, : q.shape[1]] - got * s.step) ** 2).sum()
+                                        + (z[:, q.shape[1]:] ** 2).sum()) / rel[s.layer, s.kind] ** 2
         cells = ", ".join(f"{label} {e / err['bin centre (shipped)']:.3f}" for label, e in err.items())
         print(f"value error {name:10s} @{budget} B/token, weighted squared error vs bin centre: {cells} "
               f"({len(states)} selection windows)", flush=True)
@@ -188,7 +191,8 @@ def floor_and_quantiser(pair, calib, name: str) -> None:
                 got = _kls(pair, calib, cases, plan)  # the same windows, the same payloads, rebuilt another way
                 base = base or got
                 vs = metrics.paired_bootstrap(base, got)
-                print(f"quantiser   {name:10s} @{budget} B/token {label:22s} KL {_mean(got):.4f} ({_mean(got) / _mean(raw):.3f}x raw), "
+                print(f"quantiser   {name:10s} @{budget} B/token {label:22s} KL {_mean(got):.4f} "
+                      f"({_mean(got) / _mean(raw):.3f}x raw), "
                       f"vs bin centre {vs['ratio']:.3f} [{vs['ratio_ci'][0]:.3f}, {vs['ratio_ci'][1]:.3f}]", flush=True)
     finally:
         payload.decode = original
@@ -203,7 +207,8 @@ def eval_floor(pair, calib, name: str) -> None:
             ("full-rank codes in int4", plans.full_rank_plan(calib))]
     rows += [(f"transform coded @{b}", plans.tc_plan(calib, b)) for b in BUDGETS]
     cells = "; ".join(_versus(label, raw, _kls(pair, calib, cases, plan)) for label, plan in rows)
-    print(f"eval floor  {name:10s} raw KL {_mean(raw):.4f}; {cells} ({len(cases)} eval prompts of {corpus})", flush=True)
+    print(f"eval floor  {name:10s} raw KL {_mean(raw):.4f}; {cells} ({len(cases)} eval prompts of {corpus})",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
             eval_floor(pair, calib, name)
             continue
         if args.error:
-            prefixes = [data.split_prompt(w, calib.config.cont_len)[0] for w in calibration.windows(pair, calib.config)[2]]
+            prefixes = [data.split_prompt(w, calib.config.cont_len)[0]
+                        for w in calibration.windows(pair, calib.config)[2]]
             value_error(calib, [transfer.producer_state(pair.producer, p) for p in prefixes], name)
             continue
         more_input(pair, calib, name)

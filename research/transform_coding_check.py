@@ -38,9 +38,11 @@ def validation(pair, calib, name: str) -> None:
     for b in BUDGETS:
         lineup += [plans.rd_plan(calib.rate, b, n)[0], plans.tc_plan(calib, b)]
     for plan in lineup:
-        kls = [float(metrics.kl_per_token(c.oracle_logits, transfer.run_plan(pair.consumer, c, plan, calib).logits).mean())
+        kls = [float(metrics.kl_per_token(c.oracle_logits,
+                                          transfer.run_plan(pair.consumer, c, plan, calib).logits).mean())
                for c in cases]
-        print(f"validation  {name:10s} {plan.name:36s} KL {sum(kls) / len(kls):.4f}  ({len(kls)} selection windows)", flush=True)
+        print(f"validation  {name:10s} {plan.name:36s} KL {sum(kls) / len(kls):.4f}  ({len(kls)} selection windows)",
+              flush=True)
 
 
 def entropy_share(pair, calib, name: str, corpus: str, n_prompts: int = 4) -> None:
@@ -80,8 +82,8 @@ def records_account() -> None:
             sent = row["sent"]
             rank = {k: sum(sent[f"cols_{k}"]) / len(sent[f"cols_{k}"]) for k in "kv"}
             bits = {k: 8 * sum(sent[f"bytes_{k}"]) / max(sum(sent[f"cols_{k}"]), 1) for k in "kv"}
-            print(f"records     {name:10s} {row['method']:36s} mean highest channel sent K {rank['k']:.0f} V {rank['v']:.0f}, "
-                  f"bits per value K {bits['k']:.2f} V {bits['v']:.2f}")
+            print(f"records     {name:10s} {row['method']:36s} mean highest channel sent K {rank['k']:.0f} V "
+                  f"{rank['v']:.0f}, bits per value K {bits['k']:.2f} V {bits['v']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:

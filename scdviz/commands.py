@@ -20,11 +20,12 @@ from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
 SOURCE_HELP = ("model source: builtin:NAME (builtin:smollm2-135m, builtin:gemma3-270m, or a built-in specialist: "
-               "builtin:jargon, builtin:austen-qkv), a local folder (a transformers model, or a LoRA adapter folder such "
-               "as `finetune` writes, applied to the producer), or a hub id (needs network)")
+               "builtin:jargon, builtin:austen-qkv), a local folder (a transformers model, or a LoRA adapter folder "
+               "such as `finetune` writes, applied to the producer), or a hub id (needs network)")
 TEXTS_HELP = ("your text: a .txt (passages separated by blank lines) or .jsonl ('text' field) file, split by passage "
               "60/20/20 into train/calib/eval, or a folder of train/calib/eval files; each command reads its own split")
-NAME_HELP = "run name: the run is written to <runs>/{kind}/<name> (runs: SCDVIZ_WORK, else SCDVIZ_CACHE, else the platform cache folder)"
+NAME_HELP = ("run name: the run is written to <runs>/{kind}/<name> (runs: SCDVIZ_WORK, else SCDVIZ_CACHE, else the "
+             "platform cache folder)")
 MAINTAINER_HELP = "allow writing into the repository's assets/ (maintainers refreshing a shipped artefact)"
 FIGURES_HELP = "also write the record's figures here as PNG, SVG and standalone HTML (the Results tab's figures)"
 
@@ -55,7 +56,8 @@ class PrepareText:
 
 @dataclass
 class Finetune:
-    name: str | None = opt(None, NAME_HELP.format(kind="specialists") + " (default: the text's file name or the corpus)")
+    name: str | None = opt(None, NAME_HELP.format(kind="specialists") + " (default: the text's file name or the "
+                           "corpus)")
     maintainer: bool = opt(False, MAINTAINER_HELP + ": without --out, writes assets/adapters/<name>")
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -75,7 +77,8 @@ class Calibrate:
 class Rate:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
-    calib: str | None = opt(None, "calibration folder to measure (default: yours in the runs folder, else the shipped one)")
+    calib: str | None = opt(None, "calibration folder to measure (default: yours in the runs folder, else the shipped "
+                            "one)")
     windows: int = opt(6, "calibration windows to measure on")
     maintainer: bool = opt(False, MAINTAINER_HELP + ": update a shipped calibration in place (else the result "
                            "is saved as a calibration in the runs folder)")
@@ -85,7 +88,8 @@ class Rate:
 class BenchScd:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumers: list[str] = opt([], "consumer sources (default: every built-in specialist); " + SOURCE_HELP)
-    calibs: list[str] = opt([], "calibration folders, one per consumer (default: yours in the runs folder, else the shipped one)")
+    calibs: list[str] = opt([], "calibration folders, one per consumer (default: yours in the runs folder, else the "
+                            "shipped one)")
     name: str | None = opt(None, NAME_HELP.format(kind="bench") + " (default: scd-<UTC time>)")
     out: str | None = opt(None, "write the record (JSON) to this file instead; its config goes beside it (.toml)")
     maintainer: bool = opt(False, MAINTAINER_HELP)
@@ -116,7 +120,8 @@ class TrainPolicy:
 
 @dataclass
 class BenchEvict:
-    models: list[str] = opt([PRODUCER], "model sources; the first is the policies' own, the others test zero-shot transfer; " + SOURCE_HELP)
+    models: list[str] = opt([PRODUCER], "model sources; the first is the policies' own, the others test zero-shot "
+                            "transfer; " + SOURCE_HELP)
     name: str | None = opt(None, NAME_HELP.format(kind="bench") + " (default: evict-<UTC time>)")
     out: str | None = opt(None, "write the record (JSON) to this file instead; its config goes beside it (.toml)")
     maintainer: bool = opt(False, MAINTAINER_HELP)

@@ -17,7 +17,8 @@ import typing
 from dataclasses import MISSING, field, fields, is_dataclass
 
 
-def opt(default=MISSING, help: str = "", *, choices=None, required: bool = False, flag: str | None = None):  # noqa: A002
+def opt(default=MISSING, help: str = "", *, choices=None, required: bool = False,  # noqa: A002
+        flag: str | None = None):
     """A config field with its help text (shown by ``--help``); lists/dicts are copied per instance."""
     meta = {"help": help, "choices": choices, "required": required, "flag": flag}
     if isinstance(default, (list, dict)):
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
             raise TypeError(f"{cls.__name__}.{f.name} has no help text; declare it with opt(default, help)")
         flag = "--" + (meta.get("flag") or f.name.replace("_", "-"))
         base, is_list, _ = _unwrap(tp)
-        default = f.default_factory() if f.default_factory is not MISSING else (None if f.default is MISSING else f.default)
+        default = (f.default_factory() if f.default_factory is not MISSING
+                   else (None if f.default is MISSING else f.default))
         if is_list:
             default = list(default or [])
         shown = "" if default in (None, []) else f" (default: {' '.join(map(str, default)) if is_list else default})"

@@ -78,7 +78,8 @@ def evaluate_pair(
         "corpora": {},
     }
     for corpus in ["texts"] if texts else corpora or data.corpora():
-        windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval", texts), prompt_len + cont_len, n_prompts)
+        windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval", texts), prompt_len + cont_len,
+                                     n_prompts)
         if not windows:
             raise ValueError(f"the eval split of {texts or corpus} has no window of {prompt_len + cont_len} tokens; "
                              "give more text or lower --prompt-len")
@@ -111,7 +112,8 @@ def evaluate_pair(
 
 def report_table(report: dict) -> str:
     """The evaluate_pair report as a plain-text table."""
-    cols = ["ppl_producer", "ppl_consumer", "ppl_cont_oracle", "ppl_cont_reuse", "kl_reuse", "kl_reuse_se", "top1_reuse", "top1_producer", "n_prompts"]
+    cols = ["ppl_producer", "ppl_consumer", "ppl_cont_oracle", "ppl_cont_reuse", "kl_reuse", "kl_reuse_se",
+            "top1_reuse", "top1_producer", "n_prompts"]
     lines = [f"consumer {report['consumer']} vs producer {report['producer']} "
              f"(prompt {report['prompt_len']} + {report['cont_len']} teacher-forced tokens)"]
     lines.append("corpus".ljust(8) + "".join(c.rjust(16) for c in cols))

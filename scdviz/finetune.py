@@ -32,7 +32,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @dataclass
 class FinetuneConfig:
     corpus: str | None = opt(None, "shipped corpus to train on (assets/text/<corpus>/train.txt)")
-    texts: str | None = opt(None, "your text instead (.txt / .jsonl file, or a folder of train/calib/eval files); its train split is used, so pair-info, calibrate and bench can measure on the rest")
+    texts: str | None = opt(None, "your text instead (.txt / .jsonl file, or a folder of train/calib/eval files); its "
+                            "train split is used, so pair-info, calibrate and bench can measure on the rest")
     out: str = opt(None, "adapter folder to write (set by the CLI: a runs folder by default)")
     base: str = opt("builtin:smollm2-135m", 'model to adapt')
     rank: int = opt(8, 'LoRA rank')
@@ -43,7 +44,8 @@ class FinetuneConfig:
     lr: float = opt(1e-3, 'peak learning rate')
     warmup: int = opt(5, 'linear warm-up steps')
     seed: int = opt(0, 'data order and LoRA init')
-    targets: list[str] = opt(list(TARGETS), "linear layers that get an adapter (adapters on k_proj/v_proj move the KV cache most)",
+    targets: list[str] = opt(list(TARGETS),
+                             "linear layers that get an adapter (adapters on k_proj/v_proj move the KV cache most)",
                              choices=tuple(TARGETS))
 
 
@@ -58,7 +60,8 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=list(cfg.targets), lora_dropout=0.0)
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=list(cfg.targets),
+                      lora_dropout=0.0)
     model = get_peft_model(model, lora)
     windows = data.token_windows(tokenizer, data.passages(cfg.corpus or data.USER, "train", cfg.texts), cfg.seq_len)
     if not windows:

@@ -48,7 +48,8 @@ def render(name: str, log: dict, report: dict) -> str:
     tail = sum(loss[-5:]) / min(5, len(loss))
     every = max(1, len(loss) // 8)
     loss_rows = " · ".join(f"{i + 1}: {loss[i]:.3f}" for i in range(0, len(loss), every))
-    eval_cmd = (f"python -m scdviz pair-info --consumer builtin:{name} --eval --limit {report['corpora'][cfg['corpus']]['n_prompts']} "
+    eval_cmd = (f"python -m scdviz pair-info --consumer builtin:{name} --eval "
+                f"--limit {report['corpora'][cfg['corpus']]['n_prompts']} "
                 f"--prompt-len {report['prompt_len']} --cont-len {report['cont_len']}")
     train_cmd = (f"python -m scdviz finetune --corpus {cfg['corpus']} --rank {cfg['rank']} --steps {cfg['steps']} "
                  f"--batch {cfg['batch']} --seq-len {cfg['seq_len']} --lr {cfg['lr']} --seed {cfg['seed']} "
@@ -64,7 +65,8 @@ def render(name: str, log: dict, report: dict) -> str:
         f"adapter stored in fp16 safetensors.",
         f"- {cfg['steps']} steps × {cfg['batch']} windows × {cfg['seq_len']} tokens = {log['tokens_seen']:,} tokens "
         f"(of {log['train_windows_available']} windows available), AdamW lr {cfg['lr']} with {cfg['warmup']} warm-up "
-        f"steps and cosine decay, seed {cfg['seed']}, fp32 on CPU, {log['torch_threads']} threads, {log['seconds']:.0f} s.",
+        f"steps and cosine decay, seed {cfg['seed']}, fp32 on CPU, {log['torch_threads']} threads, "
+        f"{log['seconds']:.0f} s.",
         f"- Loss {loss[0]:.3f} → {tail:.3f} (mean of the last 5 steps): `{sparkline(loss)}`",
         f"- Loss by step: {loss_rows}",
         f"- Reproduce: `{train_cmd}`",
@@ -77,8 +79,8 @@ def render(name: str, log: dict, report: dict) -> str:
         "the producer's own next-token prediction at the same positions: raw reuse tends toward it as the cache, not "
         "the weights, decides.",
         "",
-        "| corpus | PPL producer | PPL specialist | cont. PPL oracle | cont. PPL raw reuse | KL raw reuse | top-1 raw reuse "
-        "| top-1 producer alone | prompts |",
+        "| corpus | PPL producer | PPL specialist | cont. PPL oracle | cont. PPL raw reuse | KL raw reuse "
+        "| top-1 raw reuse | top-1 producer alone | prompts |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for corpus, r in report["corpora"].items():
@@ -89,5 +91,6 @@ def render(name: str, log: dict, report: dict) -> str:
             f"{r['top1_producer']:.3f} | {r['n_prompts']} |" if "top1_producer" in r else
             f"— | {r['n_prompts']} |"
         )
-    lines += ["", f"Reproduce every number in this table: `{eval_cmd}`", "(written by `python -m scdviz model-card --name " + name + " --maintainer`)", ""]
+    lines += ["", f"Reproduce every number in this table: `{eval_cmd}`",
+              "(written by `python -m scdviz model-card --name " + name + " --maintainer`)", ""]
     return "\n".join(lines)

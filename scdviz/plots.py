@@ -218,7 +218,8 @@ def plan_layers(plan, sent: dict[str, list[float]] | None = None) -> go.Figure:
         if coded:
             fig.add_scatter(x=coded, y=[bits[i] for i in coded], mode="markers", name=f"bits {kind.upper()}",
                             marker=dict(symbol=symbol, size=8, color=color, line=dict(color="black", width=1)),
-                            row=2, col=1, hovertemplate=f"layer %{{x}}: {kind.upper()} code at %{{y}} bits<extra></extra>")
+                            row=2, col=1,
+                            hovertemplate=f"layer %{{x}}: {kind.upper()} code at %{{y}} bits<extra></extra>")
     top = max([*(plan.rank_k or [0]), *(plan.rank_v or [0]), 1])
     patches = plan.layers_in("patch")
     if patches:
@@ -230,7 +231,8 @@ def plan_layers(plan, sent: dict[str, list[float]] | None = None) -> go.Figure:
                         marker=dict(symbol="square", size=8, color="#e67814", line=dict(color="black", width=1)),
                         hovertemplate="layer %{x}: H_in code at %{y} bits<extra></extra>")
     fig.update_layout(barmode="group")
-    _layout(fig, f"Plan per layer{' as sent' if sent else ''}: {plan.name}", "", "code rank" + (" sent" if sent else ""))
+    _layout(fig, f"Plan per layer{' as sent' if sent else ''}: {plan.name}", "",
+            "code rank" + (" sent" if sent else ""))
     fig.update_xaxes(title_text="layer", row=2, col=1)
     shown = sorted({y for t in fig.data if t.type == "scatter" for y in t.y})
     if sent:  # bits per value spent: any real number
@@ -388,7 +390,8 @@ def records_table(labelled: list[tuple[str, object]]) -> pd.DataFrame:
     """Every record's rows in one table, with ``record`` (its label) and ``bench_kind`` columns first;
     raw values (what the CSV export writes; ``rounded`` it for display)."""
     labels = unique_labels([label for label, _ in labelled])
-    parts = [pd.DataFrame(rec.rows).assign(record=label, bench_kind=rec.kind) for label, (_, rec) in zip(labels, labelled)]
+    parts = [pd.DataFrame(rec.rows).assign(record=label, bench_kind=rec.kind)
+             for label, (_, rec) in zip(labels, labelled)]
     if not parts:
         return pd.DataFrame(columns=["record", "bench_kind"])
     df = _concat(parts)
@@ -527,7 +530,8 @@ def _ttft_lines(frames, symbol_of, dash_of) -> go.Figure | None:
     for label, oracle_ms, gbps in oracles:
         fig.add_scatter(x=[min(gbps), max(gbps)], y=[oracle_ms, oracle_ms], mode="lines", name="oracle prefill",
                         legendgroup=label, line=dict(color="black", dash=dash_of(label), width=1.5),
-                        hovertemplate=f"record: {label}<br>oracle (consumer prefill): {_num(oracle_ms)} ms<extra></extra>")
+                        hovertemplate=f"record: {label}<br>oracle (consumer prefill): "
+                                      f"{_num(oracle_ms)} ms<extra></extra>")
     fig.update_xaxes(type="log", tickvals=[1, 10, 100])
     _layout(fig, "TTFT records: time to first token vs link bandwidth (medians)", "link Gbit/s", "TTFT (ms)",
             log_y=True)

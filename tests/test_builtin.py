@@ -37,9 +37,10 @@ def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
 
 
 def test_the_qkv_specialist_drifts_where_the_others_do_not():
-    """Their cards, each on its own training corpus: raw reuse breaks for the q/k/v specialist (top-1
-    at most 0.75, the test of a specialist that breaks raw reuse) and not for the light all-linear jargon adapter, and the producer alone
-    agrees with it less often than raw reuse does (the floor raw reuse tends toward)."""
+    """Their cards, each on its own training corpus: raw reuse breaks for the q/k/v specialist
+    (top-1 at most 0.75, the test of a specialist that breaks raw reuse) and not for the light
+    all-linear jargon adapter, and the producer alone agrees with it less often than raw reuse does
+    (the floor raw reuse tends toward)."""
     cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text())["corpora"][builtin.training_corpus(n)]
              for n in ("jargon", "austen-qkv")}
     strong, light = cards["austen-qkv"], cards["jargon"]

@@ -66,7 +66,8 @@ def _window(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(60)))
+    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4
+                                for i in range(60)))
     return str(path)
 
 
@@ -167,7 +168,8 @@ def _eviction_paths(model, dtype, baseline):
         failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
         out = bench.score_context(model, ids, 24, cfg, policies, {"baseline": baseline}, failed=failed)
         assert not failed and all(math.isfinite(r["kl"]) for k, r in out["results"].items() if k[0] != "full cache")
-        assert out["feats"][(16, 2, 2)].head_features.shape[-1] == 6 and ("distillcache-head-look", "0.5") in out["kept"]
+        assert (out["feats"][(16, 2, 2)].head_features.shape[-1] == 6
+                and ("distillcache-head-look", "0.5") in out["kept"])
         dec = bench.decode_context(model, ids, 24, cfg, out, policies, {"baseline": baseline}, failed)
         assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values())
         assert list(failed) == ["distillcache-head-look"]  # no lookahead while decoding: said, not crashed

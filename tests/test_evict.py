@@ -356,7 +356,8 @@ def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs
     policy = _policy(True)
     scorer = lambda s: rows(policy, s.obs)  # noqa: E731
     prefill = validate(eager_tiny, scorer, True, samples, (0.25,))
-    never = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=17, window=16)
+    never = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=17,
+                     window=16)
     assert abs(never - prefill) < 1e-5  # 16 continuation tokens never reach budget + 17: the same cache throughout
     cut = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=2, window=16)
     assert abs(cut - prefill) > 1e-5
@@ -388,8 +389,8 @@ def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path
     assert round(again, 5) == log["val"][-1]["kl"]
     assert round(validate(model, lambda s: rows(final, s.obs), True, held, cfg.keeps), 5) != log["val"][-1]["kl"]
     with pytest.raises(ValueError, match="per-head"):
-        train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}), (model, Words(), "tiny"),
-              progress=False)
+        train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}),
+              (model, Words(), "tiny"), progress=False)
 
 
 def test_cli_rejects_bad_input(capsys, tmp_path):
@@ -512,9 +513,11 @@ def test_a_lookahead_policy_refuses_features_without_it_and_others_ignore_it(eag
         look(feats[..., :5])
     plain = _policy(True)
     assert torch.equal(plain(feats), plain(feats[..., :5]))  # a 5-feature policy reads the first five
-    with pytest.raises(ValueError, match="lookahead"), DistillCachePress(policy=look, compression_ratio=0.5)(eager_tiny):
+    with (pytest.raises(ValueError, match="lookahead"),
+          DistillCachePress(policy=look, compression_ratio=0.5)(eager_tiny)):
         hf.forward(eager_tiny, _ids(20))
-    with pytest.raises(ValueError, match="lookahead"), DecodeEvictor(DistillCachePress(policy=look), budget=8)(eager_tiny):
+    with (pytest.raises(ValueError, match="lookahead"),
+          DecodeEvictor(DistillCachePress(policy=look), budget=8)(eager_tiny)):
         pass
     for bad in ({"reward": "sequential"}, {"val_decode": True}):
         with pytest.raises(ValueError, match="lookahead"):
@@ -560,8 +563,10 @@ def test_train_writes_no_file_and_hands_checkpoints_to_its_callback(tmp_path, mo
     assert list(tmp_path.iterdir()) == []  # no file, not even cfg.out
     assert [e.kind for e in events].count("step") == 4 and [e.step for e in events if e.kind == "step"] == [1, 2, 3, 4]
     checkpoints = [e for e in events if e.kind == "checkpoint"]
-    assert [e.step for e in checkpoints] == [0, 2, 4] and [e.val_kl for e in checkpoints] == [v["kl"] for v in policy.log["val"]]
-    assert all(isinstance(e.checkpoint, Checkpoint) and e.checkpoint.optimizer["state"] is not None for e in checkpoints)
+    assert ([e.step for e in checkpoints] == [0, 2, 4]
+            and [e.val_kl for e in checkpoints] == [v["kl"] for v in policy.log["val"]])
+    assert all(isinstance(e.checkpoint, Checkpoint) and e.checkpoint.optimizer["state"] is not None
+               for e in checkpoints)
     low = min(v["kl"] for v in policy.log["val"])
     best = [v for v in policy.log["val"] if v["kl"] == low][-1]  # ties: the later checkpoint, as it always was
     assert policy.meta == {"steps": best["step"], "val_kl": best["kl"]} and not policy.training
@@ -573,7 +578,8 @@ def test_train_writes_no_file_and_hands_checkpoints_to_its_callback(tmp_path, mo
     assert sorted(p.name for p in folder.iterdir()) == ["best.safetensors", "log.json", "optimizer.pt",
                                                        "policy.safetensors"]
     assert Policy.load(folder).log["val"] == first.log["val"]  # a folder reads as its best.safetensors + log
-    resumed = train(cfg, (model, Words(), "tiny"), checkpoints_to(folder), state=load_checkpoint(folder), progress=False)
+    resumed = train(cfg, (model, Words(), "tiny"), checkpoints_to(folder), state=load_checkpoint(folder),
+                    progress=False)
     assert [s["kl"] for s in resumed.log["steps"]][:2] == [s["kl"] for s in first.log["steps"]]
     assert len(resumed.log["steps"]) == 4 and len(resumed.log["val"]) == 3
     last = Policy.load(folder / "policy.safetensors")

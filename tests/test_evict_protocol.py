@@ -214,7 +214,8 @@ def test_agreement_with_h2o_is_exact_on_known_masks():
     assert a.shape == (2, 2, 4) and a.sum() == 8 and b[:, :, :2].all() and not b[:, :, 2:].any()
     assert agreement(a, a) == {"jaccard_vs_h2o": 1.0, "kept_not_by_h2o": 0.0}
     both = 2 + 1 + 1  # layer 0 head 0 shares {0, 1}; layer 1 head 0 shares {0}, head 1 shares {1}
-    assert agreement(a, b) == {"jaccard_vs_h2o": round(both / (16 - both), 3), "kept_not_by_h2o": round(1 - both / 8, 3)}
+    assert agreement(a, b) == {"jaccard_vs_h2o": round(both / (16 - both), 3),
+                               "kept_not_by_h2o": round(1 - both / 8, 3)}
 
 
 def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cache_when_nothing_is_cut():

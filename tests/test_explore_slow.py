@@ -58,7 +58,8 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
     text = data.load_split("jargon", "eval")[5][:1400]
     request = ScdRequest(text, 32, 4, 4, 0, 0, 2, "selected", "", 10, 0.5)
     kls = {}
-    for coder, said in (("transform", "transform-coded plan for 2304 B/token"), ("rd", "rate-distortion plan for 2304 B/token")):
+    for coder, said in (("transform", "transform-coded plan for 2304 B/token"),
+                        ("rd", "rate-distortion plan for 2304 B/token")):
         out = scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=2304, coder=coder))
         full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
         assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
@@ -86,7 +87,8 @@ def test_scd_fan_out_covers_every_specialist(builtin_pair):
     text = data.load_split("jargon", "eval")[3][:1200]
     out = app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True))
     table = out["table"]
-    assert set(table["specialist"]) == {f"builtin:{name}" for name in builtin.specialists()} >= {"builtin:jargon", "builtin:austen-qkv"}
+    assert (set(table["specialist"]) == {f"builtin:{name}" for name in builtin.specialists()}
+            >= {"builtin:jargon", "builtin:austen-qkv"})
     for _, rows in table.groupby("specialist"):
         assert list(rows["method"]) == ["oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only",
                                         "SCD full"]

@@ -28,7 +28,8 @@ def test_cli_defaults_are_the_config_defaults(name):
     settings = next(c[2] for c in cli.COMMANDS if c[0] == name)
     args = cli.parser().parse_args(_argv(name))
     got = config.from_args(settings, args)
-    required = {a.lstrip("-").replace("-", "_"): v for a, v in zip(REQUIRED.get(name, [])[::2], REQUIRED.get(name, [])[1::2])}
+    required = {a.lstrip("-").replace("-", "_"): v
+                for a, v in zip(REQUIRED.get(name, [])[::2], REQUIRED.get(name, [])[1::2])}
     assert got == settings(**required)
 
 
@@ -107,7 +108,8 @@ def test_artefact_round_trip_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         Policy.load(tmp_path / "junk.safetensors")
     wrong = Policy(PolicyConfig(hidden=5, window=7))
-    artefact.save(tmp_path / "w.safetensors", "distillcache-policy", wrong.state_dict(), {}, config.to_dict(policy.config))
+    artefact.save(tmp_path / "w.safetensors", "distillcache-policy", wrong.state_dict(), {},
+                  config.to_dict(policy.config))
     with pytest.raises(ValueError, match="weights do not fit its config"):
         Policy.load(tmp_path / "w.safetensors")
 

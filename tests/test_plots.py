@@ -29,7 +29,8 @@ def scd_record(scale: float = 1.0, prompt_len: int = 256) -> records.BenchRecord
 
 def evict_record(scale: float = 1.0) -> records.BenchRecord:
     rows = [{"model": "builtin:smollm2-135m", "mode": "agnostic", "method": m, "keep": keep, "tokens_kept": 512 * keep,
-             "kl": scale * (i + 1) / keep / 100, "top1": 0.8} for i, m in enumerate(("distillcache-head", "SnapKV", "TOVA"))
+             "kl": scale * (i + 1) / keep / 100, "top1": 0.8}
+            for i, m in enumerate(("distillcache-head", "SnapKV", "TOVA"))
             for keep in (0.5, 0.125, 0.25)]
     rows.append({"model": "builtin:smollm2-135m", "mode": "agnostic", "method": "full cache", "keep": 1, "kl": None})
     return records.BenchRecord("evict", {"eval": {"limit": 12, "keeps": [0.25, 0.125]}}, 0, rows)
@@ -37,7 +38,8 @@ def evict_record(scale: float = 1.0) -> records.BenchRecord:
 
 def ttft_record() -> records.BenchRecord:
     rows = [{"method": "oracle", "oracle_ms": 4156.4}]
-    rows += [{"method": m, "oracle_ms": 4156.4, "bytes_per_token": b, **{f"ttft_{g}gbps_ms": t / g ** 0.1 for g in (1, 10, 100)},
+    rows += [{"method": m, "oracle_ms": 4156.4, "bytes_per_token": b,
+              **{f"ttft_{g}gbps_ms": t / g ** 0.1 for g in (1, 10, 100)},
               **{f"ttft_with_prefill_{g}gbps_ms": 4000 + t for g in (1, 10, 100)}}
              for m, b, t in (("raw KV", 23018.3, 362.6), ("SCD full", 6969.9, 870.3))]
     return records.BenchRecord("ttft", {"ttft": {"repeats": 2}}, 0, rows)
@@ -113,7 +115,8 @@ def test_settings_diff_lists_only_what_differs_flattened():
     assert diff["setting"].tolist() == ["bench.prompt_len", "versions.torch", "versions.hardware.cpu_count"]
     assert diff.set_index("setting").loc["versions.hardware.cpu_count"].tolist() == ["—", "16"]
     alone = plots.settings_diff([("A", a)]).set_index("setting")["A"]  # one record: every setting
-    assert alone["bench.cont_len"] == "32" and alone["producer"] == "builtin:smollm2-135m" and alone["record.kind"] == "scd"
+    assert (alone["bench.cont_len"] == "32" and alone["producer"] == "builtin:smollm2-135m"
+            and alone["record.kind"] == "scd")
 
 
 def test_rounding_for_display_only():

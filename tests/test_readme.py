@@ -60,7 +60,8 @@ def test_the_readme_example_runs_on_tiny_models(tmp_path, monkeypatch):
     calib.save(tmp_path / "calib")
     monkeypatch.setattr("scdviz.scd.codec.shipped_folder", lambda source: tmp_path / "calib")
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
-    code = _example().replace('"builtin:smollm2-135m"', repr(str(producer))).replace('"builtin:jargon"', repr(str(consumer)))
+    code = (_example().replace('"builtin:smollm2-135m"', repr(str(producer)))
+            .replace('"builtin:jargon"', repr(str(consumer))))
     code = re.sub(r"\[:\d+\]", "[:400]", code)  # the tiny models hold 512 positions
     _check(_run(code))
 

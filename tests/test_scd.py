@@ -45,18 +45,21 @@ def perturbed(seed: int, scale: float = 0.3):
 
 def make_pair(producer, consumer, name: str = "tiny:c") -> Pair:
     tok = CharTokenizer()
-    return Pair(producer, consumer, tok, "tiny:p", name, facts_of(producer, tok), facts_of(consumer, tok), torch.device("cpu"), torch.float32)
+    return Pair(producer, consumer, tok, "tiny:p", name, facts_of(producer, tok), facts_of(consumer, tok),
+                torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(60)))
+    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4
+                                for i in range(60)))
     return str(path)
 
 
 def small_cfg(texts: str, **kw) -> calibration.CalibConfig:
-    base = dict(texts=texts, n_fit=6, n_select=2, prompt_len=40, cont_len=8, aligner_steps=20, n_candidates=2, patch_k=2, op_patch_k=1)
+    base = dict(texts=texts, n_fit=6, n_select=2, prompt_len=40, cont_len=8, aligner_steps=20, n_candidates=2,
+                patch_k=2, op_patch_k=1)
     return calibration.CalibConfig(**{**base, **kw})
 
 
@@ -161,14 +164,17 @@ def test_transform_coded_sections_decode_within_half_a_step_and_drop_the_channel
         blob = payload.encode(payload.Layout(121, 7), [payload.Section(2, "v_code", z, 0, step=step)])
         got = payload.decode(blob).sections[0]
         cols = got.data.shape[1]
-        assert (got.kind, got.bits, got.data.shape[0]) == ("v_code", 0, 120) and got.step == pytest.approx(step, rel=1e-6)
+        assert ((got.kind, got.bits, got.data.shape[0]) == ("v_code", 0, 120)
+                and got.step == pytest.approx(step, rel=1e-6))
         assert ((got.data - z[:, :cols]).abs() <= step / 2 * (1 + 1e-5)).all()  # a uniform quantiser
         assert (z[:, cols:].abs() < step / 2).all()  # only channels that round to zero everywhere are left out
         q = entropy.quantise_uniform(z, struct.unpack("<f", struct.pack("<f", step))[0])
-        assert abs(len(blob) - payload.header_len(0) - payload.SECTION.size - entropy.estimated_len(q)) <= 64  # a few words
+        # a few words
+        assert abs(len(blob) - payload.header_len(0) - payload.SECTION.size - entropy.estimated_len(q)) <= 64
         lengths.append(len(blob))
         sent.append(cols)
-    assert lengths == sorted(lengths, reverse=True) and sent == sorted(sent, reverse=True)  # coarser: fewer bytes, lower rank
+    # coarser: fewer bytes, lower rank
+    assert lengths == sorted(lengths, reverse=True) and sent == sorted(sent, reverse=True)
     assert sent[0] == 32 and sent[-1] == 0
     blob = payload.encode(payload.Layout(121, 7), [payload.Section(2, "v_code", z, 0, step=0.1)])
     with pytest.raises(ValueError, match="truncated"):
@@ -187,7 +193,8 @@ def test_transform_coded_plan_is_a_hard_byte_limit_and_its_error_falls_as_the_bu
     n_tokens = case.state.ids.shape[1]
     full = plans.full_rank_plan(calib)
     exact = dataclasses.replace(full, code_bits=16)  # what the codes give with no quantisation at all
-    ref_k, ref_v = hf.cache_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, exact, calib), calib).cache)
+    ref_k, ref_v = hf.cache_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, exact, calib),
+                                                calib).cache)
     errors = []
     for budget in (8.0, 16.0, 32.0, 64.0):
         plan = plans.tc_plan(calib, budget)
@@ -259,7 +266,8 @@ def test_same_model_full_rank_reproduces_the_oracle_logits(texts, sink):
     calib = cal.calibrate(pair, small_cfg(texts, ridge=0.0, selection="given", given=[1]), progress=False)
     case = transfer.prepare_case(model, model, _window(), 8)
     rk, rv = plans.full_ranks(calib)
-    for plan in (plans.scd_plan(rk, rv, code_bits=16, sink=sink), plans.raw_plan(3, sink=sink), plans.droidspeak_plan(3, [1, 2], sink)):
+    for plan in (plans.scd_plan(rk, rv, code_bits=16, sink=sink), plans.raw_plan(3, sink=sink),
+                 plans.droidspeak_plan(3, [1, 2], sink)):
         run = transfer.run_plan(model, case, plan, calib)
         torch.testing.assert_close(run.logits, case.oracle_logits, atol=2e-3, rtol=1e-3)
 
@@ -390,21 +398,23 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     n_tokens = report.methods[0].prompt_tokens  # one window: the tokens its payloads carry
     for r in (r for r in measured if r["method"] != "oracle"):  # the per-layer account adds up to the real payload
         per_layer = sum(sum(r["sent"][f"bytes_{kind}"]) for kind in "kvh")
-        assert per_layer + payload.header_len(tiny_calib.n_layers) / n_tokens == pytest.approx(r["payload_bytes_per_token"], rel=1e-9), r["method"]
+        assert (per_layer + payload.header_len(tiny_calib.n_layers) / n_tokens
+                == pytest.approx(r["payload_bytes_per_token"], rel=1e-9)), r["method"]
     tc = next(r for r in measured if r["method"].startswith("SCD transform-coded"))
     assert max(tc["sent"]["cols_k"] + tc["sent"]["cols_v"]) <= max(tiny_calib.key_codes[0].max_rank, 1)
     raw_row = next(r for r in measured if r["method"] == "raw KV")
     assert set(raw_row["sent"]["cols_k"]) == {tiny_pair.consumer_facts.kv_heads * tiny_pair.consumer_facts.head_dim}
     claim = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)],
-                        bench.ScdBenchConfig(cont_len=8, gen_tokens=0, rank_claim=True, sent_rows=False, qa_answer_len=0),
+                        bench.ScdBenchConfig(cont_len=8, gen_tokens=0, rank_claim=True, sent_rows=False,
+                                             qa_answer_len=0),
                         progress=False)
     table = bench.rank_claim_table([claim])
     assert sorted(set(table["reduced"])) == ["K", "V"] and len(table) == 2 * len(plans.RANK_CLAIM)
     for _, rows in table.groupby("reduced"):
         assert list(rows["bytes"]) == sorted(rows["bytes"])  # more rank, more bytes; the other side at full rank
     budget = bench.budget_table([report])
-    assert list(budget["method"]) == ["SCD transform-coded @30 B/token", "SCD RD @30 B/token", "SCD RD+entropy @30 B/token",
-                                      "SCD rank-only @30 B/token"]
+    assert list(budget["method"]) == ["SCD transform-coded @30 B/token", "SCD RD @30 B/token",
+                                      "SCD RD+entropy @30 B/token", "SCD rank-only @30 B/token"]
     assert budget["bytes"].iloc[0] <= 30.0  # transform coding: a hard limit too
     assert budget["bytes"].iloc[2] <= budget["bytes"].iloc[1] <= 30.0  # a hard limit; coding never adds bytes
     assert budget["kl"].iloc[2] == budget["kl"].iloc[1]  # lossless: the same plan decodes to the same cache
@@ -466,7 +476,8 @@ def test_heldout_error_is_the_direct_error_and_shrinkage_reaches_identity():
     b.add(xb, yb)
     for shrink in (0.0, 0.3, float("inf")):
         mu_x, mu_y, m = a.full_map(1e-3, shrink)
-        direct = (((xb.double() - mu_x) @ m + mu_y - yb.double()) ** 2).sum() / ((yb.double() - yb.double().mean(0)) ** 2).sum()
+        direct = ((((xb.double() - mu_x) @ m + mu_y - yb.double()) ** 2).sum()
+                  / ((yb.double() - yb.double().mean(0)) ** 2).sum())
         assert b.heldout_error(mu_x, mu_y, m) == pytest.approx(float(direct), rel=1e-9)
     assert torch.equal(a.full_map(1e-3, float("inf"))[2], torch.eye(12, dtype=torch.float64))
     assert torch.allclose(a.full_map(1e-3, 1e9)[2], torch.eye(12, dtype=torch.float64), atol=1e-6)
@@ -525,13 +536,17 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     plan = plans.full_rank_plan(tiny_calib)
     plain = copy.deepcopy(tiny_calib)
     plain.joint = None
-    got = [hf.layer_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, c), c).cache, layer)
+    got = [hf.layer_kv(transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan, c), c).cache,
+                       layer)
            for c in (tiny_calib, plain)]
     code = tiny_calib.joint[layer]
-    rows = torch.cat([hf.unrotate(got[1][0], *hf.rope(tiny_pair.consumer, torch.arange(case.state.ids.shape[1])[None]))[0]
+    rows = torch.cat([hf.unrotate(got[1][0],
+                                  *hf.rope(tiny_pair.consumer, torch.arange(case.state.ids.shape[1])[None]))[0]
                       .transpose(0, 1).flatten(1), got[1][1][0].transpose(0, 1).flatten(1)], 1)[1:]
-    sent = {s.kind: s for s in payload.decode(transfer.build_payload(case.state, plan, tiny_calib)).sections if s.layer == layer}
-    gain = tiny_calib.refine_gain(layer, (sent["k_code"].noise, sent["v_code"].noise))  # int4 codes: weighed for their noise
+    sent = {s.kind: s for s in payload.decode(transfer.build_payload(case.state, plan, tiny_calib)).sections
+            if s.layer == layer}
+    # int4 codes: weighed for their noise
+    gain = tiny_calib.refine_gain(layer, (sent["k_code"].noise, sent["v_code"].noise))
     assert 0 < gain < 1
     want = rows + gain * code.decode(code.encode(rows, code.max_rank))
     d = rows.shape[1] // 2
@@ -539,8 +554,10 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     assert not torch.allclose(got[0][1], got[1][1])
     table = tiny_calib.stats["joint_lodo_error"]
     rank, chosen = tiny_calib.stats["joint_rank"], tiny_calib.stats["joint_shrink"]
-    assert table["none" if chosen is None else f"rank {rank}, {chosen:g}"] == min(table.values())  # chosen by held-out error
-    assert {c.max_rank for c in tiny_calib.joint if c is not None} == {min(rank, tiny_calib.key_codes[0].mu_out.numel() * 2)}
+    # chosen by held-out error
+    assert table["none" if chosen is None else f"rank {rank}, {chosen:g}"] == min(table.values())
+    assert ({c.max_rank for c in tiny_calib.joint if c is not None}
+            == {min(rank, tiny_calib.key_codes[0].mu_out.numel() * 2)})
     assert len(table) == 1 + len(tiny_calib.config.joint_rank_grid) * len(tiny_calib.config.joint_shrink_grid)
     tiny_calib.save(tmp_path / "c")
     back = calibration.Calibration.load(tmp_path / "c")
@@ -561,7 +578,8 @@ def test_refinement_gain_is_one_for_clean_codes_and_falls_with_noise_and_truncat
     assert all(a > b for a, b in zip(gains, gains[1:])) and 0 < gains[-1]
     # no sent channel's error exceeds its variance: very coarse codes are as noisy as sending nothing at all
     assert gains[-1] == pytest.approx(tiny_calib.refine_gain(layer, (torch.zeros(0), torch.zeros(0))))
-    shorter = [tiny_calib.refine_gain(layer, (torch.zeros(r), torch.zeros(v.max_rank))) for r in (k.max_rank, k.max_rank // 2, 1)]
+    shorter = [tiny_calib.refine_gain(layer, (torch.zeros(r), torch.zeros(v.max_rank)))
+               for r in (k.max_rank, k.max_rank // 2, 1)]
     assert shorter[0] == 1.0 and shorter[0] > shorter[1] > shorter[2]
     # by hand, for one case: S / (S + Σ_c var_c ‖d_c M‖²)
     code = tiny_calib.joint[layer]
@@ -577,14 +595,20 @@ def test_decoded_sections_know_their_rounding_noise():
     (groups of many values: their extremes, which round exactly, are few)."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand(400, 6, generator=g) * torch.tensor([1.0, 2, 4, 8, 16, 32])
-    sec = payload.decode(payload.encode(payload.Layout(400, 0), [payload.Section(0, "k_code", x, 4, 50, "channel")])).sections[0]
+    sec = payload.decode(payload.encode(payload.Layout(400, 0),
+                                        [payload.Section(0, "k_code", x, 4, 50, "channel")])).sections[0]
     torch.testing.assert_close(sec.noise, ((sec.data - x) ** 2).mean(0).double(), rtol=0.2, atol=0)
-    wide = torch.rand(64, 192, generator=g) * torch.linspace(1, 4, 64)[:, None]  # token groups: one step per row and group
-    sec = payload.decode(payload.encode(payload.Layout(64, 0), [payload.Section(0, "k_code", wide, 3, 48, "token")])).sections[0]
+    # token groups: one step per row and group
+    wide = torch.rand(64, 192, generator=g) * torch.linspace(1, 4, 64)[:, None]
+    sec = payload.decode(payload.encode(payload.Layout(64, 0),
+                                        [payload.Section(0, "k_code", wide, 3, 48, "token")])).sections[0]
     assert float(sec.noise.mean()) == pytest.approx(float(((sec.data - wide) ** 2).mean()), rel=0.15)
-    tc = payload.decode(payload.encode(payload.Layout(400, 0), [payload.Section(0, "k_code", x, 0, step=0.5)])).sections[0]
+    tc = payload.decode(payload.encode(payload.Layout(400, 0),
+                                       [payload.Section(0, "k_code", x, 0, step=0.5)])).sections[0]
     assert tc.noise.tolist() == [0.5**2 / 12] * tc.data.shape[1]
-    assert payload.decode(payload.encode(payload.Layout(400, 0), [payload.Section(0, "k_code", x)])).sections[0].noise is None  # fp16
+    # fp16
+    assert payload.decode(payload.encode(payload.Layout(400, 0),
+                                         [payload.Section(0, "k_code", x)])).sections[0].noise is None
 
 
 def test_shrinkage_toward_identity_lowers_error_on_the_other_domain():
@@ -629,8 +653,10 @@ def test_kivi_window_sends_the_recent_tokens_exactly(tiny_pair):
     n = case.state.ids.shape[1] - 1  # token 0 recomputed
     d = case.state.keys[0].shape[1]
     grown = len(transfer.build_payload(case.state, kivi)) - len(transfer.build_payload(case.state, plain))
-    saved = sum(payload.section_len(n, d, 4, 32, ax) - payload.section_len(n - 8, d, 4, 32, ax) for ax in ("channel", "token"))
-    assert grown == 3 * (2 * (payload.SECTION.size + 8 * d * 2) - saved)  # per layer: two fp16 sections, shorter int4 ones
+    saved = sum(payload.section_len(n, d, 4, 32, ax) - payload.section_len(n - 8, d, 4, 32, ax)
+                for ax in ("channel", "token"))
+    # per layer: two fp16 sections, shorter int4 ones
+    assert grown == 3 * (2 * (payload.SECTION.size + 8 * d * 2) - saved)
     got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, kivi))
     keys, values = hf.cache_kv(got.cache)
     for layer in range(3):
@@ -663,7 +689,8 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     cfg = small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2)
     calib = cal.calibrate(tiny_pair, cfg, progress=False)
     assert calib.stats["domains"] == ["jargon", "bible"]
-    run = bench.ScdBenchConfig(lodo=True, limit=2, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=3)
+    run = bench.ScdBenchConfig(lodo=True, limit=2, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False,
+                               qa_answer_len=3)
     reports = bench.reports(run, tiny_pair, calib, progress=False)
     assert [r.domain for r in reports] == ["jargon", "bible"]
     assert [r.calibrated_on for r in reports] == [["bible"], ["jargon"]]
@@ -675,7 +702,8 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
         assert above == sum(s > r for s, r in zip(rep.methods[-1].kl_per_prompt, raw.kl_per_prompt)) <= 2
     qa_rows = bench.qa_table(reports)
     assert set(qa_rows["items"]) == {4} and "SCD full" in set(qa_rows["method"])
-    one = bench.reports(dataclasses.replace(run, domains=["bible"]), tiny_pair, calib, progress=False)  # leave out only bible
+    # leave out only bible
+    one = bench.reports(dataclasses.replace(run, domains=["bible"]), tiny_pair, calib, progress=False)
     assert [(r.domain, r.calibrated_on) for r in one] == [("bible", ["jargon"])]
     with pytest.raises(ValueError, match="only a domain the calibration saw"):
         bench.reports(dataclasses.replace(run, domains=["austen"]), tiny_pair, calib, progress=False)
@@ -726,7 +754,8 @@ def test_patch_table_gives_each_k_relative_to_reuse_only_on_the_same_prompts(tin
     reports = bench.reports(run, tiny_pair, calib, progress=False)
     table = bench.patch_table(reports)
     given = table[table["placement"] == "given"]
-    assert list(given["k"]) == [0, 1, 2] and given["vs_k0"].iloc[0] == 1.0 and given["vs_k0_ci95"].iloc[0] == "[1.000, 1.000]"
+    assert (list(given["k"]) == [0, 1, 2] and given["vs_k0"].iloc[0] == 1.0
+            and given["vs_k0_ci95"].iloc[0] == "[1.000, 1.000]")
     sweep = {r.method: r for r in reports[0].sweeps if r.group == "patch sweep"}
     assert given["kl"].iloc[2] == round(sweep["SCD k=2 (given)"].kl, 4)
     assert given["vs_k0"].iloc[2] == round(sweep["SCD k=2 (given)"].kl / sweep["SCD k=0 (given)"].kl, 3)
@@ -755,7 +784,8 @@ def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_p
     for k, want in enumerate(calib.selection_kl):
         plan = plans.full_rank_plan(calib, calib.patch_order[:k])
         runs = [transfer.run_plan(tiny_pair.consumer, case, plan, calib) for case in cases]
-        got = sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean()) for c, r in zip(cases, runs)) / len(cases)
+        got = sum(float(metrics.kl_per_token(c.oracle_logits, r.logits).mean())
+                  for c, r in zip(cases, runs)) / len(cases)
         assert abs(got - want) < 1e-5 * max(1.0, want)
 
 

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def quick_calib(builtin_pair):
-    cfg = calibration.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2, patch_k=1, op_patch_k=1)
+    cfg = calibration.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2,
+                                  patch_k=1, op_patch_k=1)
     return cal.calibrate(builtin_pair, cfg, progress=False)
 
 
@@ -39,7 +40,8 @@ def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
     for name in ("jargon", "austen-qkv"):  # the budget planner's curves ship with every calibration
         curves = calibration.Calibration.load(calibration.SHIPPED_DIR / name).rate
         assert curves is not None and curves.n_windows >= 6 and (curves.sens_k > 0).all() and (curves.sens_v > 0).all()
-        full = curves.err_k[:, curves.bits.index(16)]  # fp16 codes: error falls as rank rises (on text it was not fitted on)
+        # fp16 codes: error falls as rank rises (on text it was not fitted on)
+        full = curves.err_k[:, curves.bits.index(16)]
         assert (full[:, -1] < full[:, 0]).all() and (full[:, 96] <= full[:, 8] + 1e-3).all()
     with pytest.raises(PairError, match="builtin:austen-qkv"):
         calibration.Calibration.load(calibration.SHIPPED_DIR / "austen-qkv", builtin_pair)

@@ -64,25 +64,33 @@ class EvalConfig:
     """One benchmark run."""
 
     policies: tuple[str, ...] = opt((), 'policy files; empty: the shipped ones')
-    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split replaces the shipped eval splits of corpora")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval "
+                            "split replaces the shipped eval splits of corpora")
     corpora: tuple[str, ...] = opt(("austen", "bible", "gcide", "handbook", "jargon", "manpages"),
-                                   'shipped corpora whose eval splits are used when texts is None (contexts spread evenly)')
+                                   'shipped corpora whose eval splits are used when texts is None (contexts spread '
+                                   'evenly)')
     limit: int = opt(66, 'contexts in all')
     context_len: int = opt(512, 'T, context tokens')
     cont_len: int = opt(32, 'continuation tokens scored')
     keeps: tuple[float, ...] = opt((0.5, 0.25, 0.125), 'kept fractions')
     token_budgets: tuple[int, ...] = opt((64,), 'fixed token budgets')
     question_len: int = opt(16, 'tokens between context and continuation (the "question")')
-    modes: tuple[str, ...] = opt(("agnostic",), "agnostic (compress before the question) and/or aware", choices=("agnostic", "aware"))
+    modes: tuple[str, ...] = opt(("agnostic",), "agnostic (compress before the question) and/or aware",
+                                 choices=("agnostic", "aware"))
     throughput_contexts: int = opt(2, 'contexts on which decode speed is timed')
     decode_steps: int = opt(32, 'greedy steps per throughput timing')
     decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
     qa: bool = opt(False, 'also the context-QA task (scdviz.qa), question-agnostic mode')
-    decode_tokens: int = opt(0, "decode-time quality: teacher-force this many tokens of the full cache's greedy generation with every cache held at its budget (evicting every decode_interval tokens), and answer the QA questions so; 0: skip")
-    bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use none)")
-    natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV wrappers), one prefill each per budget")
+    decode_tokens: int = opt(0, "decode-time quality: teacher-force this many tokens of the full cache's greedy "
+                             "generation with every cache held at its budget (evicting every decode_interval tokens), "
+                             "and answer the QA questions so; 0: skip")
+    bos: bool = opt(False, "start every context with the tokenizer's BOS token (Gemma needs it; the SmolLM2 runs use "
+                    "none)")
+    natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV "
+                        "wrappers), one prefill each per budget")
     seed: int = opt(0, "seed of the Random baseline and of a lookahead policy's sampled continuations")
-    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of its training domains and score it on that domain (bench.lodo)")
+    lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of "
+                     "its training domains and score it on that domain (bench.lodo)")
     lodo_steps: int | None = opt(None, "REINFORCE steps of each --lodo retraining (default: the recipe's)")
 
 
@@ -224,7 +232,8 @@ def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
     bos = [tokenizer.bos_token_id] if cfg.bos and getattr(tokenizer, "bos_token_id", None) is not None else []
     length -= len(bos)
     if cfg.texts:
-        windows = [("texts", bos + w) for w in data.token_windows(tokenizer, data.text_split(cfg.texts, "eval"), length, cfg.limit)]
+        windows = [("texts", bos + w)
+                   for w in data.token_windows(tokenizer, data.text_split(cfg.texts, "eval"), length, cfg.limit)]
     else:
         per = -(-cfg.limit // len(cfg.corpora))
         by = [[(c, bos + w) for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)]
@@ -458,15 +467,17 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
     chosen = _lowest_validation(loaded, cfg.question_len)
     if cfg.lodo and chosen is None:
-        raise ValueError("--lodo retrains the policy chosen on validation with its recipe: no policy has a training log")
+        raise ValueError("--lodo retrains the policy chosen on validation with its recipe: no policy has a "
+                         "training log")
     records_ = []
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
-        items = [qa.make_item(tokenizer, w[: cfg.context_len], i) for i, (_, w) in enumerate(windows)] if cfg.qa else None
+        items = ([qa.make_item(tokenizer, w[: cfg.context_len], i) for i, (_, w) in enumerate(windows)]
+                 if cfg.qa else None)
         for mode in cfg.modes:
             with hf.eager(model):
-                records_ += _run_mode(model, source, mode, windows, cfg, policies, items if mode == "agnostic" else None,
-                                      chosen)
+                records_ += _run_mode(model, source, mode, windows, cfg, policies,
+                                      items if mode == "agnostic" else None, chosen)
     if cfg.lodo:
         source = next(iter(models))
         records_ += lodo(cfg, *models[source], source, loaded[chosen], chosen)
@@ -545,7 +556,8 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
         if timed is not None and n < cfg.throughput_contexts:
             for label, n_keep in budgets(cfg, prefix):
                 t = decode_timing(
-                    model, out["feats"][timed.config.observation], ids[:, prefix : prefix + 1], prefix, n_keep, cfg, timed
+                    model, out["feats"][timed.config.observation], ids[:, prefix : prefix + 1], prefix, n_keep, cfg,
+                    timed
                 )
                 timing.setdefault(label, []).append(t)
     domains = [d for d, _ in windows]
@@ -691,9 +703,10 @@ def table(records: list[dict]) -> pd.DataFrame:
         wins = "best" if r["wins_vs_best_baseline"] is None else f"{r['wins_vs_best_baseline']:.2f}"
         diff = "" if r.get("kl_minus_best") is None else \
             f"{r['kl_minus_best']:+.4f} {protocol.interval(r['kl_minus_best_ci95'], '+.4f')}"
-        out.append(row | {"kl": f"{r['kl']:.4f}±{r['kl_se']:.4f}", "top1": round(r["top1"], 3), "ppl": round(r["ppl"], 2),
-                          "kl_minus_best_ci95": diff, "wins": wins,
-                          "ctx_wins": None if r.get("wins_vs_context_best") is None else round(r["wins_vs_context_best"], 2),
+        out.append(row | {"kl": f"{r['kl']:.4f}±{r['kl_se']:.4f}", "top1": round(r["top1"], 3),
+                          "ppl": round(r["ppl"], 2), "kl_minus_best_ci95": diff, "wins": wins,
+                          "ctx_wins": (None if r.get("wins_vs_context_best") is None
+                                       else round(r["wins_vs_context_best"], 2)),
                           "overhead": None if r["overhead_frac"] is None else round(r["overhead_frac"], 3),
                           "speedup": None if r["decode_speedup"] is None else round(r["decode_speedup"], 2),
                           "qa_acc": r.get("qa_acc")})

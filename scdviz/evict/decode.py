@@ -128,7 +128,8 @@ class DecodeEvictor:
         if state is None:
             old = tk - n_new  # tokens cached before the evictor saw this layer: positions 0..old-1
             start = torch.arange(old, device=keys.device).view(1, 1, old).expand(b, n_kv, old)
-            state = _LayerState(attn[..., :0, :old], hidden[:, :0], start, torch.zeros(b, n_kv, old, device=keys.device))
+            state = _LayerState(attn[..., :0, :old], hidden[:, :0], start,
+                                torch.zeros(b, n_kv, old, device=keys.device))
         rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
         seen = torch.cat([state.seen, torch.zeros(b, n_kv, n_new, device=keys.device)], -1)
         steps = torch.arange(n_new, device=keys.device)

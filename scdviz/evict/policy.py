@@ -38,9 +38,12 @@ class PolicyConfig:
     hidden: int = opt(32, 'width of the two hidden layers')
     per_head: bool = opt(True, 'True: one token set per layer and KV head; False: one set for all layers')
     window: int = opt(512, 'W, recent queries the features are computed from')
-    lookahead: int = opt(0, "G > 0: a sixth feature, the attention that continuations of G tokens the model samples after the context pay to each token (prefill only; 0: the 5 features as specified)")
+    lookahead: int = opt(0, "G > 0: a sixth feature, the attention that continuations of G tokens the model samples "
+                         "after the context pay to each token (prefill only; 0: the 5 features as specified)")
     lookahead_samples: int = opt(4, 'K, continuations sampled for the lookahead feature')
-    lookahead_prior: float = opt(0.75, "lookahead policies: the score is log(prior) + the MLP's correction (zero at the start), prior = w x lookahead + (1 - w) x alpha, each normalised per row; this is w (0.75 chosen on validation: research/policy_lookahead.py); 0: no prior")
+    lookahead_prior: float = opt(0.75, "lookahead policies: the score is log(prior) + the MLP's correction (zero at "
+                                 "the start), prior = w x lookahead + (1 - w) x alpha, each normalised per row; this "
+                                 "is w (0.75 chosen on validation: research/policy_lookahead.py); 0: no prior")
 
     @property
     def n_inputs(self) -> int:

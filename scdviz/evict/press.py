@@ -102,9 +102,9 @@ class DistillCachePress(ScorerPress):
             if not self.policy.config.per_head:
                 self._refuse_wrapping("beside another press that prunes layer by layer (ComposedPress)")
             raise ValueError(
-                f"DistillCachePress scores from the attention over all {attentions.shape[-1]} prefill tokens, but layer "
-                f"{module.layer_idx} holds {values.shape[-2]}: a press before it pruned the layer; put DistillCachePress "
-                "first in a ComposedPress")
+                f"DistillCachePress scores from the attention over all {attentions.shape[-1]} prefill tokens, but "
+                f"layer {module.layer_idx} holds {values.shape[-2]}: a press before it pruned the layer; put "
+                "DistillCachePress first in a ComposedPress")
         device = attentions.device
         if next(self.policy.parameters()).device != device:  # wrappers that skip post_init_from_model
             self.policy.to(device)
@@ -114,7 +114,8 @@ class DistillCachePress(ScorerPress):
         """Policy scores (B, Hkv, T) of one layer's tokens (per-head scope; wrappers such as
         KeyRerotationPress or AdaKVPress call this, which the global scope refuses)."""
         if not self.policy.config.per_head:
-            self._refuse_wrapping("inside a wrapper press that scores layer by layer (KeyRerotationPress, AdaKVPress, ...)")
+            self._refuse_wrapping("inside a wrapper press that scores layer by layer "
+                                  "(KeyRerotationPress, AdaKVPress, ...)")
         with torch.no_grad():
             return self.policy(self.layer_features(module, values, attentions, keys.shape[1]))
 

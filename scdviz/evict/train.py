@@ -81,26 +81,40 @@ def reinforce_loss(scores: Tensor, rankings: Tensor, rewards: Tensor, entropy_co
 class TrainConfig:
     """A training run; the run folder holds checkpoints and the log."""
 
-    out: str = opt("", "folder for policy.safetensors, best.safetensors, optimizer.pt, log.json, written by the CLI (a runs folder by default; train itself writes nothing)")
-    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora to draw contexts from (train split; validation: calib split)')
-    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): one more source of contexts, beside --corpora (give --corpora with no name for your text alone)")
+    out: str = opt("", "folder for policy.safetensors, best.safetensors, optimizer.pt, log.json, written by the CLI (a "
+                   "runs folder by default; train itself writes nothing)")
+    corpora: tuple[str, ...] = opt(("jargon", "bible"), 'shipped corpora to draw contexts from (train split; '
+                                   'validation: calib split)')
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): one more "
+                            "source of contexts, beside --corpora (give --corpora with no name for your text alone)")
     contexts: int = opt(32, 'training contexts (prefilled once each)')
     context_len: int = opt(512, 'T, tokens per context')
     cont_len: int = opt(24, 'teacher-forced continuation tokens for the reward')
-    question_len: int = opt(16, "tokens teacher-forced between the context and the scored continuation, unscored: bench evict's question_len, so that validation measures what the benchmark measures (0: score the tokens right after the context)")
+    question_len: int = opt(16, "tokens teacher-forced between the context and the scored continuation, unscored: "
+                            "bench evict's question_len, so that validation measures what the benchmark measures (0: "
+                            "score the tokens right after the context)")
     keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
     samples: int = opt(4, 'M, Gumbel samples per context and step')
-    reward: str = opt("subset", "subset: one reward per sampled kept set, -mean KL over the continuation (a one-shot bandit); sequential: the seed's per-step formulation, the continuation decoded with the cache held at the budget and every eviction sampled from the policy, each decision credited with -KL of the steps after it (per-head policies)", choices=("subset", "sequential"))
+    reward: str = opt("subset", "subset: one reward per sampled kept set, -mean KL over the continuation (a one-shot "
+                      "bandit); sequential: the seed's per-step formulation, the continuation decoded with the cache "
+                      "held at the budget and every eviction sampled from the policy, each decision credited with -KL "
+                      "of the steps after it (per-head policies)", choices=("subset", "sequential"))
     decode_interval: int = opt(4, "sequential reward and --val-decode: evict every this many decoded tokens")
-    val_decode: bool = opt(False, "validate at decode time (per-head policies): the held-out continuation decoded one token at a time with the cache held at the budget by the policy's own cuts; the best checkpoint is chosen on that, and the heuristic line is H2O's scores held the same way (val_heuristic_decode)")
+    val_decode: bool = opt(False, "validate at decode time (per-head policies): the held-out continuation decoded one "
+                           "token at a time with the cache held at the budget by the policy's own cuts; the best "
+                           "checkpoint is chosen on that, and the heuristic line is H2O's scores held the same way "
+                           "(val_heuristic_decode)")
     steps: int = opt(300, 'REINFORCE steps (one context each)')
     warm_steps: int = opt(100, 'imitation steps on the warm-start ranking before REINFORCE (0: none)')
-    warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight (attention the continuation pays to each token over the full cache)", choices=("alpha", "foresight"))
+    warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight "
+                           "(attention the continuation pays to each token over the full cache)",
+                           choices=("alpha", "foresight"))
     warm_lr: float | None = opt(None, "Adam learning rate of the warm start (default: lr)")
     lr: float = opt(3e-4, "Adam learning rate (3e-3 degraded the warm start on validation: assets/policy/README.md)")
     entropy_coef: float = opt(1e-4, "beta, weight of the entropy bonus")
     checkpoint_every: int = opt(25, 'steps between checkpoints (each also scores the validation contexts)')
-    val_contexts: int = opt(8, "held-out contexts (calib split) for the deterministic-policy KL; best.safetensors keeps the best")
+    val_contexts: int = opt(8, "held-out contexts (calib split) for the deterministic-policy KL; best.safetensors "
+                            "keeps the best")
     seed: int = opt(0, 'sampling and data order')
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # policy shape and scope (flags flattened)
 
@@ -153,7 +167,8 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     per = -(-count // len(sources))
     length = cfg.context_len + cfg.question_len + cfg.cont_len
     foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
-    windows = [w for c in sources for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
+    windows = [w for c in sources
+               for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
     if len(windows) < count:
         raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(sources)}")
     out = []
@@ -242,7 +257,8 @@ def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: T
         kls.append(held_kl(model, sample, indices_from_rows(ranking, sample.obs, True), evictor).detach())
         positions = [p for p, _ in evictor.decisions]
         if schedule not in (None, positions):
-            raise RuntimeError("episodes evicted at different steps; the leave-one-out baseline needs the same schedule")
+            raise RuntimeError("episodes evicted at different steps; the leave-one-out baseline needs the same "
+                               "schedule")
         schedule = positions
         logps.append(torch.stack([plackett_luce_logprob(scores, ranking).sum(), *[lp for _, lp in evictor.decisions]]))
     kl = torch.stack(kls)  # (M, n)
@@ -437,7 +453,8 @@ class _Run:
         val = round(validate(self.model, lambda s: rows(policy, s.obs), policy.config.per_head, self.held_out,
                              cfg.keeps, press, cfg.decode_interval, cfg.policy.window), 5)
         log["val"].append({"step": len(log["steps"]), "kl": val})
-        improved = val <= min(v["kl"] for v in log["val"])  # compared as logged (an unrounded value could miss its own entry)
+        # compared as logged (an unrounded value could miss its own entry)
+        improved = val <= min(v["kl"] for v in log["val"])
         if improved:
             self.best = copy.deepcopy(policy).eval()
             self.best.meta = {"steps": len(log["steps"]), "val_kl": val}

@@ -81,7 +81,8 @@ def base_dir(name: str, progress=None) -> Path:
     """
     if name not in BASES:
         raise ValueError(f"unknown built-in base model {name[:60]!r}; known: {', '.join(BASES)}")
-    fetch, tokenizer_of = {PRODUCER_NAME: (_find_or_fetch_gguf, None), GEMMA_NAME: (fetch_gemma_gguf, gemma_tokenizer)}[name]
+    fetch, tokenizer_of = {PRODUCER_NAME: (_find_or_fetch_gguf, None),
+                           GEMMA_NAME: (fetch_gemma_gguf, gemma_tokenizer)}[name]
     target = settings.cache_dir() / name
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
@@ -189,7 +190,8 @@ def gemma_tokenizer(gguf: Path):
     pieces = array("tokenizer.ggml.tokens", lambda p: bytes(p).decode("utf-8"))
     scores = array("tokenizer.ggml.scores", lambda p: float(p[0]))
     kinds = array("tokenizer.ggml.token_type", lambda p: int(p[0]))
-    return sentencepiece_bpe(pieces, scores, kinds, bos=int(meta("tokenizer.ggml.bos_token_id", 2)), eos=int(meta("tokenizer.ggml.eos_token_id", 1)),
+    return sentencepiece_bpe(pieces, scores, kinds, bos=int(meta("tokenizer.ggml.bos_token_id", 2)),
+                             eos=int(meta("tokenizer.ggml.eos_token_id", 1)),
                              unk=int(meta("tokenizer.ggml.unknown_token_id", 3)),
                              pad=int(meta("tokenizer.ggml.padding_token_id", 0)),
                              add_bos=bool(meta("tokenizer.ggml.add_bos_token", True)))
@@ -209,8 +211,8 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float], kinds: list[int], 
     vocab = {p: i for i, p in enumerate(pieces)}
     control = {p for p, k in zip(pieces, kinds, strict=True) if k == CONTROL}
     merges = generate_merges(vocab, dict(zip(pieces, scores, strict=True)), skip_tokens=control)
-    tok = GemmaTokenizer(vocab=vocab, merges=merges, bos_token=pieces[bos], eos_token=pieces[eos], unk_token=pieces[unk],
-                        pad_token=pieces[pad], add_bos_token=add_bos, add_eos_token=False)
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, bos_token=pieces[bos], eos_token=pieces[eos],
+                         unk_token=pieces[unk], pad_token=pieces[pad], add_bos_token=add_bos, add_eos_token=False)
     tok.add_tokens([AddedToken(p, special=k == CONTROL, normalized=False)
                     for p, k in zip(pieces, kinds, strict=True) if k in (CONTROL, USER_DEFINED)])
     return tok

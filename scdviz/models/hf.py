@@ -364,7 +364,8 @@ def kv_from_hin(model, layer_idx: int, h_in: Tensor, positions: Tensor) -> tuple
     return k, v
 
 
-def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor, one_at_a_time: bool = False) -> Tensor:
+def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor,
+                    one_at_a_time: bool = False) -> Tensor:
     """Teacher-forced logits (B, n, V) for ``ids`` (B, n) placed at positions start..start+n-1.
 
     The cache is cloned first, so the caller's cache is not changed. A cache whose layers

@@ -36,27 +36,39 @@ CODERS = ("transform", "rd")  # how a byte budget becomes a plan (budget_plan)
 class ScdBenchConfig:
     """One SCD benchmark run on held-out text."""
 
-    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split is measured instead of the shipped ones")
-    domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the specialist's own training corpus, else every calibration domain)")
-    lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain (or each of --domains), calibrate again without it (same settings) and measure on its eval split")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval "
+                            "split is measured instead of the shipped ones")
+    domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the "
+                             "specialist's own training corpus, else every calibration domain)")
+    lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain (or each of --domains), calibrate again "
+                     "without it (same settings) and measure on its eval split")
     limit: int = opt(16, "prompts per domain")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens")
     gen_tokens: int = opt(32, "greedy tokens per method for token-F1 (0: skip)")
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
-    budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (transform-coded and rate-distortion plans, and rank-only allocation beside them)")
-    rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the other way round (reuse-only)")
-    budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit (default: the calibration's operating point)")
-    coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section scaled by its measured KL sensitivity, entropy coded; the rank follows from the step) or rd (ranks, bits and patches chosen on the rate-distortion curves)", choices=CODERS)
-    sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent", choices=SINKS)
+    budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (transform-coded and "
+                                     "rate-distortion plans, and rank-only allocation beside them)")
+    rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the "
+                           "other way round (reuse-only)")
+    budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
+                               "(default: the calibration's operating point)")
+    coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section "
+                     "scaled by its measured KL sensitivity, entropy coded; the rank follows from the step) or rd "
+                     "(ranks, bits and patches chosen on the rate-distortion curves)", choices=CODERS)
+    sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent",
+                    choices=SINKS)
     sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
-    kivi_window: int = opt(0, "the 4-bit KV baseline sends its last this-many tokens in fp16 (KIVI's recent window; 0: none)")
-    entropy: bool = opt(False, "entropy-code the quantised sections of 4-bit KV and SCD alike (rANS with each section's histogram)")
+    kivi_window: int = opt(0, "the 4-bit KV baseline sends its last this-many tokens in fp16 (KIVI's recent window; 0: "
+                           "none)")
+    entropy: bool = opt(False, "entropy-code the quantised sections of 4-bit KV and SCD alike (rANS with each "
+                        "section's histogram)")
     seed: int = opt(0, "torch seed set before the run")
 
 
-def budget_plan(calib: calibration.Calibration, curves, budget: float, n_tokens: int, sink: str, coder: str, name: str | None = None) -> Plan:
+def budget_plan(calib: calibration.Calibration, curves, budget: float, n_tokens: int, sink: str, coder: str,
+                name: str | None = None) -> Plan:
     """The SCD plan for a byte budget: transform coded or rate-distortion planned (both a hard limit)."""
     if coder == "transform":
         return plans.tc_plan(dataclasses.replace(calib, rate=curves), budget, sink, name)
@@ -86,7 +98,8 @@ class BenchReport:
         return measure.table(self.methods + self.sweeps)
 
 
-def consumer_flops_per_token(plan: Plan, calib: calibration.Calibration, small_d_kv: int, big: links.ModelShape) -> float:
+def consumer_flops_per_token(plan: Plan, calib: calibration.Calibration, small_d_kv: int,
+                             big: links.ModelShape) -> float:
     """Consumer FLOPs per prompt token of ``plan`` scaled to model ``big`` (ranks scale with d_kv)."""
     d_kv = big.kv_heads * big.head_dim
     per_layer = []
@@ -165,19 +178,24 @@ def bench(
     report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup},
                          calibrated_on=list(calib.stats.get("domains", [])))
     if cfg.sent_rows:
-        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", cfg.kivi_window, cfg.entropy)
+        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", cfg.kivi_window,
+                             cfg.entropy)
         report.sweeps += measure.run_methods(pair, calib, cases, other, "token 0", progress=progress)
     if cfg.sweeps:
-        report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep", progress=progress)
-        report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep", progress=progress)
+        report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep",
+                                             progress=progress)
+        report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep",
+                                             progress=progress)
     if cfg.rank_claim:
-        report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim", progress=progress)
+        report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim",
+                                             progress=progress)
     if budgets:
         swept = []
         for b in budgets:
             rd = plans.rd_plan(curves, b, n_tokens, sink)[0]
             coded = dataclasses.replace(rd, name=f"SCD RD+entropy @{b:g} B/token", entropy=True)  # the same plan, coded
-            swept += [budget_plan(calib, curves, b, n_tokens, sink, "transform"), rd, coded, *plans.rank_sweep(calib, [b])]
+            swept += [budget_plan(calib, curves, b, n_tokens, sink, "transform"), rd, coded,
+                      *plans.rank_sweep(calib, [b])]
         report.sweeps += measure.run_methods(pair, calib, cases, swept, "budget sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
     report.projection = projection(report, calib, d_kv, pair_shape(pair))
@@ -213,7 +231,8 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration | None =
     ``cfg``'s, under "bench", as the CLI nests them). on_report(report): each report as it is measured
     (the CLI prints its tables).
     """
-    calib = calib if calib is not None else calibration.Calibration.load(calibration.shipped_folder(pair.consumer_source), pair)
+    calib = (calib if calib is not None
+             else calibration.Calibration.load(calibration.shipped_folder(pair.consumer_source), pair))
     t0 = time.perf_counter()
     out = []
     for report in reports(cfg, pair, calib, specialist, progress, on_report):
@@ -245,13 +264,15 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
     def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
         if not cfg.lodo:  # with lodo, refit seeded before calibrating
             torch.manual_seed(cfg.seed)
-        report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg, name, progress)
+        report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg, name,
+                       progress)
         report.domain = domain
         if on_report is not None:
             on_report(report)
         return report
 
-    return protocol.by_domain(domains, measure_on, calib, fit=refit if cfg.lodo else None, seen=seen, what="calibration")
+    return protocol.by_domain(domains, measure_on, calib, fit=refit if cfg.lodo else None, seen=seen,
+                              what="calibration")
 
 
 def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult) -> tuple[float | None, str]:
@@ -294,7 +315,8 @@ def patch_table(reports: list[BenchReport]) -> pd.DataFrame:
             for r in rows_:
                 ratio, ci = _ratio_ci(base, r)
                 out.append({"specialist": rep.specialist, "domain": rep.domain, "placement": placement,
-                            "k": int(r.method.split("k=")[1].split()[0]), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
+                            "k": int(r.method.split("k=")[1].split()[0]), "kl": round(r.kl, 4),
+                            "kl_se": round(r.kl_se, 4),
                             "top1": round(r.top1, 3), "vs_k0": ratio, "vs_k0_ci95": ci,
                             "bytes": round(r.payload_bytes_per_token), "n": r.n_prompts})
     return pd.DataFrame(out)
@@ -391,7 +413,8 @@ def rows(report: BenchReport) -> list[dict]:
             "kl_per_prompt": r.kl_per_prompt,
             "sent": r.sent,
         })
-    out += [{"specialist": report.specialist, "domain": report.domain, "label": "analytic projection, not a measurement", **p}
+    out += [{"specialist": report.specialist, "domain": report.domain,
+             "label": "analytic projection, not a measurement", **p}
             for p in report.projection]
     return out
 

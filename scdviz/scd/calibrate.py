@@ -82,7 +82,8 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
                 ((p.keys[layer][1:] - c.keys[layer][1:]) ** 2).sum(), (c.keys[layer][1:] ** 2).sum(),
                 ((p.values[layer][1:] - c.values[layer][1:]) ** 2).sum(), (c.values[layer][1:] ** 2).sum(),
             ]).double()
-            rows[layer].append((fold, *(t[layer][s].half() for t in (p.h_in, c.h_in, p.keys_pre, c.keys_pre, p.values, c.values))))
+            rows[layer].append((fold, *(t[layer][s].half()
+                                        for t in (p.h_in, c.h_in, p.keys_pre, c.keys_pre, p.values, c.values))))
     return _Fits(kv_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
 
 
@@ -108,7 +109,8 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
     n = len(fits.k_stats[0])
     grid = [cfg.shrink] if cfg.shrink is not None else list(cfg.shrink_grid)
     kinds = {"k": fits.k_stats, "v": fits.v_stats}
-    per_layer = {alpha: {name: [_lodo_error(st, layer, cfg.ridge, alpha) for layer in range(n)] for name, st in kinds.items()}
+    per_layer = {alpha: {name: [_lodo_error(st, layer, cfg.ridge, alpha) for layer in range(n)]
+                         for name, st in kinds.items()}
                  for alpha in grid}  # alpha -> K/V -> (L,) held-out error
     table = {alpha: sum(sum(errs) for errs in e.values()) / (2 * n) for alpha, e in per_layer.items()}
     best = min(table, key=table.get)
@@ -175,12 +177,14 @@ def choose_joint(fits: _Fits, shrinks: dict, cfg: CalibConfig) -> dict:
         errs = dict.fromkeys(grid, 0.0)
         for f in range(n_folds):
             train = summed(fits.kv_stats, layer, lambda i, f=f: i != f)
-            mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], None, 0)
+            mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer],
+                                         None, 0)
             errs[None, None] += kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b) / n_folds
             for beta in cfg.joint_shrink_grid if any(ranks) else ():
                 code = train.residual_of(mu_x, b, mu_y).fit(cfg.ridge + beta, max(ranks))
                 for r in filter(None, ranks):
-                    errs[r, beta] += kv_error(fits.kv_stats[f][layer], *_refined(mu_x, mu_y, b, code.truncated(r))) / n_folds
+                    errs[r, beta] += kv_error(fits.kv_stats[f][layer],
+                                              *_refined(mu_x, mu_y, b, code.truncated(r))) / n_folds
         return errs
 
     by_layer = [lodo(layer) for layer in range(n)]
@@ -214,7 +218,8 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
     kv_weight = weight if cfg.aligner_loss == "kv" else None
     w = weight.float().T
     lodo, mlp_sse, code_sse = dict.fromkeys(grid, 0.0), 0.0, 0.0
-    split = [(_rows_of(fits, layer, lambda g, f=f: g % n_folds != f), _rows_of(fits, layer, lambda g, f=f: g % n_folds == f))
+    split = [(_rows_of(fits, layer, lambda g, f=f: g % n_folds != f),
+              _rows_of(fits, layer, lambda g, f=f: g % n_folds == f))
              for f in range(n_folds)]
 
     def sse(patch: Patch, held: list[torch.Tensor]) -> float:
@@ -232,7 +237,8 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
         _, _, kp, kc, vp, vc = held
         mu_x, mu_y, b, _ = joint_map(summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
                                      shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], refine[1], refine[0] or 0)
-        code_sse += float((((torch.cat([kp, vp], 1).double() - mu_x) @ b + mu_y - torch.cat([kc, vc], 1).double()) ** 2).sum())
+        code_sse += float((((torch.cat([kp, vp], 1).double() - mu_x) @ b + mu_y
+                            - torch.cat([kc, vc], 1).double()) ** 2).sum())
     use_mlp = bool(cfg.aligner_steps) and mlp_sse < lodo[best]
     patch_sse = mlp_sse if use_mlp else lodo[best]
     return {"shrink": "identity" if best == float("inf") else best,
@@ -315,14 +321,15 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     key_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_k, shrinks["shrink_k"])]
     value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
     joint = choose_joint(fits, shrinks, cfg)
-    refinements = [None if beta is None else joint_map(summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
-                                                       shrinks["shrink_v"][layer], beta, joint["rank"])[3]
+    refinements = [None if beta is None
+                   else joint_map(summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
+                                  shrinks["shrink_v"][layer], beta, joint["rank"])[3]
                    for layer, beta in enumerate(joint["layers"])]
     t_fit = time.perf_counter() - t0
     n = len(key_codes)
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in select]
-    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], fits.drift_k, fits.drift_v, [], [], {},
-                        joint=refinements)
+    calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], fits.drift_k, fits.drift_v,
+                        [], [], {}, joint=refinements)
     gains = _ideal_gains(pair, cases, calib, plans.full_rank_plan(calib))
     drift = [fits.drift_k[i] + fits.drift_v[i] for i in range(n)]
     by_drift = sorted(range(n), key=lambda i: -drift[i])
@@ -333,7 +340,8 @@ def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
     gates = {}
     for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
         weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
-        choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]), weight, cfg)
+        choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]),
+                                              weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
         calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
                                          _mlp(cfg) if choice["mlp"] else None,

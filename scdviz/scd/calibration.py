@@ -61,23 +61,39 @@ class RateCurves:
 class CalibConfig:
     """Knobs of one calibration run."""
 
-    domains: list[str] = opt([], "shipped corpora whose calib splits are mixed, windows spread evenly (default: every shipped corpus)")
-    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): its calib split is one more domain, mixed with --domains when given (alone it is split in 2 folds)")
+    domains: list[str] = opt([], "shipped corpora whose calib splits are mixed, windows spread evenly (default: every "
+                             "shipped corpus)")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): its calib "
+                            "split is one more domain, mixed with --domains when given (alone it is split in 2 folds)")
     n_fit: int = opt(32, "windows for the fits, spread over the domains")
     n_select: int = opt(16, "further windows for patch selection (continuation KL), spread over the domains")
     prompt_len: int = opt(256, 'prompt tokens per window')
     cont_len: int = opt(32, 'continuation tokens scored during selection')
     ridge: float = opt(1e-3, 'RRR ridge, relative to the mean input eigenvalue')
-    shrink: float | None = opt(None, "REUSE maps: ridge on the correction toward identity, relative to the mean input eigenvalue (default: chosen from shrink_grid by leave-one-domain-out error)")
-    shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the leave-one-domain-out choice")
-    identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out domains")
-    joint_rank: int | None = opt(None, "REUSE: rank of the joint refinement that maps the decoded keys and values together (each alone misses what the other carries of the producer's hidden state); 0: none (default: chosen from joint_rank_grid with the ridge by leave-one-domain-out error)")
-    joint_rank_grid: tuple[int, ...] = opt((16, 32, 64), "candidate refinement ranks (64 at most keeps a shipped calibration under 18 MB)")
-    joint_shrink_grid: tuple[float, ...] = opt((0.0, 0.1, 0.3, 1.0), "candidate ridges of the joint refinement (relative), chosen by leave-one-domain-out error; a layer where it does not lower that error gets none")
-    gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out domains")
-    patch_shrink: float | None = opt(None, "aligners: ridge on the linear correction toward the identity aligner, relative (default: chosen per layer from patch_shrink_grid and the identity aligner by held-out-domain K/V error)")
-    patch_shrink_grid: tuple[float, ...] = opt((0.1, 0.3, 1.0, 3.0, 10.0, 30.0), "candidate aligner shrinkages for the held-out-domain choice")
-    gate_folds: int = opt(3, "the patch gate groups the domains into at most this many held-out folds (one aligner fit each)")
+    shrink: float | None = opt(None, "REUSE maps: ridge on the correction toward identity, relative to the mean input "
+                               "eigenvalue (default: chosen from shrink_grid by leave-one-domain-out error)")
+    shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the "
+                                         "leave-one-domain-out choice")
+    identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out "
+                                  "domains")
+    joint_rank: int | None = opt(None, "REUSE: rank of the joint refinement that maps the decoded keys and values "
+                                 "together (each alone misses what the other carries of the producer's hidden state); "
+                                 "0: none (default: chosen from joint_rank_grid with the ridge by leave-one-domain-out "
+                                 "error)")
+    joint_rank_grid: tuple[int, ...] = opt((16, 32, 64), "candidate refinement ranks (64 at most keeps a shipped "
+                                           "calibration under 18 MB)")
+    joint_shrink_grid: tuple[float, ...] = opt((0.0, 0.1, 0.3, 1.0), "candidate ridges of the joint refinement "
+                                               "(relative), chosen by leave-one-domain-out error; a layer where it "
+                                               "does not lower that error gets none")
+    gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out "
+                             "domains")
+    patch_shrink: float | None = opt(None, "aligners: ridge on the linear correction toward the identity aligner, "
+                                     "relative (default: chosen per layer from patch_shrink_grid and the identity "
+                                     "aligner by held-out-domain K/V error)")
+    patch_shrink_grid: tuple[float, ...] = opt((0.1, 0.3, 1.0, 3.0, 10.0, 30.0), "candidate aligner shrinkages for the "
+                                               "held-out-domain choice")
+    gate_folds: int = opt(3, "the patch gate groups the domains into at most this many held-out folds (one aligner fit "
+                          "each)")
     max_rank: int | None = opt(None, 'store codes up to this rank (None: full d_kv)')
     rank_h: int | None = opt(None, 'PATCH code width (None: the whole normalised H_in)')
     aligner_hidden: int = opt(128, 'aligner MLP width')
@@ -86,7 +102,8 @@ class CalibConfig:
     h_stride: int = opt(2, "keep every n-th token's H_in for aligner training (memory)")
     n_candidates: int = opt(10, 'layers (by ideal-patch gain) that get an aligner')
     patch_k: int = opt(8, 'patch layers kept in selection order (the budget sweep goes 0..patch_k)')
-    selection: str = opt("greedy", "patch-layer order: greedy on selection KL, by drift, or as given", choices=SELECTIONS)
+    selection: str = opt("greedy", "patch-layer order: greedy on selection KL, by drift, or as given",
+                         choices=SELECTIONS)
     given: list[int] = opt([], "patch layers for --selection given")
     code_bits: int = opt(4, "operating point: bits of code sections", choices=(4, 8, 16))
     code_group: int = opt(64, 'operating point: tokens per quantisation group of a code channel')
@@ -120,7 +137,8 @@ class Calibration:
     selection_kl: list[float]  # KL after adding each layer of patch_order (index 0: none)
     stats: dict  # data used, rows, seconds per stage
     rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
-    joint: list[LinearCode | None] | None = None  # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
+    # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
+    joint: list[LinearCode | None] | None = None
 
     def refine(self, layer: int, keys_pre: Tensor, values: Tensor, noise: tuple | None = None) -> tuple[Tensor, Tensor]:
         """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any);
@@ -300,7 +318,8 @@ def windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], l
         passages = data.passages(name, "calib", cfg.texts)
         got = data.token_windows(pair.tokenizer, passages, length, per_fit + per_sel)
         if len(got) < per_fit + per_sel:
-            raise ValueError(f"calibration text {name!r} gives {len(got)} windows of {length} tokens; need {per_fit + per_sel}")
+            raise ValueError(f"calibration text {name!r} gives {len(got)} windows of {length} tokens; need "
+                             f"{per_fit + per_sel}")
         fit += got[:per_fit]
         folds += [i] * per_fit if len(names) > 1 else [j % 2 for j in range(per_fit)]
         select += got[per_fit:]

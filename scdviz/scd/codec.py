@@ -32,7 +32,8 @@ class Codec:
     """A plan and its calibration: ``encode(producer, ids) -> bytes``, ``decode(consumer, bytes) -> cache``."""
 
     plan: Plan  # per-layer decisions (scdviz.scd.plan)
-    calibration: Calibration | None = None  # the codes' calibration; None for plans without codes (raw, 4-bit, recompute)
+    # the codes' calibration; None for plans without codes (raw, 4-bit, recompute)
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         coded = [m for m in self.plan.modes if m in ("code", "patch")]
@@ -89,7 +90,8 @@ class Codec:
         if missing:
             raise ValueError(f"the plan patches layers {missing}: give their h_in (T, d), captured at input_layernorm")
         if len(keys) != len(self.plan.modes) or len(values) != len(self.plan.modes):
-            raise ValueError(f"give keys and values of all {len(self.plan.modes)} layers, got {len(keys)} and {len(values)}")
+            raise ValueError(f"give keys and values of all {len(self.plan.modes)} layers, got {len(keys)} and "
+                             f"{len(values)}")
         positions = torch.arange(ids.shape[1], device=keys[0].device).unsqueeze(0)
         cos, sin = hf.rope(producer, positions)
         host = lambda t: t.detach().float().cpu()  # noqa: E731  (codes live on the host, as in producer_state)

@@ -53,7 +53,8 @@ class MethodResult:
     generations: list[list[int]] = field(default_factory=list)  # greedy token ids per prompt (when generated)
     qa_f1: list[float] = field(default_factory=list)  # per prompt: token-F1 of the context-QA answer (when asked)
     kl_per_prompt: list[float] = field(default_factory=list)  # mean KL of each prompt (for paired comparisons)
-    sent: dict[str, list[float]] = field(default_factory=dict)  # what the payloads carried per layer (``sent_per_layer``)
+    # what the payloads carried per layer (``sent_per_layer``)
+    sent: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def speedup_10gbps(self) -> float:
@@ -148,7 +149,8 @@ def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, or
     )
 
 
-SENT_KINDS = {"k": "k", "k_code": "k", "k_recent": "k", "v": "v", "v_code": "v", "v_recent": "v", "h_code": "h", "resid": "h"}
+SENT_KINDS = {"k": "k", "k_code": "k", "k_recent": "k", "v": "v", "v_code": "v", "v_recent": "v", "h_code": "h",
+              "resid": "h"}
 
 
 def sent_per_layer(spans, n_layers: int, n_tokens: int) -> dict[str, list[float]]:
@@ -171,7 +173,8 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
         hf.generate(pair.consumer, c.oracle_cache, c.fed[:, :1], c.state.ids.shape[1], gen_tokens) if gen_tokens else []
         for c in cases
     ]
-    nll = [x for c in cases for x in metrics.nll_per_token(c.oracle_logits, c.targets[0].to(c.oracle_logits.device)).tolist()]
+    nll = [x for c in cases
+           for x in metrics.nll_per_token(c.oracle_logits, c.targets[0].to(c.oracle_logits.device)).tolist()]
     orc = sum(c.oracle_seconds for c in cases) / len(cases)
     n = hf.n_layers(pair.consumer)
     # the oracle row is measured like every method: its own cache scored again through the same path
@@ -194,7 +197,8 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
     return res, gens
 
 
-def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, oracle_gen=None, progress=True) -> list[MethodResult]:
+def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, oracle_gen=None,
+                progress=True) -> list[MethodResult]:
     """``run_plan_on_cases`` for each plan."""
     return [
         run_plan_on_cases(pair, cases, p, calib, group, gen_tokens, oracle_gen)

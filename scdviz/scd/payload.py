@@ -69,7 +69,8 @@ class Section:
     axis: str = "channel"  # quantisation grouping, see scdviz.scd.quant
     coded: bool = False  # entropy-code the integers when that makes the section smaller
     step: float = 0.0  # bits 0: the uniform quantiser's step (transform coding)
-    noise: Tensor | None = None  # decoded quantised sections: (cols,) expected squared error per value (quant.error_variance)
+    # decoded quantised sections: (cols,) expected squared error per value (quant.error_variance)
+    noise: Tensor | None = None
 
 
 @dataclass
@@ -220,7 +221,8 @@ def spans(payload: bytes) -> tuple[Layout, list[Span]]:
         if bits == 0:
             ints, end = 0, start + entropy.uniform_len(payload[start : start + entropy.HEAD_LEN], cols)
         else:
-            ints = _ints_len(payload[start : start + 4], rows, cols, bits, coded)  # bytes of the integers (0 at 16 bits)
+            # bytes of the integers (0 at 16 bits)
+            ints = _ints_len(payload[start : start + 4], rows, cols, bits, coded)
             end = start + (2 * rows * cols if bits == 16 else ints + 4 * quant.n_groups(rows, cols, group, axis))
         if end > len(payload):
             raise ValueError("truncated SCD payload")

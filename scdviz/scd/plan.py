@@ -77,7 +77,8 @@ class Plan:
                 raise ValueError(f"{what}: unsupported code bits {bad}; use {CODE_BITS}"
                                  + ("" if what == "bits_h" else " or 0 (transform coded)"))
         for bits, steps, what in ((self.bits_k, self.steps_k, "steps_k"), (self.bits_v, self.steps_v, "steps_v")):
-            if 0 in bits and (len(steps) != len(self.modes) or any(s <= 0 for i, s in enumerate(steps) if bits[i] == 0)):
+            if 0 in bits and (len(steps) != len(self.modes)
+                              or any(s <= 0 for i, s in enumerate(steps) if bits[i] == 0)):
                 raise ValueError(f"transform-coded layers need a positive {what} entry for every layer")
 
     def bits_of(self, layer: int, kind: str) -> int:
@@ -105,7 +106,8 @@ def raw_plan(n_layers: int, bits: int = 16, group: int = 32, sink: str = "recomp
                 raw_window=window if bits < 16 else 0, sink=sink)
 
 
-def droidspeak_plan(n_layers: int, recompute: list[int], sink: str = "recompute", name: str = "DroidSpeak recompute") -> Plan:
+def droidspeak_plan(n_layers: int, recompute: list[int], sink: str = "recompute",
+                    name: str = "DroidSpeak recompute") -> Plan:
     """Raw KV everywhere except ``recompute`` layers, which the consumer recomputes."""
     modes = ["recompute" if i in set(recompute) else "raw" for i in range(n_layers)]
     return Plan(name + (SENT if sink == "send" else ""), modes, sink=sink)
@@ -156,7 +158,8 @@ def code_dim_bytes(bits: int, group: int) -> float:
     return 2.0 if bits == 16 else bits / 8 + 4 / group
 
 
-def budget_ranks(calib: Calibration, budget_bytes: float, bits: int, group: int, patch_layers: list[int]) -> tuple[list[int], list[int]]:
+def budget_ranks(calib: Calibration, budget_bytes: float, bits: int, group: int,
+                 patch_layers: list[int]) -> tuple[list[int], list[int]]:
     """Per-layer ranks (rank_k, rank_v) whose codes fit ``budget_bytes`` per token with the patches."""
     per_dim = code_dim_bytes(bits, group)
     patch_dims = sum(calib.patch_for(layer).rank_h for layer in patch_layers)
@@ -240,7 +243,8 @@ def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recomp
     tag = SENT if sink == "send" else ""
     full = scd_full or operating_plan(calib, name="SCD full")  # named so even when it patches nothing
     full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink, entropy=entropy)
-    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink, entropy=entropy)
+    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink,
+                                entropy=entropy)
     block = contiguous_block(calib.ideal_gain, calib.config.op_patch_k)
     four = dataclasses.replace(raw_plan(n, bits=4, sink=sink, window=kivi_window), entropy=entropy)
     return [raw_plan(n, sink=sink), four, droidspeak_plan(n, block, sink), reuse, full]
@@ -302,10 +306,12 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     g, bits, n = curves.group, list(curves.bits), curves.n_layers
     r_max = curves.err_k.shape[2] - 1
     f64 = dict(dtype=torch.float64, device="cpu")  # the planner works on host-side curves
-    cost = torch.tensor([[payload.section_len(rows, r, b, g, "channel") for r in range(r_max + 1)] for b in bits], **f64).flatten()
+    cost = torch.tensor([[payload.section_len(rows, r, b, g, "channel") for r in range(r_max + 1)] for b in bits],
+                        **f64).flatten()
     dist = {"k": (curves.sens_k.double()[:, None, None] * curves.err_k.double()).flatten(1),  # (L, options)
             "v": (curves.sens_v.double()[:, None, None] * curves.err_v.double()).flatten(1)}
-    p_cost = torch.tensor([[payload.section_len(rows, d, b, g, "channel") for b in bits] for d in curves.patch_dims], **f64)
+    p_cost = torch.tensor([[payload.section_len(rows, d, b, g, "channel") for b in bits] for d in curves.patch_dims],
+                          **f64)
     p_dist = torch.stack([curves.sens_k.double()[curves.patch_layers], curves.sens_v.double()[curves.patch_layers]], 1)
     p_dist = (curves.patch_err.double() * p_dist[:, None, :]).sum(2) if curves.patch_layers else p_cost * 0
     allowed = budget_bytes * n_tokens - payload.header_len(curves.n_layers)
@@ -333,8 +339,8 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     choice = choose(10**hi)
     if spent(choice) > allowed:
         least = (spent(choice) + payload.header_len(curves.n_layers)) / n_tokens
-        raise ValueError(f"a budget of {budget_bytes:g} B/token is below the smallest SCD payload for {n_tokens} tokens "
-                         f"({least:.0f} B/token)")
+        raise ValueError(f"a budget of {budget_bytes:g} B/token is below the smallest SCD payload for {n_tokens} "
+                         f"tokens ({least:.0f} B/token)")
     for _ in range(60):
         mid = (lo + hi) / 2
         c = choose(10**mid)
@@ -349,14 +355,16 @@ def rd_plan(curves: RateCurves, budget_bytes: float, n_tokens: int, sink: str = 
     code = [m == "code" for m in modes]
     plan = Plan(
         name or f"SCD RD @{budget_bytes:g} B/token", modes,
-        [r_of(choice["k"][i]) if code[i] else 0 for i in range(n)], [r_of(choice["v"][i]) if code[i] else 0 for i in range(n)],
+        [r_of(choice["k"][i]) if code[i] else 0 for i in range(n)],
+        [r_of(choice["v"][i]) if code[i] else 0 for i in range(n)],
         code_bits=4, code_group=g, sink=sink,
         bits_k=[b_of(choice["k"][i]) for i in range(n)], bits_v=[b_of(choice["v"][i]) for i in range(n)],
         bits_h=[bits[choice["patch"][i]] if i in choice["patch"] else 4 for i in range(n)],
     )
     predicted = sum(float(p_dist[curves.patch_layers.index(i), choice["patch"][i]]) if i in choice["patch"]
                     else float(dist["k"][i, choice["k"][i]] + dist["v"][i, choice["v"][i]]) for i in range(n))
-    return plan, {"predicted_kl": predicted, "bytes_per_token": (spent(choice) + payload.header_len(curves.n_layers)) / n_tokens,
+    return plan, {"predicted_kl": predicted,
+                  "bytes_per_token": (spent(choice) + payload.header_len(curves.n_layers)) / n_tokens,
                   "lambda": 10**hi}
 
 
@@ -372,7 +380,8 @@ def _fill(choice: dict, dist: dict, cost, p_dist, p_cost, patch_layers: list[int
             for layer in choice["patch"]:
                 ok[layer] = False
             if ok.any():
-                ratio = torch.where(ok, gain / extra.clamp_min(1e-9), torch.tensor(-1.0, dtype=gain.dtype, device=gain.device))
+                ratio = torch.where(ok, gain / extra.clamp_min(1e-9),
+                                    torch.tensor(-1.0, dtype=gain.dtype, device=gain.device))
                 flat = int(ratio.argmax())
                 layer, option = divmod(flat, ratio.shape[1])
                 if best is None or float(ratio[layer, option]) > best[0]:

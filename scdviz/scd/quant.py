@@ -46,7 +46,8 @@ def _grouped(x: Tensor, group: int, axis: str) -> tuple[Tensor, int]:
 
 
 def quantize_ints(x: Tensor, bits: int, group: int, axis: str) -> tuple[Tensor, Tensor, Tensor]:
-    """x (rows, cols) -> (integers (rows*cols,) uint8 in wire order, minima (n_groups,) fp16, steps (n_groups,) fp16)."""
+    """x (rows, cols) -> (integers (rows*cols,) uint8 in wire order, minima (n_groups,) fp16,
+    steps (n_groups,) fp16)."""
     rows, cols = x.shape
     if not rows * cols:  # an empty section (a rank-0 code): no values, no groups
         empty = x.new_zeros(0, dtype=torch.float16)
@@ -65,7 +66,8 @@ def quantize(x: Tensor, bits: int, group: int, axis: str) -> tuple[bytes, Tensor
     return pack(q, bits), lo, step
 
 
-def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bits: int, group: int, axis: str) -> Tensor:
+def dequantize(blob: bytes, lo: Tensor, step: Tensor, shape: tuple[int, int], bits: int, group: int,
+               axis: str) -> Tensor:
     """Inverse of ``quantize`` up to rounding: (rows, cols) float32."""
     return dequantize_ints(unpack(blob, bits, shape[0] * shape[1]), lo, step, shape, group, axis)
 

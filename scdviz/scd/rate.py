@@ -68,7 +68,8 @@ def _centred_energy(ys: list[Tensor]) -> float:
 
 
 def calibration_windows(pair, calib, n_windows: int) -> list[list[int]]:
-    """``n_windows`` of the calibration's selection windows (its text, never its fit windows), spread over its domains."""
+    """``n_windows`` of the calibration's selection windows (its text, never its fit windows), spread
+    over its domains."""
     select = calibration.windows(pair, calib.config)[2]  # the same windows the calibration drew
     step = max(1, len(select) // max(1, n_windows))
     return select[::step][:n_windows]
@@ -89,7 +90,8 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
     for window in tqdm(windows, desc="rate: curves and sensitivities", disable=not progress):
         case = transfer.prepare_case(pair.producer, pair.consumer, window, cfg.cont_len)
         oracle_k, oracle_v = hf.cache_kv(case.oracle_cache)
-        cos, sin = hf.rope(pair.consumer, torch.arange(case.state.ids.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0))
+        cos, sin = hf.rope(pair.consumer,
+                           torch.arange(case.state.ids.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0))
         for layer in range(n):  # the consumer's own rows, from the oracle's cache (pre-RoPE keys: rotated back)
             rows["kp"][layer].append(case.state.keys_pre[layer][1:])
             rows["kc"][layer].append(transfer.flat(hf.unrotate(oracle_k[layer], cos, sin))[1:].float().cpu())
@@ -101,7 +103,8 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
             for which, got, kl, sse in ((0, got_k, kl_k, sse_k), (1, got_v, kl_v, sse_v)):
                 keys, values = list(oracle_k), list(oracle_v)
                 (keys if which == 0 else values)[layer] = got[layer]
-                logits, _ = transfer.continuation(pair.consumer, hf.make_cache(pair.consumer, keys, values), case.fed, start)
+                logits, _ = transfer.continuation(pair.consumer, hf.make_cache(pair.consumer, keys, values), case.fed,
+                                                  start)
                 kl[layer] += float(metrics.kl_per_token(case.oracle_logits, logits).mean())
                 ref = (oracle_k if which == 0 else oracle_v)[layer]
                 sse[layer] += float(((got[layer].float() - ref.float()) ** 2).sum())
@@ -121,7 +124,8 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
     for kind, codes, total in (("k", calib.key_codes, total_k), ("v", calib.value_codes, total_v)):
         xs, ys = rows[f"{kind}p"], rows[f"{kind}c"]
         err[kind] = torch.stack([
-            torch.stack([error_by_rank(codes[layer], xs[layer], ys[layer], bits, cfg.code_group) for bits in BITS]) / total[layer]
+            torch.stack([error_by_rank(codes[layer], xs[layer], ys[layer], bits, cfg.code_group) for bits in BITS])
+            / total[layer]
             for layer in range(n)
         ]).float()
     patch_err = patch_sse / torch.stack([total_k[order], total_v[order]], 1)[:, None, :] if order else patch_sse

@@ -57,7 +57,8 @@ class LinearCode:
 
     def truncated(self, rank: int) -> LinearCode:
         """The same code keeping only ranks ≤ ``rank`` (smaller to store)."""
-        return LinearCode(self.mu_in, self.mu_out, self.enc[:, :rank], self.dec[:rank], self.spectrum[:rank], self.fit_err[: rank + 1])
+        return LinearCode(self.mu_in, self.mu_out, self.enc[:, :rank], self.dec[:rank], self.spectrum[:rank],
+                          self.fit_err[: rank + 1])
 
 
 class RRRStats:

@@ -76,7 +76,8 @@ class Timing:
 
     def _one_length(self, model, t: int, g, dec_k: Tensor, dec_v: Tensor, aligner: Tensor) -> dict:
         """The row of one prompt length: dec_k / dec_v (r, d_kv) code decoders, aligner (d, d)."""
-        device, dtype, reps, warmup, bits, fraction = self.device, self.dtype, self.reps, self.warmup, self.bits, self.fraction
+        device, dtype, reps, warmup, bits, fraction = (self.device, self.dtype, self.reps, self.warmup, self.bits,
+                                                       self.fraction)
         hidden, layers, _, kv_heads, head_dim, _, vocab = SHAPES[self.shape]
         rk, rv, patches, n_timed = dec_k.shape[0], dec_v.shape[0], self.patches, self.n_timed
         d_kv = kv_heads * head_dim

@@ -115,8 +115,10 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
         if mode == "raw":
             k, v = state.keys[layer][rows], state.values[layer][rows]
             w = min(plan.raw_window, k.shape[0] - 1) if plan.raw_bits < 16 else 0
-            sections.append(Section(layer, "k", k[: k.shape[0] - w], plan.raw_bits, plan.raw_group, "channel", plan.entropy))
-            sections.append(Section(layer, "v", v[: v.shape[0] - w], plan.raw_bits, plan.raw_group, "token", plan.entropy))
+            sections.append(Section(layer, "k", k[: k.shape[0] - w], plan.raw_bits, plan.raw_group, "channel",
+                                    plan.entropy))
+            sections.append(Section(layer, "v", v[: v.shape[0] - w], plan.raw_bits, plan.raw_group, "token",
+                                    plan.entropy))
             if w:
                 sections += [Section(layer, "k_recent", k[-w:]), Section(layer, "v_recent", v[-w:])]
         elif mode == "code":
@@ -128,7 +130,8 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
                                         step=steps[layer] if bits == 0 else 0.0))
         elif mode == "patch":
             z = calib.patch_for(layer).encode(state.h_in[layer][rows])
-            sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel", plan.entropy))
+            sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel",
+                                    plan.entropy))
     for start, _ in plan.runs():
         sections.append(Section(start, "resid", state.resid[start]))
     n_tokens = state.ids.shape[1]
@@ -151,7 +154,8 @@ def _rate_controlled(head: Layout, sections: list[Section], allowed: int) -> byt
     if least > allowed:
         raise ValueError(f"a budget of {allowed / n_tokens:g} B/token is below the smallest transform-coded payload "
                          f"for {n_tokens} tokens ({least / n_tokens:.1f} B/token)")
-    target = max(int(allowed * 0.996), least) - fixed  # the estimate codes a sample of rows: aim a little low, rarely re-encode
+    # the estimate codes a sample of rows: aim a little low, rarely re-encode
+    target = max(int(allowed * 0.996), least) - fixed
     scale = entropy.fit_scale([s.data for s in coded], rel, target, payload.SECTION.size)
     while True:
         for s, r in zip(coded, rel):
@@ -198,7 +202,8 @@ def receive(model, blob: bytes, calib=None) -> Received:
                 k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
             keys[layer], values[layer] = heads(dev(k), n_kv), heads(dev(v), n_kv)
         elif mode == "code":
-            noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None else noise_of[layer, kind]
+            noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None
+                          else noise_of[layer, kind]
                           for kind in ("k_code", "v_code"))
             k_pre, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
                                     calib.value_codes[layer].decode(by[layer, "v_code"]), noise)

@@ -43,12 +43,14 @@ class TtftConfig:
     """One TTFT measurement run."""
 
     domain: str | None = opt(None, "shipped corpus whose eval split gives the prompts (default: the specialist's own)")
-    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval split gives the prompts instead")
+    texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval "
+                            "split gives the prompts instead")
     limit: int = opt(3, "prompts")
     prompt_len: int = opt(1024, "prompt tokens per window")
     warmup: int = opt(1, "untimed rounds first")
     reps: int = opt(5, "timed rounds (each times every method once, in a shuffled order)")
-    budget: float = opt(3840.0, "also the transform-coded plan and the rate-distortion plan (packed and entropy coded) at this many payload bytes/token")
+    budget: float = opt(3840.0, "also the transform-coded plan and the rate-distortion plan (packed and entropy coded) "
+                        "at this many payload bytes/token")
     fan_out: int = opt(4, "specialists sharing one producer prefill (the shared-prefix column)")
     seed: int = opt(0, "order of the methods in each round")
 
@@ -78,7 +80,8 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
         raise ValueError("--reps and --limit must be at least 1")
     name = calibration.specialist_name(pair.consumer_source)
     domain = cfg.domain or builtin.training_corpus(name) or (calib.stats.get("domains") or data.corpora())[0]
-    windows = data.token_windows(pair.tokenizer, data.passages(data.USER if cfg.texts else domain, "eval", cfg.texts), cfg.prompt_len + 1, cfg.limit)
+    windows = data.token_windows(pair.tokenizer, data.passages(data.USER if cfg.texts else domain, "eval", cfg.texts),
+                                 cfg.prompt_len + 1, cfg.limit)
     if not windows:
         raise ValueError(f"the eval split of {cfg.texts or domain!r} has no window of {cfg.prompt_len + 1} tokens")
     rng = random.Random(cfg.seed)
@@ -114,7 +117,8 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
         if rnd >= cfg.warmup:
             for key, value in timings.items():
                 samples.setdefault(key, []).append(value)
-    return timing_table(samples, sizes, [p.name for p in plan_list], cfg.fan_out, len(windows) * cfg.reps, cfg.prompt_len)
+    return timing_table(samples, sizes, [p.name for p in plan_list], cfg.fan_out, len(windows) * cfg.reps,
+                        cfg.prompt_len)
 
 
 def timing_table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -> pd.DataFrame:
