@@ -8,13 +8,13 @@ Pairs and data
   a LoRA folder or a hub id) with their tokenizer; ``PairError`` names every mismatch.
   ``load_split(corpus, split) -> list[str]``: passages of a shipped corpus ("train" / "calib" / "eval").
 SCD (semantic cache distillation)
-  ``calibrate(pair, CalibConfig()) -> Calibration``; ``Calibration.save(folder)`` /
+  ``calibrate(CalibConfig(), pair) -> Calibration``; ``Calibration.save(folder)`` /
   ``Calibration.load(folder, pair=None)``. ``Codec(plan, calibration)`` or ``Codec.shipped(pair, ...)``:
   ``encode(producer, ids (1, T)) -> bytes`` and ``decode(consumer, bytes) -> DynamicCache``.
   ``Plan``: per-layer decisions (raw, code, patch, recompute). ``bench_text(pair, codec, text)``:
   every method and baseline on one text.
 DistillCache (learned eviction)
-  ``train(TrainConfig(), model, tokenizer, source) -> Policy``; ``Policy.save(folder)`` /
+  ``train(TrainConfig(), pair, callback=None) -> Policy``; ``Policy.save(folder)`` /
   ``Policy.load(path)``; ``DistillCachePress.keeping(policy, keep)`` is a kvpress press;
   ``eviction_view(model, tokenizer, context, keep=0.25)`` compares it with kvpress's presses.
 Records and figures

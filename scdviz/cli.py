@@ -113,7 +113,7 @@ def _calibrate(cmd: Calibrate) -> None:
     out = _out_folder(cmd.out, "calibrations", name, cmd.maintainer, calibration.shipped_folder(cmd.consumer))
     pair = load_pair(cmd.producer, cmd.consumer)
     t0 = time.perf_counter()
-    calib = cal.calibrate(pair, cmd.calib)
+    calib = cal.calibrate(cmd.calib, pair)
     calib.save(out, cmd.store_rank)
     _save_run(cmd, out, "calibrate", cmd.calib.seed, str(pair.device), time.perf_counter() - t0)
     print(f"patch order ({calib.config.selection}): {calib.patch_order}; drift order: {calib.drift_order}")

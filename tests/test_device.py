@@ -99,7 +99,7 @@ def _scd_paths(pair, calib, dtype):
 def fp32_pair_and_calib(texts):
     pair = make_pair(on_device(tiny_model("llama")), on_device(perturbed(1)))
     pair.device = DEVICE
-    return pair, cal.calibrate(pair, small_cfg(texts), progress=False)
+    return pair, cal.calibrate(small_cfg(texts), pair, progress=False)
 
 
 def test_scd_every_plan_under_the_wrong_device_trap(fp32_pair_and_calib):
@@ -111,7 +111,7 @@ def test_scd_every_plan_under_the_wrong_device_trap(fp32_pair_and_calib):
 def test_scd_calibrate_and_every_plan_in_bf16(texts):
     pair = make_pair(on_device(tiny_model("llama"), torch.bfloat16), on_device(perturbed(1), torch.bfloat16))
     pair.device, pair.dtype = DEVICE, torch.bfloat16
-    calib = cal.calibrate(pair, small_cfg(texts), progress=False)
+    calib = cal.calibrate(small_cfg(texts), pair, progress=False)
     results = _scd_paths(pair, calib, torch.bfloat16)
     assert results[0].kl > 0  # raw reuse of a different model's cache is not free
 

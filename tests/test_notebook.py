@@ -21,9 +21,9 @@ def test_the_example_notebook_runs_and_draws_its_figures(tmp_path, monkeypatch):
     producer = tiny_folder(tmp_path / "producer", text)
     consumer = tiny_folder(tmp_path / "consumer", text)  # same tokenizer; its own random weights (seed 0 again)
     pair = load_pair(str(producer), str(consumer))
-    calib = cal.calibrate(pair, calibration.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
-                                                cont_len=8, aligner_steps=5, n_candidates=2, patch_k=1, op_patch_k=1,
-                                                rate_windows=0), progress=False)
+    calib = cal.calibrate(calibration.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
+                                                  cont_len=8, aligner_steps=5, n_candidates=2, patch_k=1, op_patch_k=1,
+                                                  rate_windows=0), pair, progress=False)
     calib.save(tmp_path / "calib")
     for key, value in {"PRODUCER": producer, "CONSUMER": consumer, "CALIBRATION": tmp_path / "calib",
                        "CHARS": 400}.items():

@@ -53,10 +53,10 @@ def test_the_readme_example_runs_on_tiny_models(tmp_path, monkeypatch):
     text = user_text()
     producer, consumer = tiny_folder(tmp_path / "p", text), tiny_folder(tmp_path / "c", text)
     pair = scdviz.load_pair(str(producer), str(consumer))
-    calib = scdviz.calibrate(pair, scdviz.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
-                                                      cont_len=8, aligner_steps=5, n_candidates=2, patch_k=2,
-                                                      op_patch_k=2, rate_windows=0, gate_patches=False),
-                             progress=False)
+    calib = scdviz.calibrate(scdviz.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
+                                                cont_len=8, aligner_steps=5, n_candidates=2, patch_k=2,
+                                                op_patch_k=2, rate_windows=0, gate_patches=False),
+                             pair, progress=False)
     calib.save(tmp_path / "calib")
     monkeypatch.setattr("scdviz.scd.codec.shipped_folder", lambda source: tmp_path / "calib")
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))

@@ -70,7 +70,7 @@ def tiny_pair():
 
 @pytest.fixture(scope="module")
 def tiny_calib(tiny_pair, texts):
-    return cal.calibrate(tiny_pair, small_cfg(texts), progress=False)
+    return cal.calibrate(small_cfg(texts), tiny_pair, progress=False)
 
 
 def _window(n: int = 48, seed: int = 3) -> list[int]:
@@ -263,7 +263,7 @@ def test_plan_rejects_unknown_modes():
 def test_same_model_full_rank_reproduces_the_oracle_logits(texts, sink):
     model = tiny_model("llama")
     pair = make_pair(model, model)
-    calib = cal.calibrate(pair, small_cfg(texts, ridge=0.0, selection="given", given=[1]), progress=False)
+    calib = cal.calibrate(small_cfg(texts, ridge=0.0, selection="given", given=[1]), pair, progress=False)
     case = transfer.prepare_case(model, model, _window(), 8)
     rk, rv = plans.full_ranks(calib)
     for plan in (plans.scd_plan(rk, rv, code_bits=16, sink=sink), plans.raw_plan(3, sink=sink),
@@ -687,7 +687,7 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     from scdviz.scd import bench
 
     cfg = small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2)
-    calib = cal.calibrate(tiny_pair, cfg, progress=False)
+    calib = cal.calibrate(cfg, tiny_pair, progress=False)
     assert calib.stats["domains"] == ["jargon", "bible"]
     run = bench.ScdBenchConfig(lodo=True, limit=2, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False,
                                qa_answer_len=3)
@@ -708,7 +708,7 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     with pytest.raises(ValueError, match="only a domain the calibration saw"):
         bench.reports(dataclasses.replace(run, domains=["austen"]), tiny_pair, calib, progress=False)
     with pytest.raises(ValueError, match="needs a calibration of 2\\+ domains"):
-        bench.reports(run, tiny_pair, cal.calibrate(tiny_pair, small_cfg(None, domains=["bible"], n_fit=4, n_select=2),
+        bench.reports(run, tiny_pair, cal.calibrate(small_cfg(None, domains=["bible"], n_fit=4, n_select=2), tiny_pair,
                                                 progress=False), progress=False)
 
 
@@ -748,7 +748,7 @@ def test_linear_aligner_recovers_an_exact_linear_relation_in_kv_space_and_shrink
 def test_patch_table_gives_each_k_relative_to_reuse_only_on_the_same_prompts(tiny_pair, texts):
     from scdviz.scd import bench
 
-    calib = cal.calibrate(tiny_pair, small_cfg(texts, selection="given", given=[0, 2], patch_k=2), progress=False)
+    calib = cal.calibrate(small_cfg(texts, selection="given", given=[0, 2], patch_k=2), tiny_pair, progress=False)
     run = bench.ScdBenchConfig(texts=texts, limit=3, prompt_len=40, cont_len=8, gen_tokens=0, sent_rows=False,
                                qa_answer_len=0, sweeps=True)
     reports = bench.reports(run, tiny_pair, calib, progress=False)
@@ -777,7 +777,7 @@ def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches
 
 
 def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_pair, texts):
-    calib = cal.calibrate(tiny_pair, small_cfg(texts, gate_patches=False, n_candidates=3, patch_k=3), progress=False)
+    calib = cal.calibrate(small_cfg(texts, gate_patches=False, n_candidates=3, patch_k=3), tiny_pair, progress=False)
     windows = calibration.windows(tiny_pair, calib.config)[2]
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, calib.config.cont_len) for w in windows]
     assert len(calib.patch_order) == 3

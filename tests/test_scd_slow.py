@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def quick_calib(builtin_pair):
     cfg = calibration.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2,
                                   patch_k=1, op_patch_k=1)
-    return cal.calibrate(builtin_pair, cfg, progress=False)
+    return cal.calibrate(cfg, builtin_pair, progress=False)
 
 
 def test_full_rank_codes_with_own_sink_beat_raw_reuse_on_held_out_text(builtin_pair, quick_calib):

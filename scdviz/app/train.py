@@ -25,7 +25,7 @@ def calibrate_for(pair: Pair, session: Session, request: CalibrateRequest) -> tu
     folder = session.new_run(name, "calibrations")
     cfg = calibration.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k,
                                   code_bits=bits, patch_k=max(op_k, 2))
-    calib = cal.calibrate(pair, cfg)
+    calib = cal.calibrate(cfg, pair)
     calib.save(folder)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
     return calib, folder

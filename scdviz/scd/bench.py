@@ -258,8 +258,8 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
         torch.manual_seed(cfg.seed)  # seeded before the calibration, as each domain's measurement is
         rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
         texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
-        return cal.calibrate(pair, dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
-                                                       texts=texts, rate_windows=rate_windows), progress)
+        return cal.calibrate(dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
+                                                 texts=texts, rate_windows=rate_windows), pair, progress)
 
     def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
         if not cfg.lodo:  # with lodo, refit seeded before calibrating

@@ -1,6 +1,6 @@
 """SCD calibration: fit REUSE codes and PATCH aligners on paired prefixes, choose patch layers.
 
-``calibrate(pair, cfg)`` runs the same calibration windows through producer and consumer
+``calibrate(cfg, pair)`` runs the same calibration windows through producer and consumer
 and fits, per layer, reduced-rank codes for pre-RoPE keys and for values (token 0, the
 attention sink, left out of every fit: the consumer recomputes it) and a low-rank joint
 refinement of both, which the consumer adds to the decoded rows (keys and values are two
@@ -309,7 +309,7 @@ def _mlp(cfg: CalibConfig) -> MlpFit:
     return MlpFit(hidden=cfg.aligner_hidden, steps=cfg.aligner_steps, seed=cfg.seed)
 
 
-def calibrate(pair: Pair, cfg: CalibConfig, progress=True) -> Calibration:
+def calibrate(cfg: CalibConfig, pair: Pair, progress=True) -> Calibration:
     """Fit codes and aligners on a mixture of domains, select patch layers; see the module docstring."""
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
