@@ -113,3 +113,13 @@ def test_no_module_uses_another_modules_private_name(path):
                 and node.attr.startswith("_") and not node.attr.startswith("__")):
             bad.append(f"{node.lineno}: {node.value.id}.{node.attr}")
     assert not bad, f"{path.relative_to(ROOT)} uses private names of other modules: {bad}"
+
+
+def test_ruff_is_clean():
+    """The lint rules of pyproject.toml hold (private imports, argument counts, line length, imports)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", str(ROOT)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
