@@ -2,7 +2,7 @@
 
 ``observe`` runs the model over a context once with eager attention and, inside a
 per-layer hook, computes the DistillCache features (both forms) and the scores of any
-number of kvpress scorer presses on the full keys/values (DESIGN.md §7: one prefill can
+number of kvpress scorer presses on the full keys/values (one prefill can
 serve every press). ``prune`` builds the pruned cache for a set of kept indices.
 
 With ``lookahead=(G, K)`` it then samples K continuations of G tokens from the full cache

@@ -1,6 +1,6 @@
 """The 5 per-token features of DistillCache, from attention over a window of recent queries.
 
-For each cached token i (DESIGN.md §4), computed from the attention probabilities of
+For each cached token i (docs/design.md, DistillCache), computed from the attention probabilities of
 the last W queries and the cached values:
 
   0  alpha    mean attention received, normalised by how many window queries see i

@@ -11,7 +11,7 @@ Two scopes, following the policy's config:
   per_head  each layer and KV head keeps its own top-B (``score`` returns (B, Hkv, T));
   global    one token set for all layers: features are averaged over layers while the
             prefill runs, and at the last layer every layer's cache is pruned to the same
-            tokens (DESIGN.md §4 as specified).
+            tokens (as the method is specified: docs/design.md).
 
 Inside kvpress's wrapper presses (tests/test_press_wrappers.py):
   per_head  works in KeyRerotationPress, CriticalKVPress, PerLayerCompressionPress,
@@ -46,7 +46,7 @@ from scdviz.models import hf
 class DistillCachePress(ScorerPress):
     """Learned KV-cache eviction (DistillCache): an MLP over 5 attention features per token.
 
-    Based on the DistillCache document (seeds/003): REINFORCE-trained top-B selection.
+    The DistillCache method (docs/design.md): REINFORCE-trained top-B selection.
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""REINFORCE training of the DistillCache policy (DESIGN.md §4).
+"""REINFORCE training of the DistillCache policy (docs/design.md).
 
 Algorithm, per training context:
   1. one eager prefill gives the token features and the full cache; the full cache's
