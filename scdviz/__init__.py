@@ -11,7 +11,7 @@ SCD (semantic cache distillation)
   ``calibrate(CalibConfig(), pair) -> Calibration``; ``Calibration.save(folder)`` /
   ``Calibration.load(folder, pair=None)``. ``Codec(plan, calibration)`` or ``Codec.shipped(pair, ...)``:
   ``encode(producer, ids (1, T)) -> bytes`` and ``decode(consumer, bytes) -> DynamicCache``.
-  ``Plan``: per-layer decisions (raw, code, patch, recompute). ``bench_text(pair, codec, text)``:
+  ``Plan``: per-layer decisions (raw, code, patch, recompute). ``transfer_view(pair, codec, text)``:
   every method and baseline on one text.
 DistillCache (learned eviction)
   ``train(TrainConfig(), pair, callback=None) -> Policy``; ``Policy.save(folder)`` /
@@ -41,7 +41,7 @@ _WHERE = {  # public name -> the module that defines it
     "calibrate": "scdviz.scd.calibrate",
     "Plan": "scdviz.scd.plan",
     "Codec": "scdviz.scd.codec",
-    "bench_text": "scdviz.scd.bench",
+    "transfer_view": "scdviz.scd.view",
     "PolicyConfig": "scdviz.evict.policy",
     "Policy": "scdviz.evict.policy",
     "TrainConfig": "scdviz.evict.train",

@@ -7,7 +7,7 @@ import pytest
 from scdviz.app import evict, scd, train
 from scdviz.app.inputs import UserError
 from scdviz.app.requests import EvictRequest, ScdRequest
-from scdviz.scd import bench, calibration
+from scdviz.scd import calibration, view
 from scdviz.scd import plan as plans
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def test_bad_controls_get_specific_messages(builtin_pair, calib):
     with pytest.raises(ValueError, match=f"no aligner for layer {missing}"):
         plans.user_plan(calib, placement="manual", layers=[missing])
     with pytest.raises(ValueError, match="SCD needs at least"):
-        bench.window_of(builtin_pair, "too short", 32, 1024)
+        view.window_of(builtin_pair, "too short", 32, 1024)
     with pytest.raises(UserError, match="integers separated by commas"):
         scd.scd_run(builtin_pair, ScdRequest("x " * 100, 32, 8, 4, 0, 0, 0, "manual", "a, b", 10, 0.5))
     with pytest.raises(UserError, match="between 0 and 100"):

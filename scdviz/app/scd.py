@@ -72,7 +72,7 @@ def _parse_layers(text: str, n_layers: int) -> list[int]:
 def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> dict:
     """Every SCD method on one text, with tables, token texts and figures for the tab."""
     from scdviz import link, plots
-    from scdviz.scd import bench, measure
+    from scdviz.scd import bench, measure, view
     from scdviz.scd import plan as plans
 
     req = request.checked()
@@ -93,7 +93,7 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> 
         raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: "
                         "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
-    report = bench.bench_text(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
+    report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
                               budget=budget or None, coder=coder)
     plan = report.plans["SCD full"]
     full = next(r for r in report.methods if r.method == "SCD full")

@@ -1,9 +1,13 @@
 """SCD, Semantic Cache Distillation: move a producer's KV cache to a consumer as compact codes.
 
-Modules: rrr (REUSE codes), patch (PATCH codes + aligners), quant and payload (the wire
-format), plan (every per-layer decision: lineup, operating point, rank budgets, sweeps),
-calibrate (fitting and the saved artefact), transfer (the one machinery that runs any
-plan), measure (plans on the same prompts, analyses, tables), bench (``bench scd`` and the
-SCD tab's one-text run, rows, the projection). The link / TTFT model is scdviz.link; the
-commands are in scdviz.cli. Nothing runs at import time.
+What a user holds: ``codec.Codec`` (a plan and its calibration: ``encode`` / ``encode_kv`` ->
+bytes, ``decode`` -> the consumer's cache) and ``calibration.Calibration`` (the fitted artefact,
+``save`` / ``load``), made by ``calibrate.calibrate(cfg, pair)``; ``bench.run(cfg, pair)`` gives a
+``BenchRecord``, ``view.transfer_view`` one text through every method.
+
+Underneath: rrr (REUSE codes), patch (PATCH codes + aligners), quant, entropy and payload (the
+wire format), rate (rate-distortion curves), plan (every per-layer decision: lineup, operating
+point, rank budgets, sweeps), transfer (the one machinery that runs any plan), measure (plans on
+the same prompts, analyses, tables), ttft and scale (timing). The link / TTFT model is
+scdviz.link; the commands are in scdviz.cli. Nothing runs at import time.
 """

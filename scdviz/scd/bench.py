@@ -26,7 +26,6 @@ from scdviz.records import BenchRecord
 from scdviz.scd import calibrate as cal
 from scdviz.scd import calibration, measure, rate
 from scdviz.scd import plan as plans
-from scdviz.scd.codec import Codec
 from scdviz.scd.plan import SINKS, Plan
 
 CODERS = ("transform", "rd")  # how a byte budget becomes a plan (budget_plan)
@@ -417,34 +416,3 @@ def rows(report: BenchReport) -> list[dict]:
              "label": "analytic projection, not a measurement", **p}
             for p in report.projection]
     return out
-
-
-def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int]:
-    """Token ids of ``text`` as one benchmark window (prompt + continuation)."""
-    if not text or not text.strip():
-        raise ValueError("the prompt is empty")
-    ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < cont_len + 16:
-        raise ValueError(f"the text has {len(ids)} tokens; SCD needs at least {cont_len + 16} "
-                         f"(a prompt of 16+ tokens and {cont_len} continuation tokens to score)")
-    if len(ids) > max_tokens:
-        raise ValueError(f"the text has {len(ids)} tokens; this app accepts at most {max_tokens}")
-    return list(ids)
-
-
-def bench_text(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
-               cont_len: int = 32, gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024,
-               budget: float | None = None, coder: str = "transform") -> BenchReport:
-    """The app's view: ``bench`` on the one window made from the user's text.
-
-    Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
-    ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
-    (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
-    ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full.
-    """
-    if isinstance(calib, Codec):
-        calib, plan = calib.calibration, calib.plan
-    window = window_of(pair, text, cont_len, max_tokens)
-    cfg = ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=sweeps, budget=budget, coder=coder,
-                         sent_rows=False, qa_answer_len=0)
-    return bench(pair, calib, [window], cfg, pair.consumer_source, progress=False, scd_full=plan)

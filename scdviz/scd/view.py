@@ -1,0 +1,46 @@
+"""One text through every SCD method, as the SCD tab shows it (the DistillCache twin is
+``scdviz.evict.view``).
+
+``transfer_view(pair, codec, text)`` makes one benchmark window of the text (its last
+``cont_len`` tokens the teacher-forced continuation) and runs ``scdviz.scd.bench.bench`` on
+it, so its numbers equal ``python -m scdviz bench scd`` on that window. No sweeps over
+held-out text here (``bench.run``).
+"""
+
+from __future__ import annotations
+
+from scdviz.models.pair import Pair
+from scdviz.scd import bench, calibration
+from scdviz.scd.codec import Codec
+from scdviz.scd.plan import Plan
+
+
+def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int]:
+    """Token ids of ``text`` as one benchmark window (prompt + continuation)."""
+    if not text or not text.strip():
+        raise ValueError("the prompt is empty")
+    ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < cont_len + 16:
+        raise ValueError(f"the text has {len(ids)} tokens; SCD needs at least {cont_len + 16} "
+                         f"(a prompt of 16+ tokens and {cont_len} continuation tokens to score)")
+    if len(ids) > max_tokens:
+        raise ValueError(f"the text has {len(ids)} tokens; this app accepts at most {max_tokens}")
+    return list(ids)
+
+
+def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
+               cont_len: int = 32, gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024,
+               budget: float | None = None, coder: str = "transform") -> bench.BenchReport:
+    """The SCD tab's view of one text: ``bench`` on the one window made from it.
+
+    Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
+    ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
+    (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
+    ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full.
+    """
+    if isinstance(calib, Codec):
+        calib, plan = calib.calibration, calib.plan
+    window = window_of(pair, text, cont_len, max_tokens)
+    cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=sweeps, budget=budget, coder=coder,
+                         sent_rows=False, qa_answer_len=0)
+    return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=False, scd_full=plan)
