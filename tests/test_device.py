@@ -116,6 +116,35 @@ def test_scd_calibrate_and_every_plan_in_bf16(texts):
     assert results[0].kl > 0  # raw reuse of a different model's cache is not free
 
 
+def _codec_paths(pair, calib, dtype) -> None:
+    """scdviz.Codec: encode from a model, encode_kv from an engine's cache (K, V and H_in in the
+    model's dtype, on its device), decode into the consumer's dtype."""
+    from scdviz.scd.codec import Codec
+
+    ids = torch.tensor([_window(40, 5)], device=DEVICE)
+    trace = hf.forward(pair.producer, ids, capture={"h_in"})
+    keys, values = hf.cache_kv(trace.cache)
+    for codec in (Codec.of(calib, patch_k=1, bits=4), Codec.raw(calib.n_layers, bits=4)):
+        h_in = {i: trace.h_in[i][0] for i in codec.plan.layers_in("patch")}
+        for blob in (codec.encode(pair.producer, ids), codec.encode_kv(pair.producer, ids, keys, values, h_in)):
+            cache = codec.decode(pair.consumer, blob)
+            assert {k.dtype for k in hf.Trace(None, cache, None).keys} == {dtype}, codec.plan.name
+            assert {k.device for k in hf.Trace(None, cache, None).keys} == {DEVICE}, codec.plan.name
+
+
+def test_codec_under_the_wrong_device_trap(fp32_pair_and_calib):
+    pair, calib = fp32_pair_and_calib
+    with wrong_device_trap():
+        _codec_paths(pair, calib, torch.float32)
+
+
+def test_codec_in_bf16(fp32_pair_and_calib):
+    pair, calib = fp32_pair_and_calib
+    half = make_pair(on_device(tiny_model("llama"), torch.bfloat16), on_device(perturbed(1), torch.bfloat16))
+    half.device, half.dtype = DEVICE, torch.bfloat16
+    _codec_paths(half, calib, torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- eviction
 
 
