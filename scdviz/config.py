@@ -43,6 +43,25 @@ def _unwrap(tp):
     return tp, False, optional
 
 
+def flag_of(f) -> str:
+    """The command-line flag of a config field: ``--name-with-dashes``, or the one ``opt(flag=...)`` names."""
+    return "--" + (f.metadata.get("flag") or f.name.replace("_", "-"))
+
+
+def flags(cls) -> dict[str, tuple[str, object]]:
+    """{field: (flag, default)} of every flag of ``cls``, nested config dataclasses flattened (as
+    ``add_arguments`` makes them)."""
+    out: dict[str, tuple[str, object]] = {}
+    hints = _hints(cls)
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            out.update(flags(hints[f.name]))
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        out[f.name] = (flag_of(f), default)
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of ``cls`` (nested config dataclasses flattened); help, with the default, on every flag."""
     hints = _hints(cls)
@@ -56,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
         meta = f.metadata
         if not meta.get("help"):
             raise TypeError(f"{cls.__name__}.{f.name} has no help text; declare it with opt(default, help)")
-        flag = "--" + (meta.get("flag") or f.name.replace("_", "-"))
+        flag = flag_of(f)
         base, is_list, _ = _unwrap(tp)
         default = (f.default_factory() if f.default_factory is not MISSING
                    else (None if f.default is MISSING else f.default))

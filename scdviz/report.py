@@ -13,21 +13,20 @@ table ends with a line naming its record file(s) and the command that made each 
 ``.toml`` beside it when one holds the record's settings, else the flags rebuilt from the
 record's settings).
 
-Library layer: reads records (``scdviz.records``) and nothing else at import; the paired
+Library layer: imports records and config (no torch) and reads nothing at import; the paired
 bootstrap intervals are the benches' own (``scdviz.metrics``, imported when a table needs one),
 so an interval here is the one the bench prints.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import re
 import tomllib
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
-from scdviz import records, settings
+from scdviz import config, records, settings
 
 SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the docs' order
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
@@ -49,8 +48,10 @@ def _rel(path: Path) -> str:
         return path.name
 
 
+@functools.cache
 def _read(rel: str) -> records.BenchRecord:
-    """A shipped record by its path under assets/ (``scd/jargon/bench.json``)."""
+    """A shipped record by its path under assets/ (``scd/jargon/bench.json``), read once per process
+    (every table and source line names its records again; the tables only read them)."""
     return records.read(settings.ASSETS_DIR / rel)
 
 
@@ -89,20 +90,7 @@ def _cli_defaults(kind: str) -> dict[str, tuple[str, object]]:
     """{field: (flag, default)} of ``bench KIND``'s settings, from the CLI's own dataclasses."""
     from scdviz import commands  # lazily: the command settings import every bench (and torch)
 
-    cls = commands.BENCHES[kind]
-    out: dict[str, tuple[str, object]] = {}
-
-    def walk(c) -> None:
-        hints = typing.get_type_hints(c)
-        for f in dataclasses.fields(c):
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name])
-                continue
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            out[f.name] = ("--" + (f.metadata.get("flag") or f.name.replace("_", "-")), default)
-
-    walk(cls)
-    return out
+    return config.flags(commands.BENCHES[kind])
 
 
 def command(path: Path, record: records.BenchRecord) -> str:

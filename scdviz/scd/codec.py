@@ -94,16 +94,8 @@ class Codec:
                              f"{len(values)}")
         positions = torch.arange(ids.shape[1], device=keys[0].device).unsqueeze(0)
         cos, sin = hf.rope(producer, positions)
-        host = lambda t: t.detach().float().cpu()  # noqa: E731  (codes live on the host, as in producer_state)
-        state = ProducerState(
-            ids=ids.cpu(),
-            keys_pre=[host(transfer.flat(hf.unrotate(k, cos.to(k.dtype), sin.to(k.dtype)))) for k in keys],
-            keys=[host(transfer.flat(k)) for k in keys],
-            values=[host(transfer.flat(v)) for v in values],
-            h_in=[host(h_in[i]) if h_in and i in h_in else None for i in range(len(keys))],
-            resid=[],
-            seconds=0.0,
-        )
+        keys_pre = [hf.unrotate(k, cos.to(k.dtype), sin.to(k.dtype)) for k in keys]
+        state = transfer.host_state(ids, keys_pre, keys, values, [(h_in or {}).get(i) for i in range(len(keys))], [])
         return transfer.build_payload(state, self.plan, self.calibration)
 
     def decode(self, consumer, blob: bytes):

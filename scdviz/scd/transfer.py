@@ -95,16 +95,18 @@ def producer_state(model, prefix: Tensor) -> ProducerState:
     t0 = time.perf_counter()
     tr = hf.forward(model, prefix, capture=hf.CAPTURE_ALL)
     seconds = time.perf_counter() - t0
-    cpu = lambda t: t.detach().float().cpu()  # noqa: E731  (codes and aligners live on the CPU)
-    return ProducerState(
-        ids=prefix.cpu(),
-        keys_pre=[cpu(flat(k)) for k in tr.keys_pre],
-        keys=[cpu(flat(k)) for k in tr.keys],
-        values=[cpu(flat(v)) for v in tr.values],
-        h_in=[cpu(h[0]) for h in tr.h_in],
-        resid=[cpu(r[0]) for r in tr.resid],
-        seconds=seconds,
-    )
+    return host_state(prefix, tr.keys_pre, tr.keys, tr.values, [h[0] for h in tr.h_in], [r[0] for r in tr.resid],
+                      seconds)
+
+
+def host_state(ids: Tensor, keys_pre: list[Tensor], keys: list[Tensor], values: list[Tensor],
+               h_in: list[Tensor | None], resid: list[Tensor], seconds: float = 0.0) -> ProducerState:
+    """A ``ProducerState`` on the host in float32 (codes and aligners live on the CPU) from per-layer
+    keys / values (1, Hkv, T, D), h_in (T, d) or None and resid (T, d), on any device and dtype."""
+    cpu = lambda t: None if t is None else t.detach().float().cpu()  # noqa: E731
+    return ProducerState(ids=ids.cpu(), keys_pre=[cpu(flat(k)) for k in keys_pre], keys=[cpu(flat(k)) for k in keys],
+                         values=[cpu(flat(v)) for v in values], h_in=[cpu(h) for h in h_in],
+                         resid=[cpu(r) for r in resid], seconds=seconds)
 
 
 def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
