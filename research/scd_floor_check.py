@@ -201,7 +201,8 @@ def floor_and_quantiser(pair, calib, name: str) -> None:
 def eval_floor(pair, calib, name: str) -> None:
     corpus = builtin.training_corpus(name)
     cfg = bench.ScdBenchConfig()  # the bench's defaults: 16 prompts of 256 + 32 tokens
-    cases = measure.prepare_cases(pair, bench.eval_windows(None, cfg, pair, corpus), cfg.cont_len, progress=False)
+    cases = measure.prepare_cases(pair, [w.ids for w in bench.eval_windows(None, cfg, pair, corpus)], cfg.cont_len,
+                                   progress=False)
     raw = _kls(pair, calib, cases, plans.raw_plan(calib.n_layers))
     rows = [("full-rank codes in fp16", _fp16_plan(calib)),
             ("full-rank codes in int4", plans.full_rank_plan(calib))]

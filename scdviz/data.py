@@ -8,12 +8,24 @@ is split by passage, every fifth passage from the 4th on to ``calib`` and from t
 to ``eval`` (60 / 20 / 20; ``text_split``). The shipped text lives in
 ``assets/text/<corpus>/{train,calib,eval}.txt``; the three splits never share a passage
 (see assets/text/README.md for provenance and licence, and ``scdviz.prepare_text`` for
-how they were built). This module does not tokenise beyond ``token_windows``.
+how they were built). This module does not tokenise beyond ``token_windows`` / ``eval_windows``.
+
+**Slices of an eval split** (the evaluation protocol): the first ``DEV_SHARE`` of its
+passages, in order, are ``dev`` (what benches read while a method is iterated on, and what
+every choice may look at), the rest are ``test`` (read once per shipped artefact, by a run
+from a clean tree). ``dev`` holds every passage any record or script read before the slices
+existed (they all read the opening windows of each eval split: at most 6,160 tokens, 5 to 17
+passages; ``tests/test_data.py`` checks that those lie in ``dev``). ``eval_windows`` cuts a
+slice into windows and takes ``n`` of them spread evenly through it (not the first ``n``);
+the text between the windows taken stays unread. Each window names the passage it starts in,
+so intervals can resample whole passages (``scdviz.metrics``, ``clusters``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +34,8 @@ from scdviz import settings
 
 TEXT_DIR = settings.ASSETS_DIR / "text"
 SPLITS = ("train", "calib", "eval")
+SLICES = ("dev", "test")  # slices of an eval split (module docstring)
+DEV_SHARE = 0.3  # the first 30 % of an eval split's passages are dev, the rest test
 
 
 def corpora() -> list[str]:
@@ -116,6 +130,52 @@ def token_windows(tokenizer, passages: list[str], length: int, limit: int | None
             if limit is not None and len(windows) >= limit:
                 return windows
     return windows
+
+
+def slice_passages(passages: list[str], slice_: str) -> list[tuple[int, str]]:
+    """(index in the split, passage) of one slice of an eval split's passages (module docstring)."""
+    if slice_ not in SLICES:
+        raise ValueError(f"unknown slice {slice_!r}; use one of {', '.join(SLICES)}")
+    cut = math.ceil(DEV_SHARE * len(passages))
+    at = range(cut) if slice_ == "dev" else range(cut, len(passages))
+    return [(i, passages[i]) for i in at]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One evaluation window: token ids, its domain and the passage it starts in (its cluster)."""
+
+    ids: list[int]
+    domain: str
+    passage: int  # index of the passage (in its eval split) the window starts in
+
+    @property
+    def cluster(self) -> str:
+        """The unit an interval resamples: ``domain:passage``."""
+        return f"{self.domain}:{self.passage}"
+
+
+def eval_windows(tokenizer, domain: str, slice_: str, length: int, n: int, texts: str | Path | None = None,
+                 lead: list[int] | tuple[int, ...] = ()) -> list[Window]:
+    """``n`` windows of ``len(lead) + length`` ids from one slice of ``domain``'s eval split, spread
+    evenly through it: the slice is cut into every non-overlapping window (passages joined by blank
+    lines, as ``token_windows`` does) and window ``floor((i + 1/2) * total / n)`` is taken for
+    i < n (all of them when the slice has n or fewer). ``lead`` (e.g. a BOS id) starts each window.
+    ValueError when the slice has no window of ``length`` tokens."""
+    if n < 1:
+        raise ValueError(f"the number of windows must be at least 1, not {n}")
+    ids: list[int] = []
+    starts: list[int] = []  # passage index of each id
+    for index, passage in slice_passages(passages(domain, "eval", texts), slice_):
+        piece = tokenizer(passage + "\n\n", add_special_tokens=False)["input_ids"]
+        ids.extend(piece)
+        starts.extend([index] * len(piece))
+    total = len(ids) // length
+    if total == 0:
+        raise ValueError(f"the {slice_} slice of {domain!r}'s eval text has no window of {length} tokens "
+                         f"({len(ids)} tokens in all)")
+    picks = range(total) if total <= n else [int((i + 0.5) * total / n) for i in range(n)]
+    return [Window(list(lead) + ids[k * length:(k + 1) * length], domain, starts[k * length]) for k in picks]
 
 
 def split_prompt(window: list[int], cont_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,9 +6,12 @@ protocol is written once:
 
 - ``by_domain`` measures each domain, either with the artefact the caller holds or, for
   leave-one-domain-out, with an artefact fitted again without that domain (``fit``);
+- ``check_slice`` guards the slices of the eval text (``scdviz.data``): ``dev`` for iterating,
+  ``test`` only from a clean committed tree, so a test record always names the code it ran;
 - ``vs_best`` compares one method's per-item values (KL per prompt or context) with the best of
   a set of baselines on the same items: which baseline is best (lowest mean), the paired
-  bootstrap interval of the difference and ratio (``scdviz.metrics.paired_bootstrap``), wins;
+  bootstrap interval of the difference and ratio (``scdviz.metrics.paired_bootstrap``, over
+  whole passages when the items carry ``clusters``), wins;
 - ``per_domain`` does the same on each domain's items alone;
 - ``record`` / ``merge`` turn a bench's rows into a ``scdviz.records.BenchRecord``;
 - ``show`` prints a table (a pandas DataFrame) the one way the CLI prints every table.
@@ -22,7 +25,20 @@ from collections.abc import Callable, Iterable, Sequence
 
 import pandas as pd
 
-from scdviz import metrics, records
+from scdviz import data, metrics, records
+
+
+def check_slice(slice_: str) -> None:
+    """ValueError unless ``slice_`` is an eval slice and, for ``test``, the checkout is a clean git tree:
+    a test-slice record must name committed code (``records.git_commit``)."""
+    if slice_ not in data.SLICES:
+        raise ValueError(f"unknown slice {slice_!r}; use one of {', '.join(data.SLICES)}")
+    if slice_ == "test":
+        commit = records.git_commit()
+        if commit is None or commit.endswith("+dirty"):
+            raise ValueError("a run on the test slice needs a clean, committed git checkout (its record names the "
+                             f"commit it ran; this one is {commit or 'not a git checkout'}): commit or stash your "
+                             "changes, or measure on --slice dev")
 
 
 def by_domain(domains: Sequence[str], evaluate: Callable, artefact=None, *, fit: Callable | None = None,
@@ -51,15 +67,17 @@ def best_of(values: dict[str, list[float]], baselines: Iterable[str]) -> str:
     return min(baselines, key=lambda m: sum(values[m]))
 
 
-def vs_best(values: dict[str, list[float]], method: str, baselines: Iterable[str], min_n: int = 2) -> dict:
+def vs_best(values: dict[str, list[float]], method: str, baselines: Iterable[str], min_n: int = 2,
+            clusters: Sequence | None = None) -> dict:
     """``method``'s per-item values against the best of ``baselines`` on the same items.
 
     values: method -> one value per item (lower is better), items paired across methods.
     Returns {"best" (the baseline with the lowest mean), "mean", "best_mean" (sum / n),
     "n", "wins" (fraction of items where ``method`` is lower), "above" (items where it is
     higher), "boot" (``metrics.paired_bootstrap(best, method)``: method - best and method / best
-    with 95% intervals; None with fewer than ``min_n`` items)}. A ``method`` that is itself the
-    best is compared with itself (no wins, a zero difference): callers that list baselines say so.
+    with 95% intervals, resampling whole ``clusters`` when given; None with fewer than ``min_n``
+    items)}. A ``method`` that is itself the best is compared with itself (no wins, a zero
+    difference): callers that list baselines say so.
     """
     best = best_of(values, baselines)
     mine, theirs = values[method], values[best]
@@ -67,20 +85,23 @@ def vs_best(values: dict[str, list[float]], method: str, baselines: Iterable[str
     return {"best": best, "mean": sum(mine) / n, "best_mean": sum(theirs) / n, "n": n,
             "wins": sum(a < b for a, b in zip(mine, theirs, strict=True)) / n,
             "above": sum(a > b for a, b in zip(mine, theirs, strict=True)),
-            "boot": metrics.paired_bootstrap(theirs, mine) if n >= min_n else None}
+            "boot": metrics.paired_bootstrap(theirs, mine, clusters=None if clusters is None else list(clusters))
+            if n >= min_n else None}
 
 
 def per_domain(domains: Sequence[str], values: dict[str, list[float]], method: str, baselines: Iterable[str],
-               min_n: int = 2) -> list[tuple[str, dict]]:
+               min_n: int = 2, clusters: Sequence | None = None) -> list[tuple[str, dict]]:
     """(domain, ``vs_best`` on that domain's items alone) per domain, in order of first appearance.
 
     domains: the domain of each item (as long as each list in ``values``); the best baseline is
-    chosen again on each domain's items."""
+    chosen again on each domain's items; ``clusters`` as in ``vs_best``, one per item."""
     baselines = list(baselines)
     out = []
     for domain in dict.fromkeys(domains):
         at = [i for i, d in enumerate(domains) if d == domain]
-        out.append((domain, vs_best({m: [v[i] for i in at] for m, v in values.items()}, method, baselines, min_n)))
+        sub = None if clusters is None else [clusters[i] for i in at]
+        out.append((domain, vs_best({m: [v[i] for i in at] for m, v in values.items()}, method, baselines, min_n,
+                                    sub)))
     return out
 
 

@@ -182,3 +182,35 @@ def test_prompt_limits(monkeypatch):
     assert pairs.encode_prompt(_FakePair(), "abc") == [97, 98, 99]
     with pytest.raises(pairs.UserError, match="choose a consumer"):
         pairs.get_pair("builtin:smollm2-135m", "")
+
+
+@pytest.mark.parametrize("corpus", sorted(SHIPPED))
+def test_dev_and_test_slices_split_each_eval_split_once(corpus):
+    passages = data.load_split(corpus, "eval")
+    dev, test = data.slice_passages(passages, "dev"), data.slice_passages(passages, "test")
+    assert [i for i, _ in dev] + [i for i, _ in test] == list(range(len(passages)))  # disjoint, covering, in order
+    assert len(dev) == -(-3 * len(passages) // 10)  # the first 30 %, rounded up
+    assert [p for _, p in dev + test] == passages
+    with pytest.raises(ValueError, match="unknown slice"):
+        data.slice_passages(passages, "eval")
+
+
+def test_eval_windows_are_spread_through_the_slice_and_name_their_passage(tmp_path):
+    passages = ["".join(chr(256 + 30 * i + k) for k in range(30)) for i in range(20)]  # 30 distinct characters
+    (tmp_path / "t.txt").write_text("\n\n".join(passages))
+    text = tmp_path / "t.txt"
+    # user text: passages 4, 9, 14, 19 are its eval split (i % 5 == 4): dev = [4, 9], test = [14, 19]
+    test = data.eval_windows(_Tok(), data.USER, "test", 8, 2, text)
+    assert len(test) == 2 and {w.passage for w in test} == {2, 3} and all(len(w.ids) == 8 for w in test)
+    everything = data.eval_windows(_Tok(), data.USER, "test", 8, 100, text)  # fewer than asked: all of them
+    assert len(everything) == (2 * 32) // 8
+    starts = [everything.index(w) for w in test]
+    assert starts == [2, 6]  # floor((i + 1/2) * 8 / 2): spread, not the first two
+    for w in everything:  # a window's passage is the one its first token came from
+        own = passages[(4, 9, 14, 19)[w.passage]]
+        assert (chr(w.ids[0]) in own + "\n") and w.cluster == f"texts:{w.passage}"
+        assert chr(w.ids[0]) != "\n" or everything.index(w) > 0
+    dev = data.eval_windows(_Tok(), data.USER, "dev", 8, 100, text, lead=[1])
+    assert all(w.ids[0] == 1 and len(w.ids) == 9 for w in dev) and {w.passage for w in dev} == {0, 1}
+    with pytest.raises(ValueError, match="no window of 100 tokens"):
+        data.eval_windows(_Tok(), data.USER, "dev", 100, 4, text)

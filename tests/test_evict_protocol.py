@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from scdviz import metrics
+from scdviz import data, metrics
 from scdviz.evict import bench
 from scdviz.evict.policy import Policy, PolicyConfig
 from scdviz.models import hf
@@ -27,7 +27,8 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
                _ctx({"learned": 0.10, "A": 0.12, "B": 0.30}),
                _ctx({"learned": 0.30, "A": 0.10, "B": 0.11})]
     rows = bench.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "B"},
-                             domains=["x", "x", "y"], chosen="learned", failed={"C": "no gates"})
+                             windows=[data.Window([], d, p) for d, p in (("x", 0), ("x", 1), ("y", 0))],
+                             chosen="learned", failed={"C": "no gates"})
     by = {r["method"]: r for r in rows}
     assert by["A"]["best_baseline"] == "A" and by["A"]["kl_minus_best"] is None  # A: mean .14 < B: .153
     boot = metrics.paired_bootstrap([0.20, 0.12, 0.10], [0.10, 0.10, 0.30])
@@ -56,14 +57,14 @@ def test_contexts_spread_evenly_over_the_domains():
             return {"input_ids": [hash(w) % 97 for w in text.split()]}
 
     cfg = bench.EvalConfig(corpora=("austen", "bible", "jargon"), limit=7, context_len=40, question_len=4, cont_len=4)
-    domains = [d for d, _ in bench.contexts(cfg, Words())]
+    domains = [w.domain for w in bench.contexts(cfg, Words())]
     assert len(domains) == 7 and domains[:3] == ["austen", "bible", "jargon"]
     assert max(domains.count(d) for d in set(domains)) - min(domains.count(d) for d in set(domains)) <= 1
     Words.bos_token_id = 96
     plain = bench.contexts(cfg, Words())
     with_bos = bench.contexts(dataclasses.replace(cfg, bos=True), Words())
-    assert all(w[0] == 96 and len(w) == 48 == len(p) for (_, w), (_, p) in zip(with_bos, plain, strict=True))
-    assert with_bos[0][1][1:] == plain[0][1][:47]  # BOS, then the same text
+    assert all(w.ids[0] == 96 and len(w.ids) == 48 == len(p.ids) for w, p in zip(with_bos, plain, strict=True))
+    assert [w.domain for w in bench.contexts(dataclasses.replace(cfg, slice="test"), Words())] == domains
 
 
 def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):

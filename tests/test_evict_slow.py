@@ -49,10 +49,10 @@ def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, poli
     )
     windows = bench.contexts(cfg, tokenizer)
     per_ctx = [
-        bench.score_context(model, torch.tensor([w]), cfg.context_len, cfg, policies, bench.baselines())[
+        bench.score_context(model, torch.tensor([w.ids]), cfg.context_len, cfg, policies, bench.baselines())[
             "results"
         ]
-        for _, w in windows
+        for w in windows
     ]
     records = bench.aggregate(
         per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(bench.baselines())

@@ -99,3 +99,71 @@ def test_show_prints_every_column_without_the_index():
     assert lines[0].split() == ["method", "kl", "ci"] and len(lines) == 3
     assert lines[1].split()[:3] == ["raw", "KV", "0.250"] and "NaN" not in text
     assert protocol.show(pd.DataFrame()) == "(no rows)"
+
+
+# ----------------------------------------------------------------------------- the evaluation protocol
+
+
+def test_kl_is_kl_of_the_reference_to_the_method_by_hand():
+    import math
+
+    import torch
+
+    p, q = [0.7, 0.2, 0.1], [0.2, 0.5, 0.3]
+    ref = torch.tensor([[math.log(x) + 3.0 for x in p]])  # softmax ignores the shift
+    method = torch.tensor([[math.log(x) - 1.0 for x in q]])
+    # KL(p || q) = 0.7 ln 3.5 + 0.2 ln 0.4 + 0.1 ln(1/3) = 0.58381; KL(q || p) = 0.53718
+    assert float(metrics.kl_per_token(ref, method)[0]) == pytest.approx(0.583808, abs=1e-5)
+    assert float(metrics.kl_per_token(method, ref)[0]) == pytest.approx(0.537180, abs=1e-5)
+    assert float(metrics.kl_per_token(ref, ref)[0]) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_cluster_bootstrap_resamples_whole_passages():
+    a = [0.10, 0.32, 0.21, 0.45, 0.17, 0.28, 0.39, 0.12]
+    b = [0.11, 0.20, 0.25, 0.30, 0.10, 0.26, 0.33, 0.09]
+    # one cluster per item is the item bootstrap, draw for draw
+    alone = metrics.paired_bootstrap(a, b, clusters=list(range(8)))
+    assert alone["diff_ci"] == pytest.approx(metrics.paired_bootstrap(a, b)["diff_ci"], abs=1e-12)
+    # every window seen twice (two windows of one passage, equal values): resampling passages gives the
+    # item bootstrap of the 8 distinct values; resampling windows would pretend 16 items and be narrower
+    twice_a, twice_b = [x for x in a for _ in range(2)], [x for x in b for _ in range(2)]
+    passages = [i // 2 for i in range(16)]
+    clustered = metrics.paired_bootstrap(twice_a, twice_b, clusters=passages)
+    assert clustered["diff_ci"] == pytest.approx(alone["diff_ci"], abs=1e-12) and clustered["clusters"] == 8
+    naive = metrics.paired_bootstrap(twice_a, twice_b)
+    assert naive["diff_ci"][1] - naive["diff_ci"][0] < 0.85 * (clustered["diff_ci"][1] - clustered["diff_ci"][0])
+    # one passage only: every resample is the whole sample, the interval is the mean itself
+    one = metrics.bootstrap_mean(a, clusters=["p"] * 8)
+    assert one["ci"] == pytest.approx([sum(a) / 8] * 2, abs=1e-12)
+    with pytest.raises(ValueError, match="cluster labels"):
+        metrics.paired_bootstrap(a, b, clusters=[0, 1])
+
+
+def test_vs_best_and_per_domain_pass_the_clusters_on():
+    values = {"m": [0.1, 0.1, 0.2, 0.2], "base": [0.2, 0.2, 0.1, 0.1]}
+    together = protocol.vs_best(values, "m", ["base"], clusters=["x", "x", "y", "y"])
+    assert together["boot"]["clusters"] == 2
+    assert protocol.vs_best(values, "m", ["base"])["boot"]["clusters"] == 4
+    [(_, x)] = protocol.per_domain(["d"] * 4, values, "m", ["base"], clusters=["x", "x", "y", "y"])
+    assert x["boot"]["clusters"] == 2
+
+
+def test_a_test_slice_run_refuses_an_uncommitted_tree(monkeypatch):
+    from scdviz.evict import bench as evict_bench
+    from scdviz.scd import bench as scd_bench
+
+    protocol.check_slice("dev")  # dev: always
+    with pytest.raises(ValueError, match="unknown slice"):
+        protocol.check_slice("eval")
+    for commit, ok in (("0123abc", True), ("0123abc+dirty", False), (None, False)):
+        monkeypatch.setattr(records, "git_commit", lambda c=commit: c)
+        if ok:
+            protocol.check_slice("test")
+            continue
+        with pytest.raises(ValueError, match="clean, committed git checkout"):
+            protocol.check_slice("test")
+        # both benches refuse before loading or measuring anything (pair None would fail later)
+        with pytest.raises(ValueError, match="clean, committed git checkout"):
+            scd_bench.run(scd_bench.ScdBenchConfig(slice="test"), None)
+        with pytest.raises(ValueError, match="clean, committed git checkout"):
+            evict_bench.run(evict_bench.EvalConfig(slice="test"), None)

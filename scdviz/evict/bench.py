@@ -10,7 +10,9 @@ prefill each per budget (``hf.press_prefill``); one that cannot run on the model
 reported with its reason. Each pruned cache then teacher-forces the same tail (question +
 continuation) from the original positions; the full cache is the reference.
 
-Protocol: contexts come from the eval splits of every shipped domain, spread evenly; the
+Protocol: contexts come from one slice (``dev`` while iterating, ``test`` for a shipped
+policy's final run, from a clean tree; ``scdviz.data``) of the eval split of every shipped
+domain, spread evenly through it, the domains in turn; intervals resample whole passages; the
 headline policy is the one with the lowest *validation* KL in its training log
 (``chosen_on_validation``), never picked by these results. Per budget every method gets
 the paired-bootstrap 95% interval of its KL minus the best baseline's, wins against that
@@ -41,7 +43,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from scdviz import metrics, protocol, qa
+from scdviz import data, metrics, protocol, qa
 from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
@@ -69,7 +71,9 @@ class EvalConfig:
     corpora: tuple[str, ...] = opt(("austen", "bible", "gcide", "handbook", "jargon", "manpages"),
                                    'shipped corpora whose eval splits are used when texts is None (contexts spread '
                                    'evenly)')
-    limit: int = opt(66, 'contexts in all')
+    slice: str = opt("dev", "the slice of each eval split read (scdviz.data): dev while you iterate; test only for "
+                     "the final run of a shipped policy, from a clean committed tree", choices=data.SLICES)
+    limit: int = opt(66, 'contexts in all, spread evenly through the slice')
     context_len: int = opt(512, 'T, context tokens')
     cont_len: int = opt(32, 'continuation tokens scored')
     keeps: tuple[float, ...] = opt((0.5, 0.25, 0.125), 'kept fractions')
@@ -220,27 +224,22 @@ def _load(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
     return out
 
 
-def contexts(cfg: EvalConfig, tokenizer) -> list[tuple[str, list[int]]]:
-    """(domain, token window of context + question + continuation), held out from training.
+def contexts(cfg: EvalConfig, tokenizer) -> list:
+    """The bench's contexts (``scdviz.data.Window``: ids of context + question + continuation, domain,
+    passage), held out from training: spread evenly through the ``cfg.slice`` slice of each eval split.
 
-    Shipped text: eval splits only, the corpora taken in turn so that any ``limit`` spreads
-    the contexts evenly over them. A user's file is one domain, "texts".
+    Shipped text: the corpora taken in turn so that any ``limit`` spreads the contexts evenly over
+    them. A user's file is one domain, "texts".
     """
-    from scdviz import data
-
     length = cfg.context_len + cfg.question_len + cfg.cont_len
     bos = [tokenizer.bos_token_id] if cfg.bos and getattr(tokenizer, "bos_token_id", None) is not None else []
     length -= len(bos)
     if cfg.texts:
-        windows = [("texts", bos + w)
-                   for w in data.token_windows(tokenizer, data.text_split(cfg.texts, "eval"), length, cfg.limit)]
+        windows = data.eval_windows(tokenizer, data.USER, cfg.slice, length, cfg.limit, cfg.texts, bos)
     else:
         per = -(-cfg.limit // len(cfg.corpora))
-        by = [[(c, bos + w) for w in data.token_windows(tokenizer, data.load_split(c, "eval"), length, per)]
-              for c in cfg.corpora]
+        by = [data.eval_windows(tokenizer, c, cfg.slice, length, per, lead=bos) for c in cfg.corpora]
         windows = [item for turn in itertools.zip_longest(*by) for item in turn if item is not None]
-    if not windows:
-        raise ValueError(f"no window of {length} tokens in the texts; lower --context-len or give longer texts")
     return windows[: cfg.limit]
 
 
@@ -442,6 +441,7 @@ def run(cfg: EvalConfig, pair, transfer=(), settings: dict | None = None) -> Ben
     from scdviz import config
     from scdviz.evict.train import subject
 
+    protocol.check_slice(cfg.slice)
     models = {}
     for one in (pair, *transfer):
         model, tokenizer, source = subject(one)
@@ -472,7 +472,7 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     records_ = []
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
-        items = ([qa.make_item(tokenizer, w[: cfg.context_len], i) for i, (_, w) in enumerate(windows)]
+        items = ([qa.make_item(tokenizer, w.ids[: cfg.context_len], i) for i, w in enumerate(windows)]
                  if cfg.qa else None)
         for mode in cfg.modes:
             with hf.eager(model):
@@ -544,8 +544,8 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
 
     timed = policies.get(chosen) if chosen and evicts(policies[chosen]) else None
     timed = timed or next((p for p in policies.values() if evicts(p)), None)
-    for n, (_, window) in enumerate(tqdm(windows, desc=f"{source} {mode}")):
-        ids = hf.ids_tensor(window)
+    for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
+        ids = hf.ids_tensor(window.ids)
         out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None, natives, failed)
         per_ctx.append(out["results"])
         if cfg.decode_tokens:
@@ -560,33 +560,36 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
                     timed
                 )
                 timing.setdefault(label, []).append(t)
-    domains = [d for d, _ in windows]
     full_qa = [c.get(("full cache", "full")) for c in per_ctx]  # aggregate pops it
     records = aggregate(per_ctx, overhead, timing, model, source, mode, set(presses) | set(natives),
-                        domains=domains, chosen=chosen, failed=failed)
+                        windows=windows, chosen=chosen, failed=failed)
     if decoded:
         for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
             if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
                 c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
         records += aggregate(decoded, {}, {}, model, source, f"{mode} decode{cfg.decode_tokens}", set(presses),
-                             domains=domains, chosen=chosen, failed=decode_failed)
+                             windows=windows, chosen=chosen, failed=decode_failed)
     return records
 
 
 def aggregate(
     per_ctx: list[dict], overhead: dict, timing: dict, model, source: str, mode: str, baseline_names: set,
-    domains: list[str] | None = None, chosen: str | None = None, failed: dict | None = None,
+    windows: list[data.Window] | None = None, chosen: str | None = None, failed: dict | None = None,
 ) -> list[dict]:
     """Records with means, standard errors and paired comparisons to the baselines per budget.
 
     For every method: the paired-bootstrap 95% interval of its KL minus the best baseline's
     (lowest mean KL at that budget) over contexts, wins against that baseline, and wins
     against the best baseline *of each context* (the lowest KL any baseline reached there).
-    Per-context KL and each context's domain are kept so tables per domain can be drawn.
+    Per-context KL and each context's domain and passage (``windows``) are kept so tables per
+    domain can be drawn.
     ``chosen``: the policy chosen on validation (flagged); ``failed``: baselines that could
-    not run, one record each saying why. A method missing on some context is left out.
+    not run, one record each saying why. A method missing on some context is left out. With
+    ``windows`` the intervals resample whole passages (the cluster bootstrap).
     """
     n_layers, (_, n_kv, head_dim) = hf.n_layers(model), hf.attn_heads(model)
+    domains = None if windows is None else [w.domain for w in windows]
+    passages = None if windows is None else [w.cluster for w in windows]
     records = []
     full = [c.pop(("full cache", "full")) for c in per_ctx if ("full cache", "full") in c]
     for label in dict.fromkeys(lab for _, lab in per_ctx[0]):
@@ -598,7 +601,7 @@ def aggregate(
         for m in methods:
             mean, se = metrics.mean_se(kl[m])
             kept = sum(c[(m, label)]["tokens_kept"] for c in per_ctx) / len(per_ctx)
-            versus = protocol.vs_best(kl, m, base)
+            versus = protocol.vs_best(kl, m, base, clusters=passages)
             wins, boot = (None, None) if m == best else (versus["wins"], versus["boot"])
             t = timing.get(label, [])
             records.append(
@@ -625,6 +628,7 @@ def aggregate(
                     "n_contexts": len(per_ctx),
                     "kl_per_context": [round(v, 6) for v in kl[m]],
                     "domains": domains,
+                    "passages": passages,
                     "overhead_frac": round(sum(overhead[m]) / len(overhead[m]), 4) if overhead.get(m) else None,
                     "decode_speedup": round(sum(x["speedup"] for x in t) / len(t), 3) if t else None,
                 }
@@ -658,7 +662,8 @@ def domain_table(records: list[dict], method: str | None = None) -> pd.DataFrame
         trained = group[method_].get("trained_on")
         kl = {m: r["kl_per_context"] for m, r in group.items()}
         for dom, versus in protocol.per_domain(group[method_]["domains"], kl, method_,
-                                               [m for m, r in group.items() if r["baseline"]]):
+                                               [m for m, r in group.items() if r["baseline"]],
+                                               clusters=group[method_].get("passages")):
             boot = versus["boot"]
             out.append({"model": model, "mode": mode, "keep": keep, "domain": dom, "n": versus["n"], "method": method_,
                         "held_out": None if trained is None else dom not in trained,

@@ -41,7 +41,9 @@ class ScdBenchConfig:
                              "specialist's own training corpus, else every calibration domain)")
     lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain (or each of --domains), calibrate again "
                      "without it (same settings) and measure on its eval split")
-    limit: int = opt(16, "prompts per domain")
+    slice: str = opt("dev", "the slice of each eval split measured (scdviz.data): dev while you iterate; test only "
+                     "for the final run of a shipped artefact, from a clean committed tree", choices=data.SLICES)
+    limit: int = opt(16, "prompts per domain, spread evenly through the slice")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens")
     gen_tokens: int = opt(32, "greedy tokens per method for token-F1 (0: skip)")
@@ -90,6 +92,7 @@ class BenchReport:
     projection: list[dict] = field(default_factory=list)  # analytic projection rows
     plans: dict[str, Plan] = field(default_factory=dict)  # method label -> plan
     domain: str = ""  # the text measured ("texts" for a user's file)
+    passages: list[str] = field(default_factory=list)  # the passage each prompt starts in (bootstrap clusters)
     calibrated_on: list[str] = field(default_factory=list)  # domains the calibration saw
 
     def table(self) -> pd.DataFrame:
@@ -212,14 +215,11 @@ def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: calibration.Calibr
     return [own] if own in data.corpora() else list(calib.stats.get("domains") or data.corpora())
 
 
-def eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[list[int]]:
+def eval_windows(texts: str | None, cfg: ScdBenchConfig, pair: Pair, domain: str) -> list[data.Window]:
     """The bench's eval prompts of ``domain``: up to ``cfg.limit`` token windows of
-    ``cfg.prompt_len + cfg.cont_len`` ids each, from its eval split (or from ``texts``, the user's text)."""
-    passages = data.passages(domain, "eval", texts)
-    windows = data.token_windows(pair.tokenizer, passages, cfg.prompt_len + cfg.cont_len, cfg.limit)
-    if not windows:
-        raise ValueError(f"the evaluation text of {domain!r} has no window of {cfg.prompt_len + cfg.cont_len} tokens")
-    return windows
+    ``cfg.prompt_len + cfg.cont_len`` ids each, spread evenly through the ``cfg.slice`` slice of its
+    eval split (or of ``texts``, the user's text), each naming the passage it starts in."""
+    return data.eval_windows(pair.tokenizer, domain, cfg.slice, cfg.prompt_len + cfg.cont_len, cfg.limit, texts)
 
 
 def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration | None = None, specialist: str | None = None,
@@ -230,6 +230,7 @@ def run(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration | None =
     ``cfg``'s, under "bench", as the CLI nests them). on_report(report): each report as it is measured
     (the CLI prints its tables).
     """
+    protocol.check_slice(cfg.slice)
     calib = (calib if calib is not None
              else calibration.Calibration.load(calibration.shipped_folder(pair.consumer_source), pair))
     t0 = time.perf_counter()
@@ -263,9 +264,9 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
     def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
         if not cfg.lodo:  # with lodo, refit seeded before calibrating
             torch.manual_seed(cfg.seed)
-        report = bench(pair, used, eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain), cfg, name,
-                       progress)
-        report.domain = domain
+        windows = eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain)
+        report = bench(pair, used, [w.ids for w in windows], cfg, name, progress)
+        report.domain, report.passages = domain, [w.cluster for w in windows]
         if on_report is not None:
             on_report(report)
         return report
@@ -274,9 +275,16 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
                               what="calibration")
 
 
-def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult) -> tuple[float | None, str]:
-    """KL of ``other`` relative to ``base`` (same prompts) and its 95% paired-bootstrap interval over prompts."""
-    boot = metrics.paired_bootstrap(base.kl_per_prompt, other.kl_per_prompt)
+def _clusters(report: BenchReport) -> list[str] | None:
+    """The passage of each prompt, for the cluster bootstrap (None for a report made without them)."""
+    return report.passages or None
+
+
+def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult, clusters: list[str] | None = None
+              ) -> tuple[float | None, str]:
+    """KL of ``other`` relative to ``base`` (same prompts) and its 95% paired-bootstrap interval, resampling
+    whole passages (``clusters``, one per prompt) when given."""
+    boot = metrics.paired_bootstrap(base.kl_per_prompt, other.kl_per_prompt, clusters=clusters)
     return (round(other.kl / base.kl, 3) if base.kl else None), protocol.interval(boot["ratio_ci"])
 
 
@@ -284,17 +292,20 @@ def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
     """Context-QA token-F1 per method, items pooled over every report, with 95% bootstrap intervals,
     and the paired difference to raw reuse (same items)."""
     by: dict[str, list[float]] = {}
+    clusters: list[str] = []
     for rep in reports:
         for r in rep.methods + [s for s in rep.sweeps if s.group == "token 0"]:
             by.setdefault(r.method, []).extend(r.qa_f1)
+        clusters += rep.passages if len(rep.passages) == len(rep.methods[0].qa_f1) else []
     if not by.get("raw KV"):
         return pd.DataFrame()
+    groups = clusters if len(clusters) == len(by["raw KV"]) else None
     out = []
     for method, items in by.items():
         if len(items) != len(by["raw KV"]):
             continue
-        own = metrics.bootstrap_mean(items)
-        vs = metrics.paired_bootstrap(by["raw KV"], items)
+        own = metrics.bootstrap_mean(items, clusters=groups)
+        vs = metrics.paired_bootstrap(by["raw KV"], items, clusters=groups)
         out.append({"method": method, "qa_f1": round(own["mean"], 3),
                     "ci95": protocol.interval(own["ci"]),
                     "minus_raw": round(vs["diff"], 3), "minus_raw_ci95": protocol.interval(vs["diff_ci"]),
@@ -312,7 +323,7 @@ def patch_table(reports: list[BenchReport]) -> pd.DataFrame:
             rows_ = [r for r in sweep if r.method.endswith(f"({placement})")]
             base = rows_[0]
             for r in rows_:
-                ratio, ci = _ratio_ci(base, r)
+                ratio, ci = _ratio_ci(base, r, _clusters(rep))
                 out.append({"specialist": rep.specialist, "domain": rep.domain, "placement": placement,
                             "k": int(r.method.split("k=")[1].split()[0]), "kl": round(r.kl, 4),
                             "kl_se": round(r.kl_se, 4),
@@ -328,7 +339,7 @@ def budget_table(reports: list[BenchReport]) -> pd.DataFrame:
     for rep in reports:
         raw = next(r for r in rep.methods if r.method.startswith("raw KV"))
         for r in (r for r in rep.sweeps if r.group == "budget sweep"):
-            ratio, ci = _ratio_ci(raw, r)
+            ratio, ci = _ratio_ci(raw, r, _clusters(rep))
             out.append({"specialist": rep.specialist, "domain": rep.domain, "method": r.method,
                         "bytes": round(r.payload_bytes_per_token, 1), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
                         "top1": round(r.top1, 3), "vs_raw": ratio, "vs_raw_ci95": ci, "n": r.n_prompts})
@@ -342,7 +353,7 @@ def rank_claim_table(reports: list[BenchReport]) -> pd.DataFrame:
     for rep in reports:
         full = next(r for r in rep.methods if r.method.startswith("SCD reuse-only"))
         for r in (r for r in rep.sweeps if r.group == "rank claim"):
-            ratio, ci = _ratio_ci(full, r)
+            ratio, ci = _ratio_ci(full, r, _clusters(rep))
             side = "K" if r.method.startswith("SCD r_K") else "V"
             out.append({"specialist": rep.specialist, "domain": rep.domain, "reduced": side,
                         "rank": int(r.method.split("=")[1].split()[0]), "bytes": round(r.payload_bytes_per_token),
@@ -353,7 +364,10 @@ def rank_claim_table(reports: list[BenchReport]) -> pd.DataFrame:
 
 def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
     """Per domain: raw reuse vs SCD full (KL ± se, ratio, top-1, bytes/token) with the same token-0 handling,
-    and on how many prompts SCD's KL is above raw's."""
+    on how many prompts SCD's KL is above raw's, and the continuation perplexity of the real text under
+    the oracle, raw reuse and SCD. KL measures fidelity to the consumer's own prefill; perplexity
+    measures how well the transferred cache predicts the text, which can differ (off-domain SCD can
+    be closer to the consumer and still predict the text worse than raw reuse)."""
     rows_ = []
     for rep in reports:
         by = {r.method: r for r in rep.methods}
@@ -361,7 +375,7 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
         four = next(r for name, r in by.items() if name.startswith("4-bit KV"))
         scd = rep.methods[-1]
         versus = protocol.vs_best({raw.method: raw.kl_per_prompt, scd.method: scd.kl_per_prompt}, scd.method,
-                                  [raw.method], min_n=1)
+                                  [raw.method], min_n=1, clusters=_clusters(rep))
         rows_.append({
             "specialist": rep.specialist, "domain": rep.domain,
             "held_out": rep.domain not in rep.calibrated_on,
@@ -369,6 +383,7 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
             "scd_se": round(scd.kl_se, 4), "scd_over_raw": round(scd.kl / raw.kl, 3) if raw.kl else None,
             "raw_top1": round(raw.top1, 3), "scd_top1": round(scd.top1, 3),
             "scd_bytes": round(scd.payload_bytes_per_token), "4bit_bytes": round(four.payload_bytes_per_token),
+            "oracle_ppl": round(scd.ppl_oracle, 2), "raw_ppl": round(raw.ppl, 2), "scd_ppl": round(scd.ppl, 2),
             "n": scd.n_prompts,
             "above_raw": versus["above"],
             "ratio_ci": protocol.interval(versus["boot"]["ratio_ci"]),
@@ -410,6 +425,7 @@ def rows(report: BenchReport) -> list[dict]:
             "qa_f1": sum(r.qa_f1) / len(r.qa_f1) if r.qa_f1 else None,
             "qa_f1_items": r.qa_f1,
             "kl_per_prompt": r.kl_per_prompt,
+            "passages": report.passages,
             "sent": r.sent,
         })
     out += [{"specialist": report.specialist, "domain": report.domain,
