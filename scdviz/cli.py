@@ -19,6 +19,7 @@ from pathlib import Path
 from scdviz import config, protocol, records, runs, settings
 from scdviz.commands import (
     SOURCE_HELP,
+    BenchCost,
     BenchEvict,
     BenchScd,
     BenchTtft,
@@ -274,6 +275,28 @@ def _bench_ttft(cmd: BenchTtft) -> None:
                                 time.perf_counter() - t0))
 
 
+def _bench_cost(cmd: BenchCost) -> None:
+    import pandas as pd
+
+    from scdviz.evict import cost
+    from scdviz.models import hf
+    from scdviz.models.pair import choose_threads, load_model
+
+    print(f"torch threads: {choose_threads()}")
+    model, tokenizer = load_model(cmd.model)
+    t0 = time.perf_counter()
+    rows = cost.run(cmd.cost, model, tokenizer)
+    c = cmd.cost
+    print(f"\n== cost of every eviction method at {c.keep:g} kept: {c.rounds} interleaved rounds after {c.warmup} "
+          f"warm-up, medians; the full cache is a plain SDPA prefill ==")
+    cols = ["context_len", "method", "prefill_ms", "added_ttft_ms", "prefill_ratio", "decode_ms_per_token",
+            "throughput_vs_full", "evicting_ms_per_token", "added_ms_per_token", "cannot_run"]
+    table = pd.DataFrame(rows)
+    with pd.option_context("display.width", 250, "display.max_columns", 40):
+        print(protocol.show(table[[col for col in cols if col in table]]))
+    _write(cmd, protocol.record("cost", rows, {}, c.seed, str(hf.device_of(model)), time.perf_counter() - t0))
+
+
 # ----------------------------------------------------------------------------- where runs write
 
 
@@ -328,7 +351,7 @@ def _write(cmd, record: records.BenchRecord) -> None:
     records.write(record, path)
     rerun = _save_config(record.settings, toml, f"bench {kind}")
     print(f"wrote {len(rows)} rows to {path} (rerun: {rerun})")
-    if cmd.figures:
+    if getattr(cmd, "figures", None):
         from scdviz import figures, plots
 
         written = figures.export(plots.record_figures([(path.parent.name if path.name == "record.json" else path.stem,
@@ -371,6 +394,8 @@ COMMANDS = [
                    "(interleaved medians)",
      BenchTtft, _bench_ttft),
     ("bench evict", "learned eviction vs kvpress baselines (KL, top-1, PPL, wins)", BenchEvict, _bench_evict),
+    ("bench cost", "what every eviction method costs: added time to first token and per decoded token, decode "
+                   "throughput vs the full cache (one run, interleaved medians)", BenchCost, _bench_cost),
     ("report", "write the docs' results tables (marked blocks of README.md, docs/) from the shipped records",
      Report, _report),
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from scdviz.config import opt
 from scdviz.evict.bench import EvalConfig
+from scdviz.evict.cost import CostConfig
 from scdviz.evict.train import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
@@ -130,10 +131,19 @@ class BenchEvict:
 
 
 @dataclass
+class BenchCost:
+    model: str = opt(PRODUCER, f"{SOURCE_HELP}: the model whose caches are pruned")
+    name: str | None = opt(None, NAME_HELP.format(kind="bench") + " (default: cost-<UTC time>)")
+    out: str | None = opt(None, "write the record (JSON) to this file instead; its config goes beside it (.toml)")
+    maintainer: bool = opt(False, MAINTAINER_HELP)
+    cost: CostConfig = field(default_factory=CostConfig)
+
+
+@dataclass
 class Report:
     check: bool = opt(False, "write nothing; exit 1 listing each marked table block that differs from the records")
     tables: list[str] = opt([], "print only these tables (default: rewrite every marked block of README.md and docs/)")
     root: str | None = opt(None, "the checkout whose README.md and docs/ to write or check (default: this one)")
 
 
-BENCHES = {"scd": BenchScd, "ttft": BenchTtft, "evict": BenchEvict}  # ``bench KIND`` -> its settings
+BENCHES = {"scd": BenchScd, "ttft": BenchTtft, "evict": BenchEvict, "cost": BenchCost}  # ``bench KIND`` -> its settings

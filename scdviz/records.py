@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-KINDS = ("scd", "evict", "ttft")
+KINDS = ("scd", "evict", "ttft", "cost")
 FORMAT = "scdviz-bench/1"
 _PACKAGES = ("torch", "transformers", "kvpress", "peft", "safetensors", "gradio")
 

@@ -154,20 +154,27 @@ def set_eager(model) -> None:
 
 @contextlib.contextmanager
 def eager(model):
-    """Eager attention (the only one returning attention probabilities) inside the block.
+    """Eager attention (the only one returning attention probabilities) inside the block (``attention``)."""
+    with attention(model, "eager"):
+        yield model
+
+
+@contextlib.contextmanager
+def attention(model, implementation: str):
+    """The model runs ``implementation`` ("eager" or "sdpa") attention inside the block.
 
     Holds the model's work lock throughout and restores the previous implementation on
     exit, so a shared model is never left switched for other requests.
     """
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(f"unknown attention implementation {implementation!r}; use sdpa or eager")
     with _lock_of(model):
         before = model.config._attn_implementation
-        if before != "eager":
-            model.set_attn_implementation("eager")
+        _attention(model, implementation)
         try:
             yield model
         finally:
-            if before != "eager":
-                model.set_attn_implementation(before)
+            _attention(model, before)
 
 
 def _key_source(layer):
@@ -384,7 +391,7 @@ def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor
 
 
 @contextlib.contextmanager
-def press_prefill(model, press, ids: Tensor):
+def press_prefill(model, press, ids: Tensor, attn: str = "sdpa"):
     """Prefill ``ids`` (B, T) under a kvpress press, kvpress's own way; yields the compressed cache.
 
     For presses that are not plain scorers: per-layer budgets (PyramidKV), head-wise
@@ -392,24 +399,33 @@ def press_prefill(model, press, ids: Tensor):
     patched attention functions through ``masked_key_indices`` on each attention module.
     Those masks act on every later forward pass, so continue the cache *inside* the
     block; the model's lock is held throughout and the masks are removed on exit (nothing
-    per request stays on a shared model). Runs with sdpa attention (head-wise masking does
-    not cover eager), restoring the model's setting afterwards.
+    per request stays on a shared model). The prefill runs with ``attn`` attention: sdpa
+    (head-wise masking does not cover eager), or eager for a scorer that reads attention
+    probabilities (ObservedAttention, DistillCache); inside the block the model runs sdpa,
+    as a server decodes; the model's setting is restored afterwards.
     """
+    if attn not in ("sdpa", "eager"):
+        raise ValueError(f"unknown attention implementation {attn!r}; use sdpa or eager")
     with _lock_of(model):
         before = model.config._attn_implementation
-        if before == "eager":
-            model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
         try:
+            _attention(model, attn)
             with torch.no_grad(), press(model):
                 decoder(model)(input_ids=ids.to(device_of(model)), past_key_values=cache, use_cache=True)
+            _attention(model, "sdpa")
             yield cache
         finally:
             for layer in layers(model):
                 if getattr(layer.self_attn, "masked_key_indices", None) is not None:
                     layer.self_attn.masked_key_indices = None
-            if before == "eager":
-                model.set_attn_implementation(before)
+            _attention(model, before)
+
+
+def _attention(model, implementation: str) -> None:
+    """Switch the model's attention implementation when it is another one (the caller holds its lock)."""
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
 
 
 def kept_per_head(model, cache: DynamicCache) -> float:

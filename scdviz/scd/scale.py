@@ -8,20 +8,21 @@ steps: token 0 recomputed (a 1-token forward), every layer's key and value codes
 (identity + linear aligner, then the model's own k/v projections and RoPE), and this
 implementation's payload parsing (on the CPU: unpack and dequantise one layer's code sections,
 times the depth). Link time at 1, 10 and 100 Gbit/s for a payload of ``fraction`` of the fp16
-KV bytes. Medians of ``reps`` timings after ``warmup`` (CUDA synchronised). The GPU check
+KV bytes. Medians of ``reps`` interleaved rounds after ``warmup`` (``scdviz.timing``, the harness
+every cost goes through; CUDA synchronised). The GPU check
 (python -m research.gpu_check --timing) runs this; on CPU it only checks the code path.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import random
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from scdviz import link as links
+from scdviz import timing
 from scdviz.models import hf
 from scdviz.scd import payload
 
@@ -30,19 +31,6 @@ SHAPES = {  # hidden, layers, heads, kv heads, head_dim, ffn, vocab
     "Qwen-32B": (5120, 64, 40, 8, 128, 27648, 152064),
     "tiny": (64, 4, 4, 2, 16, 128, 128),
 }
-
-
-def _median_seconds(fn, device, reps: int, warmup: int) -> float:
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-    times = []
-    for i in range(warmup + reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @dataclass
@@ -101,12 +89,17 @@ class Timing:
         sections = [payload.Section(0, "k_code", torch.randn(t - 1, rk, generator=g), bits, 64),
                     payload.Section(0, "v_code", torch.randn(t - 1, rv, generator=g), bits, 64)]
         blob = payload.encode(payload.Layout(t, 0), sections)
+        steps = {"oracle": lambda: hf.decoder_cache(model, ids), "token0": lambda: hf.decoder_cache(model, ids[:, :1]),
+                 "codes": codes, "patch": patch, "parse": lambda: payload.decode(blob)}  # parse: on the CPU
+
+        def trial(name: str) -> dict[str, float]:
+            return {"seconds": timing.timed(steps[name], device="cpu" if name == "parse" else device)[0]}
+
         with torch.no_grad():
-            oracle = _median_seconds(lambda: hf.decoder_cache(model, ids), device, reps, warmup) * scale
-            token0 = _median_seconds(lambda: hf.decoder_cache(model, ids[:, :1]), device, reps, warmup) * scale
-            code = _median_seconds(codes, device, reps, warmup) * layers
-            regen = _median_seconds(patch, device, reps, warmup) * patches
-        parse = _median_seconds(lambda: payload.decode(blob), "cpu", reps, warmup) * layers
+            samples = timing.interleaved(trial, list(steps), reps, warmup, random.Random(0))
+        med = {name: q[1] for (name, _), q in timing.summary(samples).items()}
+        oracle, token0 = med["oracle"] * scale, med["token0"] * scale
+        code, regen, parse = med["codes"] * layers, med["patch"] * patches, med["parse"] * layers
         fp16 = 2 * layers * d_kv * 2
         row = {"model": self.shape, "tokens": t, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "layers_timed": n_timed, "oracle_prefill_ms": 1000 * oracle, "token0_ms": 1000 * token0,

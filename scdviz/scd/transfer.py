@@ -13,13 +13,12 @@ h_in / resid (T, d).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from scdviz import data
+from scdviz import data, timing
 from scdviz.models import hf
 from scdviz.scd import entropy, payload
 from scdviz.scd.payload import Layout, Section
@@ -92,9 +91,10 @@ def heads(x: Tensor, n_kv: int) -> Tensor:
 
 def producer_state(model, prefix: Tensor) -> ProducerState:
     """Prefill the producer on ``prefix`` (1, T), keeping what any plan may send."""
-    t0 = time.perf_counter()
+    device = hf.device_of(model)
+    t0 = timing.clock(device)
     tr = hf.forward(model, prefix, capture=hf.CAPTURE_ALL)
-    seconds = time.perf_counter() - t0
+    seconds = timing.clock(device) - t0
     return host_state(prefix, tr.keys_pre, tr.keys, tr.values, [h[0] for h in tr.h_in], [r[0] for r in tr.resid],
                       seconds)
 
@@ -175,7 +175,7 @@ def receive(model, blob: bytes, calib=None) -> Received:
     calibration the header names) decodes its REUSE and PATCH codes. ValueError for a
     message with codes and no calibration, or codes of another calibration.
     """
-    t0 = time.perf_counter()
+    t0 = timing.clock(hf.device_of(model))
     msg = payload.decode(blob)
     head = msg.layout
     if head.calibration and calib is None:
@@ -221,7 +221,7 @@ def receive(model, blob: bytes, calib=None) -> Received:
     if head.sink == "recompute":
         _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
     cache = hf.make_cache(model, keys, values)
-    return Received(cache, time.perf_counter() - t0)
+    return Received(cache, timing.clock(hf.device_of(model)) - t0)
 
 
 def transferred(model, state: ProducerState, plan: Plan, calib=None):
@@ -250,9 +250,7 @@ def prepare_case(producer, consumer, window: list[int], cont_len: int) -> Case:
     """Producer prefill, the oracle's timed prefill and its teacher-forced continuation."""
     prefix, fed, targets = data.split_prompt(window, cont_len)
     state = producer_state(producer, prefix)
-    t0 = time.perf_counter()
-    cache = hf.decoder_cache(consumer, prefix)
-    prefill = time.perf_counter() - t0
+    prefill, cache = timing.timed(hf.decoder_cache, consumer, prefix, device=hf.device_of(consumer))
     step = first_step_seconds(consumer, cache, fed, prefix.shape[1])
     logits, resid = continuation(consumer, cache, fed, prefix.shape[1])
     return Case(state, fed, targets, logits, resid, cache, prefill, step)
@@ -260,17 +258,15 @@ def prepare_case(producer, consumer, window: list[int], cont_len: int) -> Case:
 
 def first_step_seconds(model, cache, fed: Tensor, start: int) -> float:
     """Time of one decode step (the last prompt token) on a copy of the cache."""
-    copy = hf.clone_cache(model, cache)
-    t0 = time.perf_counter()
-    hf.forward(model, fed[:, :1], cache=copy, positions=torch.tensor([[start]], device=hf.device_of(model)))
-    return time.perf_counter() - t0
+    copy, device = hf.clone_cache(model, cache), hf.device_of(model)
+    t0 = timing.clock(device)
+    hf.forward(model, fed[:, :1], cache=copy, positions=torch.tensor([[start]], device=device))
+    return timing.clock(device) - t0
 
 
 def run_plan(consumer, case: Case, plan: Plan, calib=None) -> PlanRun:
     """Payload, consumer cache and teacher-forced continuation for one plan on one case."""
-    t0 = time.perf_counter()
-    blob = build_payload(case.state, plan, calib)
-    encode = time.perf_counter() - t0
+    encode, blob = timing.timed(build_payload, case.state, plan, calib, device=hf.device_of(consumer))
     got = receive(consumer, blob, calib)
     start = case.state.ids.shape[1]
     logits, resid = continuation(consumer, got.cache, case.fed, start)

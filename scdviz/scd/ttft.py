@@ -1,7 +1,7 @@
 """Time to first token, measured: every transfer method against the consumer's own prefill.
 
 For each prompt, after ``warmup`` rounds, ``reps`` rounds each time every step of every method
-once, in an order shuffled per round (interleaved, so machine noise hits all methods alike):
+once, in an order shuffled per round (``scdviz.timing``, the harness every cost goes through):
 the producer's prefill (decoder only, like the oracle's: the hidden states a method sends are
 kept by the same pass in a real server; here they are captured by an untimed extra pass), each
 method's encoding (producer side), receiving (consumer side:
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import statistics
-import time
 from dataclasses import dataclass
 
 import pandas as pd
 from tqdm.auto import tqdm
 
-from scdviz import data
+from scdviz import data, timing
 from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin, hf
@@ -55,17 +53,6 @@ class TtftConfig:
     seed: int = opt(0, "order of the methods in each round")
 
 
-def _timed(fn, *args) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t0, out
-
-
-def _quantiles(values: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], statistics.median(values), q[2]
-
-
 def methods(calib: calibration.Calibration, budget: float, n_tokens: int) -> list[plans.Plan]:
     """The lineup, and at ``budget`` the transform-coded plan and the rate-distortion plan packed and entropy coded."""
     rd = plans.rd_plan(calib.rate, budget, n_tokens)[0] if calib.rate is not None else None
@@ -87,42 +74,36 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
     rng = random.Random(cfg.seed)
     samples: dict[tuple[str, str], list[float]] = {}
     sizes: dict[str, float] = {}
-    plan_list: list[plans.Plan] = []
-    rounds = [(w, r) for w in windows for r in range(cfg.warmup + cfg.reps)]
-    for window, rnd in tqdm(rounds, desc="ttft: interleaved rounds", disable=not progress):
-        prefix = hf.ids_tensor(window[: cfg.prompt_len], hf.device_of(pair.consumer))
-        fed = hf.ids_tensor(window[cfg.prompt_len :], hf.device_of(pair.consumer))
-        n = prefix.shape[1]
-        plan_list = plan_list or methods(calib, cfg.budget, n)
-        order = ["producer prefill", "oracle", *[p.name for p in plan_list]]
-        rng.shuffle(order)
-        timings: dict[tuple[str, str], float] = {}
+    device = hf.device_of(pair.consumer)
+    n = cfg.prompt_len
+    plan_list = methods(calib, cfg.budget, n)
+    for window in tqdm(windows, desc="ttft: interleaved rounds per prompt", disable=not progress):
+        prefix = hf.ids_tensor(window[: cfg.prompt_len], device)
+        fed = hf.ids_tensor(window[cfg.prompt_len :], device)
         state = transfer.producer_state(pair.producer, prefix)  # what every method sends from (untimed)
-        for item in order:
+
+        def trial(item: str, prefix=prefix, fed=fed, state=state) -> dict[str, float]:
             if item == "producer prefill":  # timed like the oracle's: the decoder over the prompt, no LM head
-                timings[item, "prefill"] = _timed(hf.decoder_cache, pair.producer, prefix)[0]
-                continue
+                return {"prefill": timing.timed(hf.decoder_cache, pair.producer, prefix, device=device)[0]}
             if item == "oracle":
-                seconds, cache = _timed(hf.decoder_cache, pair.consumer, prefix)
-                timings[item, "prefill"] = seconds
-                timings[item, "first_step"] = transfer.first_step_seconds(pair.consumer, cache, fed, n)
-                continue
+                seconds, cache = timing.timed(hf.decoder_cache, pair.consumer, prefix, device=device)
+                return {"prefill": seconds, "first_step": transfer.first_step_seconds(pair.consumer, cache, fed, n)}
             plan = next(p for p in plan_list if p.name == item)
-            seconds, blob = _timed(transfer.build_payload, state, plan, calib)
-            timings[item, "encode"] = seconds
+            seconds, blob = timing.timed(transfer.build_payload, state, plan, calib, device=device)
             got = transfer.receive(pair.consumer, blob, calib)
-            timings[item, "receive"] = got.seconds
-            timings[item, "first_step"] = transfer.first_step_seconds(pair.consumer, got.cache, fed, n)
             sizes[item] = len(blob) / n
-        if rnd >= cfg.warmup:
-            for key, value in timings.items():
-                samples.setdefault(key, []).append(value)
+            return {"encode": seconds, "receive": got.seconds,
+                    "first_step": transfer.first_step_seconds(pair.consumer, got.cache, fed, n)}
+
+        names = ["producer prefill", "oracle", *[p.name for p in plan_list]]
+        for key, values in timing.interleaved(trial, names, cfg.reps, cfg.warmup, rng).items():
+            samples.setdefault(key, []).extend(values)
     return timing_table(samples, sizes, [p.name for p in plan_list], cfg.fan_out, len(windows) * cfg.reps,
                         cfg.prompt_len)
 
 
 def timing_table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -> pd.DataFrame:
-    med = {key: _quantiles(v)[1] for key, v in samples.items()}
+    med = {key: q[1] for key, q in timing.summary(samples).items()}
     producer = med["producer prefill", "prefill"]
     oracle = med["oracle", "prefill"] + med["oracle", "first_step"]
     rows = [{"method": "oracle", "bytes_per_token": 0.0, "oracle_ms": round(1000 * oracle, 1)}]
@@ -132,7 +113,7 @@ def timing_table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -
         row = {"method": name, "bytes_per_token": round(per_token, 1),
                "encode_ms": round(1000 * med[name, "encode"], 1), "receive_ms": round(1000 * med[name, "receive"], 1),
                "first_step_ms": round(1000 * med[name, "first_step"], 1)}
-        q1, _, q3 = _quantiles([a + b + c for a, b, c in zip(samples[name, "encode"], samples[name, "receive"],
+        q1, _, q3 = timing.quantiles([a + b + c for a, b, c in zip(samples[name, "encode"], samples[name, "receive"],
                                                             samples[name, "first_step"])])
         row["compute_iqr_ms"] = f"[{1000 * q1:.0f}, {1000 * q3:.0f}]"
         for label, extra in (("", 0.0), ("_with_prefill", producer), (f"_shared{fan_out}", producer / fan_out)):
