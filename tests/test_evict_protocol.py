@@ -26,7 +26,7 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
     per_ctx = [_ctx({"learned": 0.10, "A": 0.20, "B": 0.05}),
                _ctx({"learned": 0.10, "A": 0.12, "B": 0.30}),
                _ctx({"learned": 0.30, "A": 0.10, "B": 0.11})]
-    rows = bench.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "B"},
+    rows = bench.aggregate(per_ctx, model, "tiny", "agnostic", {"A", "B"},
                              windows=[data.Window([], d, p) for d, p in (("x", 0), ("x", 1), ("y", 0))],
                              chosen="learned", failed={"C": "no gates"})
     by = {r["method"]: r for r in rows}
@@ -47,7 +47,7 @@ def test_aggregate_compares_every_method_to_the_best_and_to_each_contexts_best()
 def test_aggregate_drops_a_method_missing_on_some_context():
     model = tiny_model("llama")
     per_ctx = [_ctx({"A": 0.2, "late": 0.1}), _ctx({"A": 0.2})]
-    rows = bench.aggregate(per_ctx, {}, {}, model, "tiny", "agnostic", {"A", "late"})
+    rows = bench.aggregate(per_ctx, model, "tiny", "agnostic", {"A", "late"})
     assert [r["method"] for r in rows] == ["A"]
 
 
@@ -279,7 +279,7 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
     train.train(recipe, (model, _Words(), "tiny"), train.checkpoints_to(recipe.out), progress=False)
     cfg = bench.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
                              "jargon"), limit=6, context_len=40, cont_len=6, question_len=0, keeps=(0.25,),
-                             token_budgets=(), throughput_contexts=0, natives=False, lodo=True, lodo_steps=1)
+                             token_budgets=(), natives=False, lodo=True, lodo_steps=1)
     record = bench.run(cfg, (model, _Words(), "tiny"))
     assert record.kind == "evict" and record.settings["eval"]["lodo"]
     rows = record.rows

@@ -45,7 +45,7 @@ def test_shipped_press_runs_in_the_kvpress_pipeline(producer, policies, name):
 def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, policies):
     model, tokenizer = producer
     cfg = bench.EvalConfig(
-        limit=2, context_len=256, cont_len=16, keeps=(0.25,), token_budgets=(), throughput_contexts=0
+        limit=2, context_len=256, cont_len=16, keeps=(0.25,), token_budgets=()
     )
     windows = bench.contexts(cfg, tokenizer)
     per_ctx = [
@@ -55,7 +55,7 @@ def test_learned_policy_beats_the_weak_baselines_on_held_out_text(producer, poli
         for w in windows
     ]
     records = bench.aggregate(
-        per_ctx, {m: [0.0] for m, _ in per_ctx[0]}, {}, model, "builtin", "agnostic", set(bench.baselines())
+        per_ctx, model, "builtin", "agnostic", set(bench.baselines())
     )
     methods = [r for r in records if "kl" in r]
     kl = {r["method"]: r["kl"] for r in methods}

@@ -80,7 +80,7 @@ def test_own_text_goes_through_every_command_without_touching_the_repository(flo
 def test_a_bench_rerun_from_its_saved_config_reproduces_its_quality_numbers(flow):
     root, tiny, text = flow
     args = ["bench", "evict", "--models", tiny, "--texts", text, "--limit", "2", "--context-len", "64", "--cont-len",
-            "8", "--question-len", "4", "--keeps", "0.25", "--token-budgets", "--throughput-contexts", "0",
+            "8", "--question-len", "4", "--keeps", "0.25", "--token-budgets",
             "--no-natives"]
     assert cli.main([*args, "--name", "first"]) == 0
     saved = runs.root() / "bench" / "first" / "config.toml"
@@ -104,7 +104,7 @@ def test_writing_into_the_shipped_assets_needs_the_maintainer_flag(flow, capsys)
     target = settings.ASSETS_DIR / "policy" / "bench" / "never.json"
     assert cli.main(["bench", "evict", "--models", tiny, "--texts", text, "--limit", "1", "--context-len", "64",
                      "--cont-len", "8", "--question-len", "4", "--keeps", "0.25", "--token-budgets",
-                     "--throughput-contexts", "0", "--no-natives", "--policies", "--out", str(target)]) == 2
+                     "--no-natives", "--policies", "--out", str(target)]) == 2
     assert "only --maintainer writes" in capsys.readouterr().err and not target.exists()
     bad = Path(text).with_suffix(".toml")
     bad.write_text("[eval]\nlimit = 3\nnot_a_setting = 1\n")

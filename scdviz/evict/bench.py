@@ -21,13 +21,12 @@ comparison per domain.
 
 Modes: ``agnostic`` compresses the context before the question is seen; ``aware``
 compresses context + question together. Metrics on the continuation: mean KL(full ||
-pruned) and top-1 agreement per step, perplexity, tokens kept, fp16 cache bytes, scoring
-time as a fraction of the prefill (overhead_frac), decode speed-up of the pruned cache vs
-the full one, and the chosen policy's cost while evicting at decode time
-(decode_overhead_frac). Policies trained on one model are applied zero-shot to the others
-in ``models``.
+pruned) and top-1 agreement per step, perplexity, tokens kept, fp16 cache bytes, and
+context-QA. Policies trained on one model are applied zero-shot to the others in ``models``.
 
-This module does not train (train.py) and draws no figures.
+This module measures quality only: what each method costs in time is ``bench cost``
+(scdviz.evict.cost, one harness for every method). It does not train (train.py) and draws
+no figures.
 """
 
 from __future__ import annotations
@@ -81,8 +80,6 @@ class EvalConfig:
     question_len: int = opt(16, 'tokens between context and continuation (the "question")')
     modes: tuple[str, ...] = opt(("agnostic",), "agnostic (compress before the question) and/or aware",
                                  choices=("agnostic", "aware"))
-    throughput_contexts: int = opt(2, 'contexts on which decode speed is timed')
-    decode_steps: int = opt(32, 'greedy steps per throughput timing')
     decode_interval: int = opt(8, 'decode-time eviction every this many new tokens')
     qa: bool = opt(False, 'also the context-QA task (scdviz.qa), question-agnostic mode')
     decode_tokens: int = opt(0, "decode-time quality: teacher-force this many tokens of the full cache's greedy "
@@ -271,18 +268,6 @@ def method_indices(
     return out
 
 
-def _policy_seconds(feats: dict[int, Observed], policies: dict[str, Policy]) -> dict[str, float]:
-    """Scoring time per learned policy: its share of the feature time, its lookahead, plus the MLP."""
-    out = {}
-    for name, policy in policies.items():
-        feat = feats[policy.config.observation]
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            policy(feat.head_features if policy.config.per_head else feat.global_features)
-        out[name] = feat.feature_seconds / 2 + feat.lookahead_seconds + time.perf_counter() - t0
-    return out
-
-
 def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None,
                   natives: dict | None = None, failed: dict | None = None) -> dict:
     """All methods x budgets on one context; returns {(method, label): metrics} and timings.
@@ -316,31 +301,20 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
             if qa_item is not None:
                 results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
             kept[(name, label)] = idx
-    seconds = _policy_seconds(feats, policies) | obs.score_seconds
-    overhead = {k: v / obs.prefill_seconds for k, v in seconds.items()}
     if natives:
         natives = {k: v for k, v in natives.items() if k not in failed}
-        native_results, native_overhead = _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)
-        results |= native_results
-        overhead |= native_overhead
-    return {"results": results, "overhead": overhead, "feats": feats, "kept": kept, "observed": obs}
+        results |= _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)
+    return {"results": results, "feats": feats, "kept": kept, "observed": obs}
 
 
 def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict, qa_item):
-    """The native kvpress presses at every budget; overhead = press prefill time over a plain one, less 1."""
-    from kvpress import KnormPress
-
-    tail, results, seconds = ids[:, prefix:], {}, {}
-    t0 = time.perf_counter()
-    with hf.press_prefill(model, KnormPress(compression_ratio=0.0), ids[:, :prefix]):  # ratio 0: no compression
-        plain = time.perf_counter() - t0
+    """The native kvpress presses at every budget (their cost: ``bench cost``)."""
+    tail, results = ids[:, prefix:], {}
     for name, make in natives.items():
         for label, n_keep in budgets(cfg, prefix):
             try:
                 press = make(1.0 - n_keep / prefix)
-                t0 = time.perf_counter()
                 with hf.press_prefill(model, press, ids[:, :prefix]) as cache:
-                    seconds.setdefault(name, []).append(time.perf_counter() - t0)
                     logits = hf.continue_logits(model, cache, tail, prefix)[0]
                     results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {
                         "tokens_kept": round(hf.kept_per_head(model, cache), 2)}
@@ -349,9 +323,8 @@ def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict,
             except Exception as err:  # a press that cannot run on this model: reported, never fatal
                 failed[name] = why_not(err)
                 results = {k: v for k, v in results.items() if k[0] != name}
-                seconds.pop(name, None)
                 break
-    return results, {k: max(0.0, sum(v) / len(v) / plain - 1.0) for k, v in seconds.items()}
+    return results
 
 
 DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")
@@ -409,26 +382,6 @@ def _metrics(ref, logits, tail, cont_len: int) -> dict:
         "top1": float(metrics.top1_agreement(r, g).mean()),
         "nll": nll.tolist(),
     }
-
-
-def decode_timing(model, obs: Observed, first: torch.Tensor, start: int, n_keep: int, cfg: EvalConfig, policy) -> dict:
-    """Greedy-decode seconds with the full cache, a pruned cache, and decode-time eviction."""
-    full = hf.make_cache(model, obs.keys, obs.values)
-    t0 = time.perf_counter()
-    hf.generate(model, full, first, start, cfg.decode_steps)
-    t_full = time.perf_counter() - t0
-    idx = list(policy(obs.head_features).topk(n_keep, dim=-1).indices.unbind(0))
-    t0 = time.perf_counter()
-    hf.generate(model, prune(model, obs, idx), first, start, cfg.decode_steps)
-    t_pruned = time.perf_counter() - t0
-    evictor = DecodeEvictor(DistillCachePress(policy=policy), budget=n_keep, interval=cfg.decode_interval)
-    t0 = time.perf_counter()
-    with evictor(model):
-        hf.generate(model, prune(model, obs, idx), first, start, cfg.decode_steps)
-    t_evict = time.perf_counter() - t0
-    return {"speedup": t_full / t_pruned, "decode_overhead_frac": evictor.score_seconds / t_evict,
-            "policy_ms_per_token": 1000 * evictor.score_seconds / cfg.decode_steps,
-            "decode_ms_per_token": 1000 * t_evict / cfg.decode_steps}
 
 
 def run(cfg: EvalConfig, pair, transfer=(), settings: dict | None = None) -> BenchRecord:
@@ -517,7 +470,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
         policy, train_cfg = fitted
         name = f"lodo-{domain}"
         dcfg = dataclasses.replace(cfg, corpora=(domain,), texts=None, limit=per_domain, lodo=False, qa=False,
-                                   decode_tokens=0, throughput_contexts=0)
+                                   decode_tokens=0)
         with hf.eager(model):
             rows = _run_mode(model, source, f"agnostic lodo-{domain}", contexts(dcfg, tokenizer), dcfg,
                              {name: policy, chosen: recipe.policy}, None, name)
@@ -537,13 +490,8 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
     presses = baselines(cfg.seed)
     natives = native_baselines() if cfg.natives else {}
-    per_ctx, overhead, timing, failed = [], {}, {}, {}
+    per_ctx, failed = [], {}
     decoded, decode_failed = [], {}
-    def evicts(p):  # can hold a cache at its budget while decoding (per head, no lookahead)
-        return p.config.per_head and not p.config.lookahead
-
-    timed = policies.get(chosen) if chosen and evicts(policies[chosen]) else None
-    timed = timed or next((p for p in policies.values() if evicts(p)), None)
     for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
         ids = hf.ids_tensor(window.ids)
         out = score_context(model, ids, prefix, cfg, policies, presses, items[n] if items else None, natives, failed)
@@ -551,29 +499,20 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
         if cfg.decode_tokens:
             decoded.append(decode_context(model, ids, prefix, cfg, out, policies, presses, decode_failed,
                                           items[n] if items else None))
-        for k, v in out["overhead"].items():
-            overhead.setdefault(k, []).append(v)
-        if timed is not None and n < cfg.throughput_contexts:
-            for label, n_keep in budgets(cfg, prefix):
-                t = decode_timing(
-                    model, out["feats"][timed.config.observation], ids[:, prefix : prefix + 1], prefix, n_keep, cfg,
-                    timed
-                )
-                timing.setdefault(label, []).append(t)
     full_qa = [c.get(("full cache", "full")) for c in per_ctx]  # aggregate pops it
-    records = aggregate(per_ctx, overhead, timing, model, source, mode, set(presses) | set(natives),
+    records = aggregate(per_ctx, model, source, mode, set(presses) | set(natives),
                         windows=windows, chosen=chosen, failed=failed)
     if decoded:
         for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
             if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
                 c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
-        records += aggregate(decoded, {}, {}, model, source, f"{mode} decode{cfg.decode_tokens}", set(presses),
+        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(presses),
                              windows=windows, chosen=chosen, failed=decode_failed)
     return records
 
 
 def aggregate(
-    per_ctx: list[dict], overhead: dict, timing: dict, model, source: str, mode: str, baseline_names: set,
+    per_ctx: list[dict], model, source: str, mode: str, baseline_names: set,
     windows: list[data.Window] | None = None, chosen: str | None = None, failed: dict | None = None,
 ) -> list[dict]:
     """Records with means, standard errors and paired comparisons to the baselines per budget.
@@ -603,7 +542,6 @@ def aggregate(
             kept = sum(c[(m, label)]["tokens_kept"] for c in per_ctx) / len(per_ctx)
             versus = protocol.vs_best(kl, m, base, clusters=passages)
             wins, boot = (None, None) if m == best else (versus["wins"], versus["boot"])
-            t = timing.get(label, [])
             records.append(
                 {
                     "model": source,
@@ -629,10 +567,7 @@ def aggregate(
                     "kl_per_context": [round(v, 6) for v in kl[m]],
                     "domains": domains,
                     "passages": passages,
-                    "overhead_frac": round(sum(overhead[m]) / len(overhead[m]), 4) if overhead.get(m) else None,
-                    "decode_speedup": round(sum(x["speedup"] for x in t) / len(t), 3) if t else None,
                 }
-                | {key: round(sum(x[key] for x in t) / len(t), 4) if t and m == chosen else None for key in TIMED}
                 | _qa_fields([c[(m, label)] for c in per_ctx])
             )
     if full:
@@ -644,7 +579,6 @@ def aggregate(
     return records
 
 
-TIMED = ("decode_overhead_frac", "policy_ms_per_token", "decode_ms_per_token")  # the chosen policy's decode timing
 
 
 def domain_table(records: list[dict], method: str | None = None) -> pd.DataFrame:
@@ -692,9 +626,8 @@ def _short(model: str, width: int = 18) -> str:
 def table(records: list[dict]) -> pd.DataFrame:
     """The records as the CLI prints them (``scdviz.protocol.show``): one row per method and budget,
     the policy chosen on validation marked *, KL - best baseline with its 95% interval, wins against
-    that baseline (``best`` for the best itself) and against each context's best (ctx), scoring
-    overhead, decode speed-up and QA accuracy; a full-cache row gives the reference's perplexity,
-    a press that cannot run says why."""
+    that baseline (``best`` for the best itself) and against each context's best (ctx), and QA
+    accuracy; a full-cache row gives the reference's perplexity, a press that cannot run says why."""
     out = []
     for r in records:
         row = {"model": _short(r["model"]), "mode": r["mode"],
@@ -712,8 +645,6 @@ def table(records: list[dict]) -> pd.DataFrame:
                           "ppl": round(r["ppl"], 2), "kl_minus_best_ci95": diff, "wins": wins,
                           "ctx_wins": (None if r.get("wins_vs_context_best") is None
                                        else round(r["wins_vs_context_best"], 2)),
-                          "overhead": None if r["overhead_frac"] is None else round(r["overhead_frac"], 3),
-                          "speedup": None if r["decode_speedup"] is None else round(r["decode_speedup"], 2),
                           "qa_acc": r.get("qa_acc")})
     return pd.DataFrame(out)
 
