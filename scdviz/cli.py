@@ -184,19 +184,19 @@ def _bench_scd(cmd: BenchScd) -> None:
     for consumer, folder in zip(consumers, folders):
         pair = load_pair(cmd.producer, consumer)
         parts.append(bench.run(cmd.bench, pair, calibration.Calibration.load(folder, pair), on_report=show))
-    print("\n== per domain: raw reuse vs SCD full, same token-0 handling (ratio_ci: paired bootstrap over prompts) ==")
+    print("\n== per domain: raw reuse vs SCD full, same token-0 handling (ratio_ci: paired bootstrap over passages) ==")
     print(protocol.show(bench.domain_table(reports)))
     if cmd.bench.sweeps:
         print("\n== patch-budget sweep: KL at k patch layers, relative to k = 0 "
-              "(vs_k0_ci95: paired bootstrap over prompts) ==")
+              "(vs_k0_ci95: paired bootstrap over passages) ==")
         print(protocol.show(bench.patch_table(reports)))
     if cmd.bench.rank_claim:
         print("\n== rank claim: one rank for every key code (values at full rank) and vice versa, KL relative to "
-              "reuse-only at full rank (ci95: paired bootstrap over prompts) ==")
+              "reuse-only at full rank (ci95: paired bootstrap over passages) ==")
         print(protocol.show(bench.rank_claim_table(reports)))
     if cmd.bench.budgets:
         print("\n== budget sweep: transform-coded and rate-distortion plans (both a hard byte limit) and rank-only "
-              "allocation, KL relative to raw reuse (vs_raw_ci95: paired bootstrap over prompts) ==")
+              "allocation, KL relative to raw reuse (vs_raw_ci95: paired bootstrap over passages) ==")
         print(protocol.show(bench.budget_table(reports)))
     qa_rows = bench.qa_table(reports)
     if len(qa_rows):

@@ -315,7 +315,7 @@ def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
 
 def patch_table(reports: list[BenchReport]) -> pd.DataFrame:
     """The patch-budget sweep per report: KL ± se and top-1 at each k, and KL relative to k = 0
-    (reuse-only, same placement) with its 95% paired-bootstrap interval over prompts."""
+    (reuse-only, same placement) with its 95% paired-bootstrap interval (over passages)."""
     out = []
     for rep in reports:
         sweep = [r for r in rep.sweeps if r.group == "patch sweep"]
