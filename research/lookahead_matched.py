@@ -3,9 +3,9 @@
     SCDVIZ_THREADS=1 python -m research.lookahead_matched [--per-domain 4] [--seeds 0 1 2] [--out FILE.json]
 
 The headline policy (``distillcache-head-lookahead-w512``: W = 512, K = 8 continuations of G = 40
-tokens sampled from the model after the context, a prior of 0.75 x lookahead + 0.25 x alpha plus a
-learned MLP correction) is compared, on the same contexts and the same sampled continuations, with
-what costs the same compute but learns nothing:
+tokens sampled from the model after the context, a prior of w x lookahead + (1 - w) x alpha, w = 0.5
+for this policy, plus a learned MLP correction) is compared, on the same contexts and the same
+sampled continuations, with what costs the same compute but learns nothing:
 
   * its prior alone (the MLP removed), and the lookahead feature alone;
   * H2O (kvpress's ObservedAttention) and SnapKV, each as kvpress scores them, and each *given the
@@ -18,7 +18,7 @@ unscored tokens: the first 24 continuation tokens (the length the policy was val
 G = 40 = 16 + 24) and 128 (G fixed), for 3 sampling seeds. Contexts: ``--per-domain`` windows of
 512 + 16 + 128 tokens spread through the **dev** slice of each shipped eval split (``scdviz.data``);
 the test slice is never read. Writes a record (kind "evict", one row per horizon, seed, budget and
-method, with per-context KL and passages) that ``python -m scdviz report`` renders (evict-lookahead).
+method, with per-context KL and passages).
 """
 
 from __future__ import annotations

@@ -118,9 +118,22 @@ def command(path: Path, record: records.BenchRecord) -> str:
     return " ".join(parts)
 
 
+def slice_of(record: records.BenchRecord) -> str | None:
+    """The eval slice a record read (``scdviz.data``: dev or test), None for a record made before the
+    slices existed (it read the opening windows of each eval split, which are now in dev)."""
+    for part in ("bench", "eval", "cost"):
+        if isinstance(record.settings.get(part), dict) and "slice" in record.settings[part]:
+            return record.settings[part]["slice"]
+    return None
+
+
+SLICE_WORDS = {"test": "test slice", "dev": "dev slice",
+               None: "read before the dev/test slices; its windows are in dev now"}
+
+
 def _source_line(rels: list[str]) -> str:
-    made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}`: `{command(settings.ASSETS_DIR / r, _read(r))}`"
-                     for r in rels)
+    made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}` ({SLICE_WORDS[slice_of(_read(r))]}): "
+                     f"`{command(settings.ASSETS_DIR / r, _read(r))}`" for r in rels)
     return f"*Records (and the command that made each):* {made}."
 
 
@@ -153,22 +166,29 @@ def _protocol():
     return protocol
 
 
-def _paired(a: list[float], b: list[float]) -> dict:
-    """The benches' paired bootstrap (b against a over paired items): diff, ratio and their 95% intervals."""
+def _paired(a: list[float], b: list[float], clusters: list[str] | None = None) -> dict:
+    """The benches' paired bootstrap (b against a over paired items, whole passages when ``clusters``
+    are given): diff, ratio and their 95% intervals."""
     from scdviz import metrics  # lazily: torch
 
-    return metrics.paired_bootstrap(a, b)
+    return metrics.paired_bootstrap(a, b, clusters=clusters)
 
 
-def _boot_mean(values: list[float]) -> dict:
+def _boot_mean(values: list[float], clusters: list[str] | None = None) -> dict:
     from scdviz import metrics
 
-    return metrics.bootstrap_mean(values)
+    return metrics.bootstrap_mean(values, clusters=clusters)
+
+
+def _passages(row: dict) -> list[str] | None:
+    """The passage of each item of a record row (the cluster bootstrap's clusters); None in records made
+    before rows carried them (their intervals resample items)."""
+    return row.get("passages") or None
 
 
 def _ratio(base: dict, other: dict, key: str = "kl_per_prompt") -> str:
     """``other``'s mean KL over ``base``'s, ×, with the paired-bootstrap interval."""
-    boot = _paired(base[key], other[key])
+    boot = _paired(base[key], other[key], _passages(other))
     return f"{other['kl'] / base['kl']:.2f}× {_ci(*boot['ratio_ci'])}"
 
 
@@ -187,12 +207,14 @@ def _scd_rows(rel: str, group: str, domain: str | None = None) -> list[dict]:
 
 
 def scd_own() -> str:
-    """Each specialist's own eval split: every method and baseline, with continuation perplexity."""
-    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS]
+    """Each specialist's own domain, test slice: every method and baseline, with continuation perplexity."""
+    rels = [f"scd/{s}/test.json" for s in SPECIALISTS]
     out = []
     for rel, spec in zip(rels, SPECIALISTS, strict=True):
         for group in ("method", "token 0"):
             rows = _scd_rows(rel, group)
+            if not rows:  # a run without the other token-0 handling (--no-sent-rows)
+                continue
             raw = next(r for r in rows if r["method"].startswith("raw KV"))
             for r in rows:
                 if r["method"] == "oracle" and group == "token 0":
@@ -239,8 +261,8 @@ def scd_patch() -> str:
                 k = int(r["method"].split("k=")[1].split()[0])
                 out.append([spec, "greedy order" if placement == "greedy" else "by drift", str(k),
                             _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}",
-                            f"{_paired(base['kl_per_prompt'], r['kl_per_prompt'])['ratio']:.3f} "
-                            + _ci(*_paired(base["kl_per_prompt"], r["kl_per_prompt"])["ratio_ci"], 3),
+                            f"{_paired(base['kl_per_prompt'], r['kl_per_prompt'], _passages(r))['ratio']:.3f} "
+                            + _ci(*_paired(base["kl_per_prompt"], r["kl_per_prompt"], _passages(r))["ratio_ci"], 3),
                             f"{r['top1']:.3f}"])
     head = ["specialist", "placement", "k patches", "bytes/token", "KL", "KL / k = 0 [95% CI]", "top-1"]
     return _table(head, out) + "\n\n" + _source_line(rels)
@@ -278,10 +300,11 @@ def scd_lodo() -> str:
                         _ratio(raw, scd), f"{raw['top1']:.3f} → {scd['top1']:.3f}",
                         f"{above} of {scd['n_prompts']}", _b(scd["payload_bytes_per_token"]),
                         _ratio(raw, tc), _b(tc["payload_bytes_per_token"]), f"{tc['top1']:.3f}",
-                        f"{by['4-bit KV']['kl'] / raw['kl']:.2f}×"])
+                        f"{by['4-bit KV']['kl'] / raw['kl']:.2f}×",
+                        f"{scd['ppl_oracle']:.1f} / {raw['ppl']:.1f} / {scd['ppl']:.1f}"])
     head = ["specialist", "held-out domain", "raw KV KL ± se", "SCD KL ± se", "SCD / raw [95% CI]",
             "top-1 raw → SCD", "prompts SCD > raw", "SCD B/token", "transform coded / raw [95% CI]",
-            "its B/token", "its top-1", "4-bit KV / raw"]
+            "its B/token", "its top-1", "4-bit KV / raw", "perplexity: oracle / raw / SCD"]
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
@@ -295,10 +318,13 @@ def scd_qa() -> str:
     out = []
     for rel, spec in zip(rels, SPECIALISTS, strict=True):
         items: dict[str, list[float]] = {}
+        groups: dict[str, list[str]] = {}
         for r in _scd_rows(rel, "method"):
             items.setdefault(r["method"], []).extend(r["qa_f1_items"])
-        own = {m: _boot_mean(v) for m, v in items.items()}
-        vs = _paired(items["raw KV"], items["SCD full"])
+            groups.setdefault(r["method"], []).extend(_passages(r) or [])
+        clusters = groups["raw KV"] if len(groups["raw KV"]) == len(items["raw KV"]) else None
+        own = {m: _boot_mean(v, clusters) for m, v in items.items()}
+        vs = _paired(items["raw KV"], items["SCD full"], clusters)
         out.append([spec, str(len(items["raw KV"]))]
                    + [f"{own[m]['mean']:.3f}" for m in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute")]
                    + [f"{own['SCD full']['mean']:.3f} {_ci(*own['SCD full']['ci'], 3)}",
@@ -364,22 +390,23 @@ def _vs_best(rels: list[str], mode: str = "agnostic", learned_only: bool = False
             if m == best:
                 cells = ["", "", "", ""]
             else:
-                versus = _protocol().vs_best({best: base[best]["kl_per_context"], m: r["kl_per_context"]}, m, [best])
+                versus = _protocol().vs_best({best: base[best]["kl_per_context"], m: r["kl_per_context"]}, m, [best],
+                                             clusters=_passages(r))
                 boot, b = versus["boot"], r["kl_per_context"]
                 wins_ctx = ("" if r.get("baseline") else
                             f"{sum(y < x for x, y in zip(ctx_best, b, strict=True)) / n:.2f}")
                 cells = [f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
                          f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}", f"{versus['wins']:.2f}",
                          wins_ctx]
-            cost = r.get("overhead_frac")
             out.append([_pct(keep), name, f"{r['kl']:.4f} ± {r['kl_se']:.4f}", *cells, f"{r['top1']:.3f}",
-                        _f(r.get("qa_acc"), 2), "" if cost is None else f"{cost:.2f}×"])
+                        f"{r['ppl']:.2f}", _f(r.get("qa_acc"), 2)])
     return out
 
 
 VS_BEST_HEAD = ["kept", "method", "KL ± se", "/ best baseline [95% CI]", "− best baseline [95% CI]", "wins vs best",
-                "wins vs each context's best baseline", "top-1", "QA acc.", "scoring time / prefill"]
-PROTOCOL = ["policy/bench/protocol_tail.json", "policy/bench/protocol.json"]
+                "wins vs each context's best baseline", "top-1", "continuation perplexity", "QA acc."]
+PROTOCOL = ["policy/bench/test.json"]  # the eviction protocol on the test slice (natives included)
+PROTOCOL_BEFORE = ["policy/bench/protocol_tail.json", "policy/bench/protocol.json"]  # read before the slices
 
 
 def evict_headline() -> str:
@@ -408,7 +435,8 @@ def evict_domains() -> str:
         trained = at[chosen].get("trained_on") or []
         values = {m: r["kl_per_context"] for m, r in at.items()}
         baselines = [m for m, r in at.items() if r.get("baseline")]
-        for dom, versus in _protocol().per_domain(at[chosen]["domains"], values, chosen, baselines):
+        for dom, versus in _protocol().per_domain(at[chosen]["domains"], values, chosen, baselines,
+                                                  clusters=_passages(at[chosen])):
             boot = versus["boot"]
             out.append([_pct(keep), dom + (" (trained on)" if dom in trained else ""), f"{versus['mean']:.4f}",
                         versus["best"], f"{versus['best_mean']:.4f}", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
@@ -431,7 +459,7 @@ def evict_lodo() -> str:
             shipped = next(r for m, r in at.items() if not r.get("baseline") and r is not mine)
             best_name = min((m for m, r in at.items() if r.get("baseline")), key=lambda m: at[m]["kl"])
             best = at[best_name]
-            boot = _paired(best["kl_per_context"], mine["kl_per_context"])
+            boot = _paired(best["kl_per_context"], mine["kl_per_context"], _passages(mine))
             out.append([left, _pct(keep), f"{mine['kl']:.4f}", f"{shipped['kl']:.4f} ({shipped['method']})",
                         f"{best['kl']:.4f} ({best_name})", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
                         f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}",
@@ -476,54 +504,56 @@ def evict_decode() -> str:
     return _table(head, out) + "\n\n" + _source_line([rel])
 
 
-def evict_cost() -> str:
-    """Cost at 2k-token contexts: the chosen policy's time per generated token while evicting."""
-    rel = "policy/bench/cost_2k.json"
-    out = []
-    for r in _read(rel).rows:
-        if r.get("policy_ms_per_token") is not None:
-            out.append([_pct(r["keep"]), r["method"], f"{r['policy_ms_per_token']:.1f} ms",
-                        f"{r['decode_ms_per_token']:.0f} ms", f"{r['decode_overhead_frac']:.1%}",
-                        f"{r['decode_speedup']:.2f}×", f"{r['overhead_frac']:.1%}"])
-    head = ["kept", "policy", "policy time per generated token", "decode step", "share of a decode step",
-            "pruned vs full cache decode speed", "prefill scoring / prefill"]
-    return _table(head, out) + "\n\n" + _source_line([rel])
-
-
 # ----------------------------------------------------------------------------- the README's headline
 
 
-def headline() -> str:
-    """One table: SCD against raw KV reuse on each specialist's own eval split, and DistillCache against
-    the best of kvpress's presses on the 66-context protocol."""
+def _headline(scd_record: str, protocol: list[str]) -> str:
+    """One table: SCD against raw KV reuse on each specialist's own eval text (``scd/<specialist>/<scd_record>``),
+    and DistillCache against the best of kvpress's presses on the eviction records ``protocol``."""
     out = []
     for spec in SPECIALISTS:
-        rel = f"scd/{spec}/bench.json"
+        rel = f"scd/{spec}/{scd_record}"
         by = {r["method"]: r for r in _scd_rows(rel, "method")}
         raw = by["raw KV"]
         tc = next(r for r in _scd_rows(rel, "budget sweep") if r["method"] == "SCD transform-coded @3840 B/token")
         for r, what in ((by["SCD full"], "SCD, int4 codes + 2 patches"), (tc, "SCD, transform coded @3,840")):
-            out.append([f"{what}, {_b(r['payload_bytes_per_token'])} B/token", f"{spec}, own eval split, "
+            out.append([f"{what}, {_b(r['payload_bytes_per_token'])} B/token", f"{spec}, own domain, "
                         f"{r['n_prompts']} prompts", f"raw KV reuse, {_b(raw['payload_bytes_per_token'])} B/token",
-                        _ratio(raw, r), f"{r['top1']:.3f} vs {raw['top1']:.3f}"])
-    rows = _joined(PROTOCOL)
+                        _ratio(raw, r), f"{r['top1']:.3f} vs {raw['top1']:.3f}",
+                        f"{r['ppl']:.2f} vs {raw['ppl']:.2f} (oracle {r['ppl_oracle']:.2f})"])
+    rows = _joined(protocol)
     for keep in KEEPS:
         at = {m: r for (m, k), r in rows.items() if k == keep}
         chosen = next(m for m, r in at.items() if r.get("chosen_on_validation"))
         base = {m: r for m, r in at.items() if r.get("baseline")}
         best = min(base, key=lambda m: base[m]["kl"])
-        boot = _paired(base[best]["kl_per_context"], at[chosen]["kl_per_context"])
+        boot = _paired(base[best]["kl_per_context"], at[chosen]["kl_per_context"], _passages(at[chosen]))
         out.append([f"DistillCache `{chosen}`, {_pct(keep)} kept",
                     f"6 domains, {at[chosen]['n_contexts']} contexts", f"{best} (best of kvpress's presses)",
                     f"{boot['ratio']:.2f}× {_ci(*boot['ratio_ci'])}",
-                    f"{at[chosen]['top1']:.3f} vs {base[best]['top1']:.3f}"])
-    head = ["method", "measured on", "against", "KL / theirs [95% CI]", "top-1 agreement, method vs theirs"]
-    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS] + PROTOCOL
+                    f"{at[chosen]['top1']:.3f} vs {base[best]['top1']:.3f}",
+                    f"{at[chosen]['ppl']:.2f} vs {base[best]['ppl']:.2f}"])
+    head = ["method", "measured on", "against", "KL / theirs [95% CI]", "top-1 agreement, method vs theirs",
+            "continuation perplexity, method vs theirs"]
+    rels = [f"scd/{s}/{scd_record}" for s in SPECIALISTS] + protocol
     return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def headline() -> str:
+    """The headline, on the test slice: SCD against raw KV reuse on each specialist's own domain (64
+    prompts), DistillCache against the best of kvpress's presses (66 contexts, 11 per domain)."""
+    return _headline("test.json", PROTOCOL)
+
+
+def headline_before() -> str:
+    """The same headline from the records made before the dev/test slices (their windows are now dev): kept
+    for the history, beside the test numbers."""
+    return _headline("bench.json", PROTOCOL_BEFORE)
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline,
+    "headline-before": headline_before,
     "scd-own": scd_own,
     "scd-budget": scd_budget,
     "scd-patch": scd_patch,
@@ -537,7 +567,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "evict-lodo": evict_lodo,
     "evict-qa": evict_qa,
     "evict-decode": evict_decode,
-    "evict-cost": evict_cost,
     "evict-gemma": evict_gemma,
 }
 
