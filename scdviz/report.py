@@ -33,6 +33,7 @@ KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
 # where a run writes, not what it measures (as scdviz.config leaves them out of a saved config)
 OUTPUT_FIELDS = frozenset({"out", "name", "figures", "maintainer", "resume"})
 
+RESEARCH_FLAGS = ("per_domain", "seeds")  # the settings of a research probe's record that are its flags
 BLOCK = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
@@ -96,6 +97,10 @@ def _cli_defaults(kind: str) -> dict[str, tuple[str, object]]:
 def command(path: Path, record: records.BenchRecord) -> str:
     """The command that made ``record``: ``bench KIND --config TOML`` when a .toml beside it holds
     exactly its settings, else ``bench KIND`` with the flags whose values differ from the CLI's defaults."""
+    if "research" in record.settings:  # a probe's record: its module and flags
+        flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(_flag_value, v)) if isinstance(v, list) else v}"
+                         for k, v in record.settings.items() if k in RESEARCH_FLAGS)
+        return f"python -m research.{record.settings['research']} {flags} --out {Path(path).name}"
     mine = _flat(record.settings)
     for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != Path(path).stem):
         if _same_settings(mine, _flat(tomllib.loads(toml.read_text()))):
@@ -124,7 +129,7 @@ def slice_of(record: records.BenchRecord) -> str | None:
     for part in ("bench", "eval", "cost"):
         if isinstance(record.settings.get(part), dict) and "slice" in record.settings[part]:
             return record.settings[part]["slice"]
-    return None
+    return record.settings.get("slice")  # a research probe's record
 
 
 SLICE_WORDS = {"test": "test slice", "dev": "dev slice",
@@ -504,6 +509,31 @@ def evict_decode() -> str:
     return _table(head, out) + "\n\n" + _source_line([rel])
 
 
+LOOKAHEAD = "research/lookahead_matched.json"
+
+
+def evict_lookahead() -> str:
+    """The lookahead policy against compute-matched scorers on the same sampled continuations (dev slice):
+    KL per sampling seed, and / H2O per seed with the cluster-bootstrap interval."""
+    rows = _read(LOOKAHEAD).rows
+    seeds = sorted({r["sampling_seed"] for r in rows})
+    out = []
+    for horizon in sorted({r["horizon"] for r in rows}):
+        for keep in KEEPS:
+            at = {(r["method"], r["sampling_seed"]): r for r in rows if r["horizon"] == horizon and r["keep"] == keep}
+            for m in dict.fromkeys(m for m, _ in at):
+                cells = []
+                for seed in seeds:
+                    r, base = at[(m, seed)], at[("H2O (ObservedAttention)", seed)]
+                    boot = _paired(base["kl_per_context"], r["kl_per_context"], _passages(r))
+                    cells.append(f"{r['kl']:.4f} ({boot['ratio']:.2f}× {_ci(*boot['ratio_ci'])})")
+                chosen = " *" if at[(m, seeds[0])].get("chosen_on_validation") else ""
+                out.append([str(horizon), _pct(keep), m + chosen, *cells])
+    n = rows[0]["n_contexts"]
+    head = ["scored tokens", "kept", "top-B by"] + [f"KL (/ H2O [95% CI]), seed {s}" for s in seeds]
+    return f"{n} contexts of the dev slice.\n\n" + _table(head, out) + "\n\n" + _source_line([LOOKAHEAD])
+
+
 # ----------------------------------------------------------------------------- the README's headline
 
 
@@ -568,6 +598,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "evict-qa": evict_qa,
     "evict-decode": evict_decode,
     "evict-gemma": evict_gemma,
+    "evict-lookahead": evict_lookahead,
 }
 
 
