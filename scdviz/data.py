@@ -15,7 +15,7 @@ passages, in order, are ``dev`` (what benches read while a method is iterated on
 every choice may look at), the rest are ``test`` (read once per shipped artefact, by a run
 from a clean tree). ``dev`` holds every passage any record or script read before the slices
 existed (they all read the opening windows of each eval split: at most 6,160 tokens, 5 to 17
-passages; ``tests/test_data.py`` checks that those lie in ``dev``). ``eval_windows`` cuts a
+passages; ``tests/test_protocol_slow.py`` checks that those lie in ``dev``). ``eval_windows`` cuts a
 slice into windows and takes ``n`` of them spread evenly through it (not the first ``n``);
 the text between the windows taken stays unread. Each window names the passage it starts in,
 so intervals can resample whole passages (``scdviz.metrics``, ``clusters``).
@@ -123,7 +123,7 @@ def token_windows(tokenizer, passages: list[str], length: int, limit: int | None
     ids: list[int] = []
     windows: list[list[int]] = []
     for passage in passages:
-        ids.extend(tokenizer(passage + "\n\n", add_special_tokens=False)["input_ids"])
+        ids.extend(_passage_ids(tokenizer, passage))
         while len(ids) >= length:
             windows.append(ids[:length])
             ids = ids[length:]
@@ -167,7 +167,7 @@ def eval_windows(tokenizer, domain: str, slice_: str, length: int, n: int, texts
     ids: list[int] = []
     starts: list[int] = []  # passage index of each id
     for index, passage in slice_passages(passages(domain, "eval", texts), slice_):
-        piece = tokenizer(passage + "\n\n", add_special_tokens=False)["input_ids"]
+        piece = _passage_ids(tokenizer, passage)
         ids.extend(piece)
         starts.extend([index] * len(piece))
     total = len(ids) // length
@@ -176,6 +176,11 @@ def eval_windows(tokenizer, domain: str, slice_: str, length: int, n: int, texts
                          f"({len(ids)} tokens in all)")
     picks = range(total) if total <= n else [int((i + 0.5) * total / n) for i in range(n)]
     return [Window(list(lead) + ids[k * length:(k + 1) * length], domain, starts[k * length]) for k in picks]
+
+
+def _passage_ids(tokenizer, passage: str) -> list[int]:
+    """A passage's token ids as windows are cut from them: the passage and the blank line after it."""
+    return tokenizer(passage + "\n\n", add_special_tokens=False)["input_ids"]
 
 
 def split_prompt(window: list[int], cont_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -102,8 +102,10 @@ def _decode(model, cache, first: torch.Tensor, start: int, steps: int, device) -
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
-def _trial(model, method: _Method, ids: torch.Tensor, prefix: int, n_keep: int, cfg: CostConfig) -> dict:
-    """One run of ``method``: seconds of its prefill, per decoded token, per token while evicting."""
+def _trial(model, method: _Method, ids: torch.Tensor, prefix: int, n_keep: int, cfg: CostConfig,
+           kept: dict[str, float]) -> dict:
+    """One run of ``method``: seconds of its prefill, per decoded token, per token while evicting; the
+    tokens a press's cache keeps per head go to ``kept``."""
     device = hf.device_of(model)
     first, context = ids[:, prefix : prefix + 1], ids[:, :prefix]
     out = {}
@@ -125,7 +127,7 @@ def _trial(model, method: _Method, ids: torch.Tensor, prefix: int, n_keep: int, 
     with hf.press_prefill(model, method.press, context, method.attn) as cache:
         out["prefill"] = timing.clock(device) - t0
         out["decode"] = _decode(model, cache, first, prefix, cfg.decode_steps, device)
-        out["kept"] = hf.kept_per_head(model, cache)
+        kept[method.name] = hf.kept_per_head(model, cache)
     if method.evictor is not None:
         evictor = DecodeEvictor(method.evictor, budget=n_keep, window=bench.DECODE_WINDOW,
                                 interval=cfg.decode_interval)
@@ -148,28 +150,31 @@ def run(cfg: CostConfig, model, tokenizer, progress: bool = True) -> list[dict]:
         n_keep = keep_count(length, cfg.keep)
         lineup = {m.name: m for m in methods(cfg, n_keep, length)}
         failed: dict[str, str] = {}
+        kept: dict[str, float] = {FULL: float(length)}
         bar = tqdm(total=(cfg.warmup + cfg.rounds) * len(lineup), desc=f"cost at {length} tokens",
                    disable=not progress)
 
-        def trial(name: str, ids=ids, length=length, n_keep=n_keep, lineup=lineup, failed=failed,
+        def trial(name: str, ids=ids, length=length, n_keep=n_keep, lineup=lineup, failed=failed, kept=kept,
                   bar=bar) -> dict:
             bar.update()
             if name in failed:
                 return {}
             try:
-                return _trial(model, lineup[name], ids, length, n_keep, cfg)
+                return _trial(model, lineup[name], ids, length, n_keep, cfg, kept)
             except Exception as err:  # a method that cannot run on this model: reported, never fatal
                 failed[name] = why_not(err)
                 return {}
 
         samples = timing.interleaved(trial, list(lineup), cfg.rounds, cfg.warmup, rng)
         bar.close()
-        rows += _rows(samples, lineup, failed, length, n_keep, window.cluster)
+        rows += _rows(samples, lineup, failed, length, {name: kept.get(name, n_keep) for name in lineup},
+                      window.cluster)
     return rows
 
 
-def _rows(samples: dict, lineup: dict, failed: dict, length: int, n_keep: int, passage: str) -> list[dict]:
-    """One row per method from the rounds' samples (medians; ratios against the full cache's medians)."""
+def _rows(samples: dict, lineup: dict, failed: dict, length: int, kept: dict[str, float], passage: str) -> list[dict]:
+    """One row per method from the rounds' samples (medians; ratios against the full cache's medians);
+    ``kept``: tokens each method keeps per head."""
     q = timing.summary(samples)
     full_prefill, full_decode = q[FULL, "prefill"][1], q[FULL, "decode"][1]
     out = []
@@ -181,8 +186,7 @@ def _rows(samples: dict, lineup: dict, failed: dict, length: int, n_keep: int, p
         lo, med, hi = q[name, "prefill"]
         decode = q[name, "decode"][1]
         row = base | {
-            "tokens_kept": round(timing.quantiles(samples.get((name, "kept"), [length if name == FULL else n_keep]))[1],
-                                 2),
+            "tokens_kept": round(kept[name], 2),
             "prefill_ms": timing.ms(med), "prefill_iqr_ms": [timing.ms(lo), timing.ms(hi)],
             "added_ttft_ms": timing.ms(med - full_prefill), "prefill_ratio": round(med / full_prefill, 3),
             "decode_ms_per_token": timing.ms(decode),
