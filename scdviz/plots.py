@@ -15,6 +15,7 @@ import json
 import math
 import numbers
 import warnings
+import zlib
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -30,6 +31,67 @@ COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star", "triangle-down", "pentagon",
            "hexagon", "circle-open", "square-open", "diamond-open", "triangle-up-open")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+
+
+# ----------------------------------------------------------------------------- one look per method
+
+# Every method the benches and tabs name has its own look (colour, marker, dash), the same in every plot
+# of every tab; the focus methods first (the strongest colours). A budgeted SCD method is looked up without
+# its budget ("SCD RD @3840 B/token" as "SCD RD"). Other names (a visitor's policy, a new press) get a look
+# from their name, moved on only where it would repeat one already in the figure.
+SCD_METHODS = ("SCD full", "raw KV", "DroidSpeak recompute", "SCD reuse-only", "4-bit KV", "SCD transform-coded",
+               "SCD RD", "SCD RD+entropy", "SCD rank-only", "SCD r_K", "token 0")
+EVICT_METHODS = ("distillcache-head-lookahead-w512", "ObservedAttention", "SnapKV", "KVzip", "StreamingLLM",
+                 "TOVA", "ExpectedAttention", "KeyDiff", "CUR", "LagKV", "Knorm", "Random", "PyramidKV",
+                 "AdaKV-SnapKV", "AdaKV-ExpectedAttention", "CriticalKV-SnapKV", "CriticalAdaKV-SnapKV", "FastKVzip",
+                 "distillcache-head", "distillcache-global", "distillcache-head-w64", "distillcache-head-lookahead")
+KNOWN = SCD_METHODS + EVICT_METHODS  # each family drawn from the start of the palette (they never share a plot)
+REFERENCE = ("#000000", "star", "dash")  # the oracle / the full cache: what every method is compared with
+FOCUS_WIDTH, CONTEXT_WIDTH, CONTEXT_OPACITY = 2.6, 1.0, 0.35
+
+
+def look(method: str) -> tuple[str, str, str]:
+    """(colour, marker symbol, line dash) of a method (see ``KNOWN``)."""
+    name = str(method)
+    if name in ("oracle", "full cache"):
+        return REFERENCE
+    base = name.split(" @")[0]
+    for family in (SCD_METHODS, EVICT_METHODS):
+        if base in family:
+            i = family.index(base)
+            return COLORS[i % len(COLORS)], SYMBOLS[i % len(SYMBOLS)], DASHES[(i // len(COLORS)) % len(DASHES)]
+    h = zlib.crc32(name.encode())
+    return COLORS[h % len(COLORS)], SYMBOLS[h % len(SYMBOLS)], DASHES[h % 2]
+
+
+def paint(fig: go.Figure, focus: set[str] | None = None) -> go.Figure:
+    """Give every method trace (named after its method) its ``look``; with ``focus``, those methods (and
+    the oracle / full cache) are drawn strong and the rest thin and faint: still in the legend, where a
+    click hides or shows each."""
+    used_colors, used_symbols = set(), set()
+    for trace in fig.data:
+        name = trace.name
+        if not name or getattr(trace, "type", "scatter") != "scatter" or name.startswith(("patched", "oracle (")):
+            continue
+        color, symbol, dash = look(name)
+        if name.split(" @")[0] not in KNOWN and name not in ("oracle", "full cache"):  # keep apart from the rest
+            while color in used_colors and len(used_colors) < len(COLORS):
+                color = COLORS[(COLORS.index(color) + 1) % len(COLORS)]
+            while symbol in used_symbols and len(used_symbols) < len(SYMBOLS):
+                symbol = SYMBOLS[(SYMBOLS.index(symbol) + 1) % len(SYMBOLS)]
+        used_colors.add(color)
+        used_symbols.add(symbol)
+        strong = focus is None or name in focus or name in ("oracle", "full cache")
+        trace.update(marker=dict(color=color, symbol=symbol),
+                     line=dict(color=color, dash=dash, width=FOCUS_WIDTH if strong else CONTEXT_WIDTH),
+                     opacity=1.0 if strong else CONTEXT_OPACITY)
+    return fig
+
+
+def best_other(kls: dict[str, float], exclude: set[str]) -> str | None:
+    """The method with the lowest KL outside ``exclude`` (the best baseline)."""
+    rest = {m: v for m, v in kls.items() if m not in exclude and v == v}
+    return min(rest, key=rest.get) if rest else None
 
 
 def _legend_entries(fig: go.Figure) -> int:
@@ -138,6 +200,7 @@ def layer_drift(results, kind: str = "K") -> go.Figure:
         if series:
             fig.add_scatter(x=list(range(len(series))), y=series, mode="lines+markers", name=r.method)
     _mark_layers(fig, _patched(results), "patched / recomputed")
+    paint(fig)
     return _layout(fig, f"Per-layer {kind} drift vs oracle", "layer", f"‖{kind} − {kind}ᵒʳᵃᶜˡᵉ‖² / ‖{kind}ᵒʳᵃᶜˡᵉ‖²",
                    log_y=True)
 
@@ -149,6 +212,7 @@ def error_accumulation(results) -> go.Figure:
         if r.divergence:
             fig.add_scatter(x=list(range(len(r.divergence))), y=r.divergence, mode="lines+markers", name=r.method)
     _mark_layers(fig, _patched(results), "patched / recomputed")
+    paint(fig)
     return _layout(fig, "Error accumulation through depth (continuation tokens)", "layer (0 = embeddings)",
                    "‖h − hᵒʳᵃᶜˡᵉ‖ / ‖hᵒʳᵃᶜˡᵉ‖")
 
@@ -161,6 +225,7 @@ def amplification(results) -> go.Figure:
         if a:
             fig.add_scatter(x=list(range(len(a))), y=a, mode="lines+markers", name=r.method)
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    paint(fig)
     return _layout(fig, "Per-layer error amplification α_l", "layer", "α_l")
 
 
@@ -253,6 +318,8 @@ def pareto(table: pd.DataFrame) -> go.Figure:
              group="specialist" if several else None,
              hover=[("method", "method"), ("specialist", "specialist"), ("payload (B/token)", "bytes_per_token"),
                     ("KL", "kl"), ("KL s.e.", "kl_se"), ("top-1", "top1")])
+    if not several:
+        paint(fig)
     return _layout(fig, "Payload vs quality (lower left is better)", "payload bytes per prompt token",
                    "KL(oracle ‖ method)", log_y=True)
 
@@ -271,6 +338,7 @@ def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float
         ys = [links.ttft(n_bytes, r.consumer_seconds, links.Link(g, latency_s)) for g in gbps]
         fig.add_scatter(x=gbps, y=ys, mode="lines+markers", name=r.method)
     fig.update_xaxes(type="log", tickvals=gbps)
+    paint(fig)
     return _layout(fig, "Modelled TTFT vs link bandwidth", "Gbit/s", "seconds", log_y=True)
 
 
@@ -283,6 +351,7 @@ def kl_per_step(kl_steps: dict[str, list[float]]) -> go.Figure:
     for i, (method, ys) in enumerate(kl_steps.items()):
         fig.add_scatter(x=list(range(1, len(ys) + 1)), y=ys, mode="lines", name=method,
                         line=dict(dash=DASHES[(i // len(COLORS)) % len(DASHES)], width=1.5))
+    paint(fig)
     return _layout(fig, "KL per decode step (teacher-forced on the full cache's continuation)", "step",
                    "KL(full ‖ pruned)", log_y=True)
 
@@ -295,6 +364,7 @@ def budget_sweep(sweep: dict[str, dict[float, float]]) -> go.Figure:
         fig.add_scatter(x=[100 * k for k in keeps], y=[points[k] for k in keeps], mode="lines+markers", name=method,
                         marker=dict(symbol=SYMBOLS[i % len(SYMBOLS)], size=7),
                         hovertemplate=f"{method}<br>%{{x:.3g}} % kept: KL %{{y:.4g}}<extra></extra>")
+    paint(fig)
     return _layout(fig, "Budget sweep", "% of context kept", "mean KL(full ‖ pruned)", log_y=True)
 
 
@@ -347,6 +417,36 @@ def selection_curve(selection_kl: list[float], order: list[int]) -> go.Figure:
 
 
 # ----------------------------------------------------------------------------- several saved records
+
+
+# ----------------------------------------------------------------------------- words for people
+
+FIGURE_LABELS = {
+    "drift_k": "Per-layer key drift", "drift_v": "Per-layer value drift", "accumulation": "Error accumulation",
+    "amplification": "Error amplification per layer", "placement": "Where a patch helps",
+    "spectra_k": "Key rank spectra", "spectra_v": "Value rank spectra", "pareto": "Payload vs quality",
+    "ttft": "Time to first token vs link", "plan": "The transfer plan per layer",
+    "kl_steps": "KL per decode step", "sweep": "Budget sweep", "heatmap": "Kept tokens per layer",
+    "features": "Token features, kept vs evicted",
+}
+HEADERS = {
+    "method": "method", "bytes_per_token": "payload (B/token)", "compression_vs_fp16": "compression vs fp16 (×)",
+    "kl": "KL (nats/token)", "kl_se": "KL std. error", "top1": "top-1 agreement", "ppl": "perplexity",
+    "ppl_oracle": "perplexity, oracle", "f1": "F1 vs oracle text", "consumer_ms": "consumer time (ms)",
+    "ttft_10gbps_ms": "TTFT at 10 Gbit/s (ms)", "speedup_10gbps": "speed-up vs oracle at 10 Gbit/s (×)",
+    "qa_f1": "QA F1", "ttft_your_link_ms": "TTFT on your link (ms)", "tokens_kept": "tokens kept per head",
+    "jaccard_vs_h2o": "overlap with H2O's kept slots (Jaccard)", "kept_not_by_h2o": "share of kept slots H2O drops",
+    "specialist": "specialist",
+}
+
+
+def worded(df: pd.DataFrame) -> pd.DataFrame:
+    """A tab's table for people: columns that say nothing here (one value for every row, as the group of
+    a one-prompt run; or empty) dropped, the rest named in words with units (``HEADERS``)."""
+    keep = [c for c in df.columns if c == "method" or not (df[c].isna().all() or
+                                                           (c == "group" and df[c].nunique() <= 1) or
+                                                           (c == "kl_se" and (df[c].fillna(0) == 0).all()))]
+    return df[keep].rename(columns=HEADERS)
 
 
 def round_sig(value, digits: int = 4):

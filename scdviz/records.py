@@ -163,4 +163,6 @@ def read(path: str | Path) -> BenchRecord:
         obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path.name} is not a JSON file: {err}") from None
+    except RecursionError:  # json nests one Python call per level
+        raise ValueError(f"{path.name} nests its JSON too deeply to be a benchmark record") from None
     return from_json(obj, path.name)

@@ -98,3 +98,24 @@ def max_session_runs() -> int:
 def session_ttl() -> int:
     """Seconds after which an idle session's state and folder are removed (SCDVIZ_SESSION_TTL)."""
     return int(os.environ.get("SCDVIZ_SESSION_TTL", "7200"))
+
+
+def max_jobs() -> int:
+    """Heavy jobs (calibration, training, figure export) the server runs at once (SCDVIZ_MAX_JOBS)."""
+    return int(os.environ.get("SCDVIZ_MAX_JOBS", "2"))
+
+
+def max_visitor_jobs() -> int:
+    """Heavy jobs one visitor (one client address) runs at once (SCDVIZ_MAX_VISITOR_JOBS)."""
+    return int(os.environ.get("SCDVIZ_MAX_VISITOR_JOBS", "1"))
+
+
+def trust_proxy() -> bool:
+    """Name visitors by the first X-Forwarded-For address (SCDVIZ_TRUST_PROXY=1): only behind a proxy
+    that sets it, as a Space's does; otherwise a client could name itself."""
+    return os.environ.get("SCDVIZ_TRUST_PROXY", "0").lower() in ("1", "true", "yes")
+
+
+def visitor_mb() -> float:
+    """MB of files (figure exports, CSV) the app writes for one visitor per session time (SCDVIZ_VISITOR_MB)."""
+    return float(os.environ.get("SCDVIZ_VISITOR_MB", "100"))

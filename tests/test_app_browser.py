@@ -83,17 +83,27 @@ def _legend_groups(page, elem: str) -> set[str]:
 MAGIC = {"png": b"\x89PNG", "svg": b"<svg", "html": b"<html"}
 
 
-def _downloads_work(page, prefix: str, tab: str, names) -> None:
-    """The tab's download button offers PNG, SVG and HTML of every figure, each non-empty and of its type."""
+def _downloads_work(page, prefix: str, tab: str, names, static: bool = False) -> None:
+    """The tab's download button offers one HTML page holding every figure (plotly.js once, under 10 MB);
+    with the box ticked also one zip of PNG and one of SVG, an image per figure, each of its type."""
+    import io
+    import zipfile
+
+    if static:
+        page.locator(f"#{prefix}-figs-static input").check()
     page.locator(f"#{prefix}-figs-btn").click()
-    expected = {f"{tab}_{name}.{ext}" for name in names for ext in MAGIC}
+    expected = {f"scdviz-{tab}.html"} | ({f"scdviz-{tab}-png.zip", f"scdviz-{tab}-svg.zip"} if static else set())
     links = page.locator(f"#{prefix}-figs a[download]")
     links.nth(len(expected) - 1).wait_for(state="attached", timeout=240_000)
     offered = {a.get_attribute("download"): a.get_attribute("href") for a in links.all()}
     assert set(offered) == expected
-    for name, href in offered.items():
-        body = page.request.get(href).body()
-        assert len(body) > 1000 and MAGIC[name.rsplit(".", 1)[1]] in body[:300], name
+    body = page.request.get(offered[f"scdviz-{tab}.html"]).body()
+    assert body.startswith(b"<!DOCTYPE html><html") and len(body) < 10 * 2**20
+    assert all(f"<h2>{tab}_{name}</h2>".encode() in body for name in names)
+    for fmt in ("png", "svg") if static else ():
+        with zipfile.ZipFile(io.BytesIO(page.request.get(offered[f"scdviz-{tab}-{fmt}.zip"]).body())) as z:
+            assert sorted(z.namelist()) == sorted(f"{tab}_{name}.{fmt}" for name in names)
+            assert all(MAGIC[fmt] in z.read(n)[:300] for n in z.namelist())
     links.first.scroll_into_view_if_needed()
     with page.expect_download() as download:  # a person's click saves the file
         links.first.click()
@@ -253,7 +263,7 @@ def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
     page.locator("#train-info").get_by_text("Done:").wait_for(timeout=600_000)
     _plots_drawn(page, "train", ("plot",))
     _shot(page, "train", tmp_path_factory)
-    _downloads_work(page, "train", "train", ("policy_training",))
+    _downloads_work(page, "train", "train", ("policy_training",), static=True)
     # the trained policy is this visitor's own eviction method from now on
     assert "yours:my-policy" in page.locator("#train-info").inner_text()
     page.get_by_role("tab", name="DistillCache eviction").click()
@@ -317,7 +327,7 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     scd_shown = one.locator("#scd-table").inner_text()
     for row in alone["table"].itertuples():
         assert row.method in scd_shown and f"{round_sig(float(row.kl)):g}" in scd_shown, row.method
-    ev = evict.evict_run(builtin_pair, EvictRequest(context, "", False, "% kept", 25, "producer", "distillcache-head"))
+    ev = evict.evict_run(builtin_pair, EvictRequest(context))  # the page's defaults: the focused set
     shown = two.locator("#ev-table").inner_text()
     for row in ev["table"].itertuples():
         assert row.method in shown and f"{round_sig(float(row.kl)):g}" in shown, row.method
@@ -340,10 +350,57 @@ def test_closing_a_page_removes_its_session_folder(browser, app_url, tmp_path_fa
     pg.get_by_role("tab", name="Results").click()
     _choose(pg, "#res-shipped", "assets/scd/jargon/bench.json")
     pg.locator("#res-info").get_by_text("1 record (scd)").wait_for(timeout=60_000)
-    (mine,) = set(work.iterdir()) - before
+    (mine,) = {p for p in set(work.iterdir()) - before if re.fullmatch("[0-9a-f]{16}", p.name)}  # not temp files
     assert (mine / "scratch" / "results.csv").is_file()
     ctx.close()
     deadline = time.time() + 60
     while mine.exists() and time.time() < deadline:
         time.sleep(1)
     assert not mine.exists()
+
+
+def test_hosted_two_visitors_one_cancels_training_while_the_other_trains(browser, tmp_path_factory):
+    """Hosted mode, two visitors (two client addresses behind a trusted proxy): the first starts a long
+    training and presses Stop while the second trains; the first's run is gone, the second's finishes,
+    and no more heavy jobs ran at once than the server allows."""
+    import time
+
+    folder = tmp_path_factory.mktemp("hosted-jobs")
+    log = folder / "app.log"
+    with running_app(log, SCDVIZ_WORK=str(folder), SCDVIZ_HOSTED="1", SCDVIZ_TRUST_PROXY="1",
+                     SCDVIZ_MAX_JOBS="2") as url:
+        pages = []
+        for address in ("10.0.0.1", "10.0.0.2"):
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1800},
+                                      extra_http_headers={"X-Forwarded-For": address})
+            pg = ctx.new_page()
+            pg.goto(url)
+            pg.locator("#pair-summary").get_by_text("Compatible").wait_for(timeout=240_000)
+            pg.get_by_role("tab", name="Calibrate / train").click()
+            pages.append(pg)
+        one, two = pages
+        one.locator("input[aria-label='number input for REINFORCE steps']").fill("300")
+        one.get_by_label("Save as").nth(1).fill("long-run")
+        one.locator("#train-run").click()
+        one.locator("#train-info").get_by_text("press Stop").wait_for(timeout=300_000)
+        two.get_by_label("Save as").nth(1).fill("short-run")
+        two.locator("input[aria-label='number input for REINFORCE steps']").fill("5")
+        two.locator("#train-run").click()
+        two.locator("#train-info").get_by_text("press Stop").wait_for(timeout=300_000)
+        one.locator("#train-stop").click()
+        runs = folder / "sessions"
+        deadline = time.time() + 120
+        while list(runs.glob("*/runs/policies/long-run")) and time.time() < deadline:
+            time.sleep(1)
+        assert not list(runs.glob("*/runs/policies/long-run"))  # the cancelled run's files are gone
+        two.locator("#train-info").get_by_text("Done:").wait_for(timeout=600_000)
+        assert len(list(runs.glob("*/runs/policies/short-run/best.safetensors"))) == 1
+        time.sleep(3)
+        assert not list(runs.glob("*/runs/policies/long-run"))  # and nothing recreated them
+        text = log.read_text()
+        assert "heavy job ended: train (cancelled)" in text
+        peaks = [int(p) for p in re.findall(r"heavy job started: \w+ \(running \d+, peak (\d+)\)", text)]
+        assert peaks and max(peaks) <= 2
+        for pg in pages:
+            assert "internal error" not in pg.content() and "Traceback" not in pg.content()
+            pg.context.close()

@@ -29,7 +29,7 @@ def test_scd_tab_is_built_from_the_request_and_its_handler_gets_values_by_name()
 
     got = []
 
-    def run(pair_key, session, request):
+    def run(pair_key, session, request, progress=None):
         got.append((pair_key, session, request))
         return {"info": "ok", "table": pd.DataFrame({"method": ["oracle"]}), "texts": [("oracle", ["a"])],
                 "figures": dict.fromkeys(scd_tab.FIGURES)}
@@ -48,7 +48,7 @@ def test_scd_tab_is_built_from_the_request_and_its_handler_gets_values_by_name()
     params = [p["parameter_name"] for p in demo.get_api_info()["named_endpoints"]["/scd_transfer"]["parameters"]]
     assert params == list(controls)  # the API's parameters are the field names, in field order
     values = {name: getattr(_WithKnob(text="a text"), name) for name in controls} | {"knob_level": 7, "rank_k": 16}
-    dep.fn("the pair", "the session", **values)
+    dep.fn("the pair", "the session", progress=lambda *a, **k: None, **values)
     ((pair_key, session, request),) = got
     assert (pair_key, session) == ("the pair", "the session")
     assert isinstance(request, _WithKnob) and request.knob_level == 7 and request.rank_k == 16
@@ -97,5 +97,12 @@ def test_the_api_names_endpoints_and_parameters_in_words_and_hides_internal_ones
     listed = set(demo.get_api_info(all_endpoints=True)["named_endpoints"])
     assert "/open_session" not in listed and "/scd" not in listed
     internal = [d for d in demo.fns.values()
-                if d.fn is not None and d.fn.__name__ in ("open_session", "_on_page_closed")]
+                if d.fn is not None and d.fn.__name__ in ("open_session", "on_page_closed")]
     assert len(internal) == 2 and all(d.api_visibility == "private" for d in internal)
+
+
+def test_code_bits_accept_what_the_api_documents():
+    bits = requests.ScdRequest.controls()["bits"]
+    assert bits.check("4") == 4 and bits.check(8) == 8 and bits.check(16.0) == 16
+    with pytest.raises(UserError, match="must be one of 4, 8, 16"):
+        bits.check("5")

@@ -24,10 +24,11 @@ BIG = "x" * 4_000_000  # a 4 MB prompt: refused on length before any tokenizer s
 LONG_TOKENS = "the " * 1100  # ~1,100 tokens in ~4,400 characters: under the character cap, over the token cap
 CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches from the gate and the children "
        "laugh in the orchard under the old apple trees. ") * 6  # ~180 tokens
-SCD = dict(text=None, cont=32, gen=8, bits=4, rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
+SCD = dict(text=None, cont=32, gen=8, bits="4", rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
            gbps=10, latency=0.5, fan=False, budget=0, coder="transform")
-EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer", method="distillcache-head")
-CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits=4, name="bad-input-run")
+EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer",
+          method="distillcache-head-lookahead-w512", methods=None)
+CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits="4", name="bad-input-run")
 TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
 
 
@@ -61,6 +62,7 @@ ROWS = [
     ("hosted", ("/load_pair", (P, "../../models")), "local folders are not available"),
     ("hosted", ("/load_pair", (P, "~/models")), "local folders are not available"),
     ("hosted", ("/load_pair", (P, "someorg/some-model")), "allow-list"),
+    ("hosted", ("/load_pair", (P, "builtin:gemma3-270m")), "runs in a local install"),
     ("local", ("/load_pair", (P, "/nonexistent/folder")), "not a model folder"),
     ("local", ("/load_pair", (P, "{empty}")), "not a model folder"),
     ("local", ("/load_pair", (P, "{lora_other}")), "does not fit its base model"),
@@ -89,7 +91,7 @@ ROWS = [
     ("both", scd(text="{window}", cont="abc"), "Expected a `float`"),
     ("both", scd(text="{window}", cont=3), "is less than minimum value"),
     ("both", scd(text="{window}", gen=100), "is greater than maximum value"),
-    ("both", scd(text="{window}", bits=5), "not in the list of choices"),
+    ("both", scd(text="{window}", bits="5"), "not in the list of choices"),
     ("both", scd(text="{window}", rank_k=999), "is greater than maximum value"),
     ("both", scd(text="{window}", rank_v=-8), "is less than minimum value"),
     ("both", scd(text="{window}", rank_k=12.5), "r_K must be a whole number"),
@@ -125,6 +127,8 @@ ROWS = [
     ("both", ev(unit="bytes"), "bytes"),
     ("both", ev(model="both"), "both"),
     ("both", ev(aware="maybe"), "Question-aware must be true or false"),
+    ("both", ev(method="CUR"), "Method to inspect: 'CUR' is not among the methods compared"),
+    ("both", ev(methods=["nope"]), "'nope' (type: <class 'str'>) is not in the list of choices"),
     # ---- calibrate / train tab
     ("nopair", cal(), "load a pair first"),
     ("both", cal(domains=["nope"]), "nope"),
@@ -132,7 +136,8 @@ ROWS = [
     ("both", cal(n_fit=1), "is less than minimum value"),
     ("both", cal(n_fit="abc"), "Expected a `float`"),
     ("both", cal(op_k=9), "is greater than maximum value"),
-    ("both", cal(bits=3), "3"),
+    ("both", cal(bits="3"), "3"),
+    ("both", scd(text="{window}", bits=4), "not in the list of choices"),  # the API takes the documented strings
     ("both", cal(name=""), "the run name is empty"),
     ("both", cal(name=".."), "is not allowed"),
     ("both", cal(name="../../etc"), "is not allowed"),
@@ -167,6 +172,9 @@ ROWS = [
     ("both", ("/open_upload", (["@binary.csv"],)), "not a readable CSV"),
     ("both", ("/open_upload", (["@garbage.csv", "@notjson.json"],)), "needs one bench_kind"),
     ("both", ("/open_shipped", ("{thirteen_shipped}",)), "open at most 12 records at once"),
+    ("both", ("/open_upload", (["@deep.json"],)), "nests its JSON too deeply"),
+    ("both", ("/open_upload", (["@rows.csv"],)), "holds more than 20,000 rows"),
+    ("both", ("/open_upload", (["@wide.csv"],)), "has 400 columns"),
     ("both", ("/res_figures", ()), "no figures to download yet"),
     ("both", ("/scd_figures", ()), "no figures to download yet"),
 ]
@@ -223,7 +231,10 @@ def files(tmp_path_factory):
     uploads = {"notjson.json": b"{this is not json", "dict.json": b'{"kl": 1}', "empty.json": b"[]",
                "norows.json": json.dumps(record).encode(),
                "otherkind.json": json.dumps(record | {"kind": "speed", "rows": [{"kl": 1}]}).encode(),
-               "garbage.csv": b"a,b\n1,2\n", "binary.csv": bytes(range(256)) * 4}
+               "garbage.csv": b"a,b\n1,2\n", "binary.csv": bytes(range(256)) * 4,
+               "deep.json": b"[" * 100_000 + b"]" * 100_000,
+               "rows.csv": b"bench_kind,kl\n" + b"evict,0.1\n" * 20_001,
+               "wide.csv": (",".join(f"c{i}" for i in range(400)) + "\n" + ",".join("1" * 400) + "\n").encode()}
     for name, content in uploads.items():
         (root / name).write_bytes(content)
         out["@" + name] = root / name
@@ -268,7 +279,8 @@ def apps(tmp_path_factory):
     folder = tmp_path_factory.mktemp("apps")
     with running_app(folder / "hosted.log", SCDVIZ_HOSTED="1", SCDVIZ_WORK=str(folder / "hosted")) as hosted, \
             running_app(folder / "local.log", SCDVIZ_WORK=str(folder / "local"), HF_HUB_OFFLINE="1") as local:
-        yield {"hosted": _clients(hosted), "local": _clients(local), "logs": folder}
+        yield {"hosted": _clients(hosted), "local": _clients(local), "logs": folder,
+               "urls": {"hosted": hosted, "local": local}}
 
 
 def _ask(client, endpoint, args) -> tuple[str, float]:
@@ -304,3 +316,47 @@ def test_no_handler_failed_unexpectedly(apps):
     """The server logs hold no 'handler ... failed' trace from any row above (run last in this module)."""
     for log in Path(apps["logs"]).glob("*.log"):
         assert "failed" not in "".join(line for line in log.read_text().splitlines(True) if "scdviz.ui" in line), log
+
+
+def test_an_unknown_endpoint_is_a_404_that_says_so(apps):
+    import urllib.error
+    import urllib.request
+
+    for url in apps["urls"].values():
+        for path, body in (("gradio_api/queue/join", {"data": [], "fn_index": 9999, "session_hash": "x"}),
+                           ("gradio_api/call/no_such_endpoint", {"data": []})):
+            req = urllib.request.Request(url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=10)
+            assert err.value.code == 404 and b"no such endpoint" in err.value.read()
+
+
+def test_a_lone_surrogate_is_refused_over_http(apps):
+    """JSON can carry an unpaired surrogate ("\\udc80"), which no tokenizer takes: refused by name."""
+    import urllib.request
+
+    for url in apps["urls"].values():
+        body = b'{"data": ["builtin:smollm2-135m", "builtin:jar\\udc80gon"]}'
+        req = urllib.request.Request(url + "gradio_api/call/load_pair", body, {"content-type": "application/json"})
+        event = json.loads(urllib.request.urlopen(req, timeout=10).read())["event_id"]
+        with urllib.request.urlopen(f"{url}gradio_api/call/load_pair/{event}", timeout=60) as fh:
+            stream = fh.read().decode()
+        assert "consumer: the model source holds a character that is not valid Unicode text" in stream, stream[:400]
+        assert "internal error" not in stream
+
+
+def test_the_docs_scripting_example_runs(apps):
+    """docs/hosting.md's gradio_client example, run as written against a local app."""
+    import contextlib
+    import io
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hosting.md").read_text()
+    code = text.split("## Scripting the app")[1].split("```python")[1].split("```")[0]
+    url = 'URL = "http://127.0.0.1:7860/"'
+    assert url in code
+    namespace: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(code.replace(url, f"URL = {apps['urls']['local']!r}"), namespace)  # noqa: S102 - our own docs
+    assert namespace["summary"].startswith("SnapKV: keeps")
+    assert {row[0] for row in namespace["table"]["data"]} == {"ObservedAttention", "SnapKV", "StreamingLLM"}
+    assert "SnapKV" in printed.getvalue()

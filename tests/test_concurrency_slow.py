@@ -46,7 +46,7 @@ def _scd(pair, text):
 
 
 def _evict(pair, context):
-    out = evict.evict_run(pair, EvictRequest(context, "", False, "% kept", 25, "producer", "distillcache-head"))
+    out = evict.evict_run(pair, EvictRequest(context, "", False, "% kept", 25, "producer", "distillcache-head", FEW))
     return ("evict", tuple(tok for tok, _ in out["kept"]), tuple(round(x, 3) for _, x in out["kept"]),
             tuple(round(x, 4) for x in out["table"]["kl"]), tuple(tuple(r) for r in out["texts"]))
 
@@ -99,15 +99,16 @@ def _http(url, kind, arg):
         info, prod, cons = client.predict(arg, 12, False, api_name="/generate")
         what = (info.split(" tokens.")[0], "".join(d["token"] for d in cons))
     elif kind == "scd":
-        out = client.predict(arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5, False, api_name="/scd_transfer")
+        out = client.predict(arg, 16, 8, "4", 0, 0, 2, "selected", "", 10, 0.5, False, api_name="/scd_transfer")
         what = (out[0].split(" prompt tokens")[0], tuple(row[1] for row in out[1]["data"]))
     else:
-        out = client.predict(arg, "", False, "% kept", 25, "producer", "distillcache-head", api_name="/evict")
+        out = client.predict(arg, "", False, "% kept", 25, "producer", "distillcache-head", FEW, api_name="/evict")
         what = "".join(d["token"] for d in out[1])
     return what, time.perf_counter() - t0
 
 
 _EXPECTED: dict = {}
+FEW = ["distillcache-head", "SnapKV"]  # the eviction methods these visitors compare (H2O runs as well)
 
 
 def _expected(pair, kind, arg):
@@ -124,7 +125,7 @@ def _alone(pair, kind, arg):
     if kind == "scd":
         out = scd.scd_run(pair, ScdRequest(arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5))
         return (out["info"].split(" prompt tokens")[0], tuple(out["table"]["method"]))
-    out = evict.evict_run(pair, EvictRequest(arg, "", False, "% kept", 25, "producer", "distillcache-head"))
+    out = evict.evict_run(pair, EvictRequest(arg, "", False, "% kept", 25, "producer", "distillcache-head", FEW))
     return "".join(tok for tok, _ in out["kept"])
 
 

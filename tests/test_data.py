@@ -214,3 +214,26 @@ def test_eval_windows_are_spread_through_the_slice_and_name_their_passage(tmp_pa
     assert all(w.ids[0] == 1 and len(w.ids) == 9 for w in dev) and {w.passage for w in dev} == {0, 1}
     with pytest.raises(ValueError, match="no window of 100 tokens"):
         data.eval_windows(_Tok(), data.USER, "dev", 100, 4, text)
+
+
+@pytest.mark.slow
+def test_chat_template_prompt_is_the_templates_ids():
+    """"Wrap in the chat template" on the built-in tokenizer (transformers 5 returns a BatchEncoding): the
+    ids are the template's, the prompt inside them, the assistant turn opened at the end."""
+    from transformers import AutoTokenizer
+
+    from scdviz.models import builtin
+
+    class Pair:
+        tokenizer = AutoTokenizer.from_pretrained(builtin.producer_dir())
+
+    tok = Pair.tokenizer
+    ids = pairs.encode_prompt(Pair(), "Name three rivers.", chat=True)
+    assert all(isinstance(i, int) for i in ids)
+    plain = pairs.encode_prompt(Pair(), "Name three rivers.")
+    text = tok.decode(ids)
+    assert "Name three rivers." in text and text.rstrip().endswith("assistant")
+    assert len(ids) > len(plain)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Name three rivers."}],
+                                       add_generation_prompt=True, tokenize=False)
+    assert ids == tok(rendered, add_special_tokens=False)["input_ids"]

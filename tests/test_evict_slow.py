@@ -98,3 +98,22 @@ def test_the_lookahead_forecasts_what_the_real_continuation_reads(producer):
             overlap[name].append(float((got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1).float().mean()))
     print("top-32 overlap with the real continuation's future attention:", overlap)  # the policy README quotes it
     assert all(la > al + 0.1 for la, al in zip(overlap["lookahead"], overlap["alpha"], strict=True)), overlap
+
+
+def test_the_eviction_view_runs_the_chosen_methods_and_a_subset_changes_no_number(producer):
+    """The app's focused set: only the chosen methods (and H2O, every method's comparison) run; a native
+    press has its row, text and one sweep point but no token view; a method scores the same whichever
+    others run beside it."""
+    from scdviz import data
+    from scdviz.evict.view import H2O, eviction_view
+
+    model, tok = producer
+    context = tok.decode(data.eval_windows(tok, "bible", "dev", 140, 1)[0].ids)
+    few = eviction_view(model, tok, context, methods=["SnapKV"])
+    more = eviction_view(model, tok, context, methods=["SnapKV", "StreamingLLM", "KVzip"])
+    assert {r["method"] for r in few.rows} == {"SnapKV", H2O} == set(few.kept_fraction)
+    assert {r["method"] for r in more.rows} == {"SnapKV", H2O, "StreamingLLM", "KVzip"}
+    assert "KVzip" not in more.kept_fraction and len(more.sweep["KVzip"]) == 1 and more.generations["KVzip"]
+    kl_few, kl_more = ({r["method"]: r["kl"] for r in v.rows} for v in (few, more))
+    assert kl_few["SnapKV"] == kl_more["SnapKV"] and kl_few[H2O] == kl_more[H2O]
+    assert few.kept_fraction["SnapKV"] == more.kept_fraction["SnapKV"]

@@ -208,3 +208,37 @@ def test_a_page_key_names_the_session_folder_and_cannot_escape(monkeypatch, tmp_
     assert s.bind("another-key").folder.name == session.folder_id("../../etc")  # never renamed once written
     session.remove_folder_of("../../etc")
     assert not s.folder.exists() and tmp_path.is_dir()
+
+
+def test_hosted_mode_loads_only_shipped_models_and_never_names_others(monkeypatch):
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    for source in (f"builtin:{builtin.GEMMA_NAME}", "builtin:nope"):
+        with pytest.raises(UserError) as err:
+            hosting.check_source(source)
+        assert builtin.GEMMA_NAME not in str(err.value).replace(source, "")  # the refusal does not offer it
+        assert "builtin:jargon" in str(err.value)
+    monkeypatch.setenv("SCDVIZ_HOSTED", "0")
+    assert hosting.check_source(f"builtin:{builtin.GEMMA_NAME}") == ("builtin", builtin.GEMMA_NAME)
+
+
+@pytest.mark.parametrize("where", ["text", "source", "path"])
+def test_a_lone_surrogate_is_refused_by_name(where, monkeypatch):
+    bad = "hello \udc80 world"
+    with pytest.raises(UserError, match=r"not valid Unicode text .* at position (6|14)"):
+        if where == "text":
+            inputs.text(bad, "the prompt", 100)
+        elif where == "source":
+            hosting.check_source("builtin:" + bad)
+        else:
+            hosting.user_file(bad, "benchmark file")
+
+
+def test_a_fixed_text_limit_does_not_cite_the_prompt_setting():
+    from scdviz.app.requests import ScdRequest
+
+    control = ScdRequest.controls()["manual_layers"]
+    with pytest.raises(UserError) as err:
+        control.check("1," * 150)
+    assert "at most 200" in str(err.value) and "SCDVIZ_MAX_PROMPT_CHARS" not in str(err.value)
+    with pytest.raises(UserError, match="SCDVIZ_MAX_PROMPT_CHARS"):
+        ScdRequest.controls()["text"].check("x" * (settings.max_prompt_chars() + 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pandas as pd
@@ -232,3 +233,63 @@ def test_many_methods_get_distinct_colours():
     palette = fig.layout.colorway
     assert len(set(palette[:13])) == 13
     assert len({t.marker.symbol for t in fig.data}) == 13
+
+
+def test_results_refuse_files_too_large_in_rows_columns_or_nesting(monkeypatch, tmp_path):
+    monkeypatch.setattr(results, "MAX_ROWS", 50)
+    rows = tmp_path / "rows.csv"
+    pd.DataFrame({"bench_kind": ["evict"] * 51, "kl": range(51)}).to_csv(rows, index=False)
+    with pytest.raises(UserError, match="rows.csv holds more than 50 rows"):
+        results.read_records(rows, (tmp_path,))
+    wide = tmp_path / "wide.csv"
+    pd.DataFrame({f"c{i}": [1] for i in range(results.MAX_COLUMNS + 1)}).to_csv(wide, index=False)
+    with pytest.raises(UserError, match=f"wide.csv has {results.MAX_COLUMNS + 1} columns"):
+        results.read_records(wide, (tmp_path,))
+    many = tmp_path / "many.json"
+    records.write(records.BenchRecord("evict", {}, None, [{"method": "x", "kl": i} for i in range(51)]), many)
+    with pytest.raises(UserError, match="many.json holds more than 50 rows"):
+        results.read_records(many, (tmp_path,))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(UserError, match="nests its JSON too deeply"):
+        results.read_records(deep, (tmp_path,))
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(UserError, match="empty CSV"):
+        results.read_records(empty, (tmp_path,))
+
+
+def test_a_tabs_figures_download_as_one_page_with_plotly_once(monkeypatch, tmp_path):
+    from scdviz.app import session
+
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path))
+    figs = plots.record_figures([("a", scd_record()), ("b", evict_record())])
+    figs = {f"{name}_{i}": fig for i in range(5) for name, fig in figs.items()}  # ten figures, as the SCD tab
+    [page] = results.export_figures(figs, session.Session(), "scd")
+    text = open(page, encoding="utf-8").read()
+    assert page.endswith("scdviz-scd.html") and text.count("<h2>") == 10
+    assert text.count("Plotly.newPlot") == 10 and text.count("plotly.js v") <= 2  # the library once (its banner)
+    assert os.path.getsize(page) < 10 * 2**20
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    with pytest.raises(UserError, match="one HTML page"):
+        results.export_figures(figs, session.Session(), "scd", static=True)
+
+
+def test_a_method_looks_the_same_in_every_plot_and_focus_fades_the_rest():
+    steps = {m: [0.1, 0.2] for m in ("KVzip", "SnapKV", "ObservedAttention", "yours:mine")}
+    sweep = {m: {0.25: 0.1, 0.5: 0.05} for m in ("SnapKV", "yours:mine", "ObservedAttention", "KVzip")}  # other order
+    a, b = plots.kl_per_step(steps), plots.budget_sweep(sweep)
+    for fig_a in (a,):
+        for t in fig_a.data:
+            u = next(x for x in b.data if x.name == t.name)
+            assert (t.line.color, t.marker.symbol) == (u.line.color, u.marker.symbol), t.name
+    looks = {plots.look(m)[:2] for m in plots.EVICT_METHODS}
+    assert len(looks) == len(plots.EVICT_METHODS)  # no two eviction methods alike
+    assert len({plots.look(m)[:2] for m in plots.SCD_METHODS}) == len(plots.SCD_METHODS)
+    assert plots.look("SCD RD @3840 B/token") == plots.look("SCD RD")
+    plots.paint(b, focus={"SnapKV"})
+    width = {t.name: (t.line.width, t.opacity) for t in b.data}
+    assert width["SnapKV"] == (plots.FOCUS_WIDTH, 1.0)
+    assert width["KVzip"] == (plots.CONTEXT_WIDTH, plots.CONTEXT_OPACITY)
+    assert plots.best_other({"SCD full": 0.1, "raw KV": 0.5, "DroidSpeak recompute": 0.3, "oracle": 0.0},
+                            {"SCD full", "oracle"}) == "DroidSpeak recompute"

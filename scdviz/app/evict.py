@@ -9,15 +9,20 @@ from scdviz.app.requests import EvictRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 
+QUESTION = "\n\nQuestion: {}\nAnswer:"  # how a question follows the context (a base-model prompt, no chat tokens)
 
-def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None) -> dict:
-    """Every eviction method on one context, with retained-token views, texts and figures."""
+
+def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None, progress=False) -> dict:
+    """The chosen eviction methods on one context, with retained-token views, texts and figures.
+    progress: a reporter (``scdviz.progress``) told each phase and method."""
     from scdviz import plots
+    from scdviz.evict import bench
     from scdviz.evict.view import eviction_view
 
     req = request.checked()
     context, question, aware, unit, budget, which, method = (req.context, req.question, req.question_aware,
                                                              req.budget_unit, req.budget, req.model, req.method)
+    question = QUESTION.format(question.strip()) if question.strip() else ""
     if len(context) + len(question) > settings.max_prompt_chars():
         raise UserError(f"context and question have {len(context) + len(question):,} characters together; this app "
                         f"accepts at most {settings.max_prompt_chars():,} (SCDVIZ_MAX_PROMPT_CHARS)")
@@ -34,9 +39,14 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None)
     else:
         keep = inputs.integer(budget, "Budget (tokens kept)", 1, settings.max_prompt_tokens())
     model = pair.producer if which == "producer" else pair.consumer
-    view = eviction_view(model, pair.tokenizer, context, question, keep, aware,
-                         policies=session.policies if session else None)
-    method = method if isinstance(method, str) and method in view.kept_fraction else next(iter(view.kept_fraction))
+    mine = session.policies if session else {}
+    inspectable = [m for m in req.methods if m not in bench.native_baselines()] + list(mine)
+    method = method.strip() if isinstance(method, str) and method.strip() else inspectable[0] if inspectable else ""
+    if method not in inspectable:
+        raise UserError(f"Method to inspect: {method[:60]!r} is not among the methods compared whose kept tokens can "
+                        f"be shown; choose one of {', '.join(inspectable) or '(none: add a policy or scorer)'}")
+    view = eviction_view(model, pair.tokenizer, context, question, keep, aware, policies=mine,
+                         methods=req.methods, progress=progress)
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd
 
@@ -45,8 +55,15 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None)
         "heatmap": plots.kept_heatmap(view.kept_per_layer[method], view.context_tokens, method),
         "features": plots.feature_distributions(view.features, view.kept_fraction[method], view.feature_names),
     }
+    kls = {row["method"]: row["kl"] for row in view.rows}
+    learned = {m for m in kls if m.startswith(("distillcache", "yours:"))}
+    focus = {method, plots.best_other(kls, learned | {method})}
+    for name in ("kl_steps", "sweep"):  # the inspected method and the best baseline strong, the rest faint
+        plots.paint(figures[name], focus)
     info = (f"{method}: keeps {view.tokens_kept} of {len(view.context_tokens)} context tokens per layer and KV head "
             f"({view.budget_label}); {which} model. Full-cache continuation: “{view.continuation.strip()}”")
+    if view.failed:
+        info += " Could not run here: " + "; ".join(f"{m} ({why})" for m, why in view.failed.items()) + "."
     texts = [[m, g] for m, g in view.generations.items()]
     diff = view.versus_h2o[method]
     scale = max((abs(v) for v in diff), default=0.0) or 1.0  # the largest difference darkest: they are small

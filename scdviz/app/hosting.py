@@ -4,8 +4,10 @@ A public demo (``SCDVIZ_HOSTED=1``) is used by strangers, so every string a requ
 turn into a file-system or network access passes through here:
 
 * ``check_source`` classifies a model source (``scdviz.models.pair.source_kind``) and applies
-  hosted mode's rules: local folders are refused when hosted; hub ids are refused when
-  hosted unless listed in ``SCDVIZ_HUB_ALLOW``. The app checks here before the library loads.
+  hosted mode's rules: only the shipped built-in models load (the producer and its specialists,
+  whose weights come with the app; not a built-in base that would be fetched first); local
+  folders are refused; hub ids are refused unless listed in ``SCDVIZ_HUB_ALLOW``. The app checks
+  here before the library loads.
 * ``probe_hub`` answers within seconds whether a hub id can be fetched (before any lock
   other users need is taken and before transformers' own long retries).
 * ``user_folder`` / ``user_file`` check a folder or file a user names (a calibration to
@@ -20,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scdviz import settings
+from scdviz.app import inputs
 from scdviz.errors import UserError
 from scdviz.models import builtin, pair
 from scdviz.models.pair import PairError
@@ -43,6 +46,13 @@ def check_source(source) -> tuple[str, str]:
     source = source.strip()
     if len(source) > MAX_SOURCE_CHARS:
         raise UserError(f"a model source has at most {MAX_SOURCE_CHARS} characters, got {len(source):,}")
+    inputs.unicode_text(source, "the model source")
+    if settings.hosted() and source.startswith("builtin:") and source not in builtin_sources():
+        name = source.split(":", 1)[1]
+        if name in builtin.BASES:  # a built-in base the app would first fetch and convert: local installs only
+            raise UserError(f"this hosted demo loads only the models shipped with it ({', '.join(builtin_sources())});"
+                            f" {source} is fetched on first use and runs in a local install")
+        raise UserError(f"unknown built-in model {name[:60]!r}; this hosted demo loads {', '.join(builtin_sources())}")
     if settings.hosted() and not source.startswith("builtin:"):
         if pair.looks_local(source) or not pair.HUB_ID.fullmatch(source):
             raise UserError(f"this hosted demo loads only built-in models ({', '.join(builtin_sources())})"
@@ -97,6 +107,7 @@ def _user_path(path, what: str, roots: tuple[Path, ...], folder: bool) -> Path:
         raise UserError(f"no {what} given")
     if len(str(path)) > 1000:
         raise UserError(f"the {what} path is too long")
+    inputs.unicode_text(str(path), f"the {what} path")
     resolved = Path(str(path).strip()).expanduser().resolve()
     inside = any(resolved.is_relative_to(Path(r).resolve()) for r in roots)
     if settings.hosted() and not inside:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from scdviz.errors import UserError
 
-__all__ = ["UserError", "number", "integer", "choice", "choices", "flag", "text", "Control", "control", "Request"]
+__all__ = ["UserError", "number", "integer", "choice", "choices", "flag", "text", "unicode_text", "Control", "control",
+           "Request"]
 
 
 def number(value, field: str, lo: float, hi: float) -> float:
@@ -67,17 +68,31 @@ def flag(value, field: str) -> bool:
     raise UserError(f"{field} must be true or false, got {_short(value)}")
 
 
-def text(value, field: str, max_chars: int, required: bool = True) -> str:
-    """A string of at most ``max_chars`` characters (checked before anything tokenises it)."""
+def text(value, field: str, max_chars: int, required: bool = True, setting: str | None = "SCDVIZ_MAX_PROMPT_CHARS"
+         ) -> str:
+    """A string of at most ``max_chars`` characters of valid Unicode (checked before anything tokenises it);
+    ``setting`` names the environment variable the limit comes from, if one does."""
     if value is None:
         value = ""
     if not isinstance(value, str):
         raise UserError(f"{field} must be text, got {type(value).__name__}")
     if len(value) > max_chars:
-        raise UserError(f"{field} has {len(value):,} characters; this app accepts at most {max_chars:,} "
-                        f"(SCDVIZ_MAX_PROMPT_CHARS)")
+        raise UserError(f"{field} has {len(value):,} characters; this app accepts at most {max_chars:,}"
+                        + (f" ({setting})" if setting else ""))
+    unicode_text(value, field)
     if required and not value.strip():
         raise UserError(f"{field} is empty")
+    return value
+
+
+def unicode_text(value: str, field: str) -> str:
+    """``value`` if it is valid Unicode text; a lone surrogate (which JSON can carry, and no tokenizer or
+    file name accepts) is refused by position."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{field} holds a character that is not valid Unicode text (an unpaired surrogate, "
+                        f"{value[err.start]!r}, at position {err.start:,}); remove it") from None
     return value
 
 
@@ -113,6 +128,7 @@ class Control:
     widget: str = ""  # "slider", "number", "radio", "dropdown", "textbox", "checkbox" (default: by kind)
     row: str = ""  # consecutive fields of one row sit side by side
     props: tuple = ()  # more widget arguments as (key, value) pairs (elem_id, lines, ...)
+    initial: Callable | None = None  # choices: what a default of None means (read when used); else all of them
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -134,8 +150,8 @@ class Control:
     def check(self, value):
         """The value converted and bounded, or UserError naming the field, what was wrong and what is accepted."""
         lo, hi = self.limits()
-        if self.kind == "text":
-            return text(value, self.title, hi, self.required)
+        if self.kind == "text":  # a limit read from the settings names its environment variable
+            return text(value, self.title, hi, self.required, "SCDVIZ_MAX_PROMPT_CHARS" if callable(self.hi) else None)
         if self.kind == "int":
             return integer(value, self.title, lo, hi)
         if self.kind == "number":
@@ -143,12 +159,15 @@ class Control:
         if self.kind == "flag":
             return flag(value, self.title)
         if self.kind == "choices":
+            if value is None and self.initial is not None:
+                value = self.initial()
             return choices(value, self.title, self.options())
         if self.kind == "pick":
             return value if isinstance(value, str) else None
         opts = self.options()
-        if opts and all(isinstance(o, int) for o in opts):  # e.g. code bits: 4 and 4.0 are both 4
-            value = integer(value, self.title, min(opts), max(opts))
+        numeric = [int(o) for o in opts if isinstance(o, int) or (isinstance(o, str) and o.isdigit())]
+        if opts and len(numeric) == len(opts):  # e.g. code bits, sent as "4" (or 4, 4.0): the number 4
+            return int(choice(integer(value, self.title, min(numeric), max(numeric)), self.title, numeric))
         picked = choice(value, self.title, opts)
         return next(o for o in opts if str(o) == picked)
 

@@ -23,6 +23,7 @@ from scdviz.app.inputs import UserError
 from scdviz.app.requests import GenerateRequest
 from scdviz.models import hf
 from scdviz.models.pair import Pair, PairError, load_pair
+from scdviz.progress import steps
 
 _PAIRS: OrderedDict[tuple[str, str], Pair] = OrderedDict()
 _LOCK = threading.Lock()  # guards _PAIRS and _LOADING only (never held while a model loads)
@@ -90,7 +91,8 @@ def encode_prompt(pair: Pair, prompt: str, chat: bool = False) -> list[int]:
     if chat:
         messages = [{"role": "user", "content": prompt}]
         ids = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
+        # a BatchEncoding (transformers 5) or a dict holds the ids under input_ids; older versions return a list
+        ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
     else:
         ids = pair.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     limit = settings.max_prompt_tokens()
@@ -114,15 +116,17 @@ class Generation:
     seconds: float  # wall time for both
 
 
-def generate_both(pair: Pair, request: GenerateRequest) -> Generation:
-    """Greedy generation from the producer and the consumer, each from its own prefill."""
+def generate_both(pair: Pair, request: GenerateRequest, progress=False) -> Generation:
+    """Greedy generation from the producer and the consumer, each from its own prefill (``progress``: a
+    reporter, ``scdviz.progress``, told each model)."""
     req = request.checked()
     max_new_tokens = req.new_tokens
     ids = encode_prompt(pair, req.prompt, req.chat)
     t0 = time.perf_counter()
     prefix, last = hf.ids_tensor(ids[:-1]), hf.ids_tensor(ids[-1:])  # cache covers prompt[:-1]
     outs = []
-    for model in (pair.producer, pair.consumer):
+    for _name, model in steps((("producer", pair.producer), ("consumer", pair.consumer)), "generate", progress,
+                             name=lambda item: item[0]):
         with hf.exclusive(model):  # prefill + decode of this request back to back
             cache = hf.forward(model, prefix).cache
             outs.append(hf.generate(model, cache, last, len(ids) - 1, max_new_tokens, pair.tokenizer.eos_token_id))

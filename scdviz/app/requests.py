@@ -23,7 +23,20 @@ def _corpora() -> list[str]:
     return data.corpora()
 
 
+def _evict_methods() -> list[str]:
+    from scdviz.evict import bench  # torch and kvpress: only when the choices are read
+
+    return bench.method_names()
+
+
+def _evict_focus() -> list[str]:
+    from scdviz.evict import bench
+
+    return bench.focus_methods()
+
+
 CODE_BITS = (4, 8, 16)  # code precisions the SCD controls offer (calibration and transfer)
+BITS_SHOWN = tuple((str(b), str(b)) for b in CODE_BITS)  # as the radio sends them (API clients: the strings)
 PLACEMENTS = ("selected", "drift", "manual")
 CODERS = (("transform coding: one step per section, entropy coded", "transform"),
           ("rate-distortion plan: ranks, bits and patches", "rd"))
@@ -49,7 +62,7 @@ class ScdRequest(Request):
                         props={"lines": 5, "elem_id": "scd-text"})
     continuation_tokens: int = control(32, "Continuation tokens scored", "int", lo=8, hi=64, step=8, row="score")
     generated_tokens: int = control(24, "Tokens generated per method", "int", lo=4, hi=48, step=4, row="score")
-    bits: int = control(4, "Code precision (bits)", "choice", choices=CODE_BITS, row="score")
+    bits: int = control(4, "Code precision (bits)", "choice", choices=BITS_SHOWN, row="score")
     rank_k: int = control(0, "r_K (0 = operating point)", "int", name="r_K", lo=0, hi=192, step=8, row="plan")
     rank_v: int = control(0, "r_V (0 = operating point)", "int", name="r_V", lo=0, hi=192, step=8, row="plan")
     patch_layers: int = control(2, "Patch layers k", "int", lo=0, hi=8, step=1, row="plan")
@@ -82,8 +95,13 @@ class EvictRequest(Request):
     # its range depends on the unit: checked by scdviz.app.evict
     budget: float = control(25, "Budget", "number", widget="number", row="budget", props={"elem_id": "ev-budget"})
     model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
-    method: str = control("distillcache-head", "Method to inspect", "pick", choices=("distillcache-head",),
-                          row="budget", props={"elem_id": "ev-show"})
+    method: str = control("distillcache-head-lookahead-w512", "Method to inspect (its kept tokens)", "pick",
+                          name="Method to inspect", choices=("distillcache-head-lookahead-w512",), row="budget",
+                          props={"elem_id": "ev-show"})
+    # None: the focused set (bench.focus_methods); the full cache is always the reference
+    methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",
+                            "choices", name="Methods", choices=_evict_methods, initial=_evict_focus,
+                            props={"elem_id": "ev-methods"})
 
 
 @dataclass
@@ -94,7 +112,7 @@ class CalibrateRequest(Request):
                             props={"elem_id": "cal-domains"})
     fit_windows: int = control(16, "Windows for the fits", "int", lo=4, hi=64, step=4, row="calibrate")
     patch_layers: int = control(2, "Patch layers at the operating point", "int", lo=0, hi=6, step=1, row="calibrate")
-    bits: int = control(4, "Code bits", "choice", choices=CODE_BITS, row="calibrate")
+    bits: int = control(4, "Code bits", "choice", choices=BITS_SHOWN, row="calibrate")
     name: str = control("my-calibration", "Save as", "text", hi=200, required=False, row="calibrate")
 
 

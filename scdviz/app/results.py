@@ -6,6 +6,7 @@ figure files) goes to the visitor's session folder. No models here.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from scdviz import settings
@@ -34,6 +35,9 @@ def local_records() -> dict[str, Path]:
 
 
 MAX_RECORDS = 12  # records the Results tab opens at once
+MAX_ROWS = 20_000  # rows one file may hold (the largest shipped record has about 700)
+MAX_COLUMNS = 300  # columns (distinct row fields) one file may hold
+MAX_SHOWN = 1_000  # rows the table shows (the CSV export keeps all)
 
 
 def _bench_file(path, roots: tuple[Path, ...]) -> Path:
@@ -46,13 +50,27 @@ def _bench_file(path, roots: tuple[Path, ...]) -> Path:
     return p
 
 
+def _sized(name: str, n_rows: int, n_columns: int) -> None:
+    """Refuse a file with more rows or columns than the tab opens (checked before any table is built)."""
+    if n_rows > MAX_ROWS:
+        raise UserError(f"{name} holds more than {MAX_ROWS:,} rows; the Results tab opens at most {MAX_ROWS:,} per "
+                        "file (a benchmark record holds hundreds)")
+    if n_columns > MAX_COLUMNS:
+        raise UserError(f"{name} has {n_columns:,} columns; the Results tab opens at most {MAX_COLUMNS:,}")
+
+
 def _read_json(p: Path):
     from scdviz import records
 
     try:
-        return records.read(p)
+        rec = records.read(p)
     except ValueError as err:
         raise UserError(str(err)) from None
+    keys = set()
+    for row in rec.rows[: MAX_ROWS + 1]:
+        keys |= set(row) if isinstance(row, dict) else set()
+    _sized(p.name, len(rec.rows), len(keys))
+    return rec
 
 
 def _read_csv(p: Path):
@@ -62,8 +80,12 @@ def _read_csv(p: Path):
     from scdviz import records
 
     try:
-        df = pd.read_csv(p)
-    except (ValueError, UnicodeDecodeError) as err:
+        _sized(p.name, 0, len(pd.read_csv(p, nrows=0).columns))  # the header first
+        df = pd.read_csv(p, nrows=MAX_ROWS + 1)  # never more than one row past the cap
+        _sized(p.name, len(df), len(df.columns))
+    except pd.errors.EmptyDataError:
+        raise UserError(f"{p.name} is an empty CSV file") from None
+    except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as err:
         raise UserError(f"{p.name} is not a readable CSV file: {str(err).splitlines()[0][:200]}") from None
     kinds = df["bench_kind"] if "bench_kind" in df.columns else None
     if kinds is None or df.empty or kinds.isna().any() or not set(kinds) <= set(records.KINDS):
@@ -198,21 +220,26 @@ def compare_results(shipped, uploads, local, session: Session, upload_roots: tup
     if missing:
         lines.append(f"Nothing to plot from {', '.join(f'`{m}`' for m in missing)} (no rows with the plotted values).")
     lines += [f"**Note on `{label}`**: {rec.note}" for label, rec in labelled if rec.note]
+    if len(table) > MAX_SHOWN:
+        lines.append(f"The table shows the first {MAX_SHOWN:,} of {len(table):,} rows; the CSV export holds them all.")
     return {"info": "\n\n".join(lines), "figures": figs, "settings": diff,
-            "table": plots.rounded(table.drop(columns=listed)), "csv": str(csv)}
+            "table": plots.rounded(table.drop(columns=listed).head(MAX_SHOWN)), "csv": str(csv)}
 
 
-def export_figures(figs, session: Session, tab: str) -> list[str]:
-    """Write a tab's current figures as PNG, SVG and standalone HTML into the visitor's scratch folder
-    (the previous export of that tab replaced); returns the files for a gr.File."""
-    import shutil
-
+def export_figures(figs, session: Session, tab: str, static: bool = False) -> list[str]:
+    """Write a tab's current figures into the visitor's scratch folder (the previous export of that tab
+    replaced): one HTML page of every figure (``figures.bundle``) and, with ``static``, zips of PNG and
+    SVG images (kaleido starts Chromium: seconds more; never in hosted mode). Returns the files for a gr.File."""
     from scdviz import figures
 
     if not isinstance(figs, dict) or not figs:
         raise UserError("no figures to download yet: run this tab first")
     if not str(tab).isidentifier():
         raise UserError(f"unknown tab {tab!r}")
+    if static and settings.hosted():
+        raise UserError("this hosted demo offers the figures as one HTML page (each plot's camera button saves a "
+                        "PNG); PNG and SVG files are written by a local install")
     folder = session.scratch() / f"figures-{tab}"
     shutil.rmtree(folder, ignore_errors=True)
-    return [str(p) for p in figures.export({f"{tab}_{name}": fig for name, fig in figs.items()}, folder)]
+    named = {f"{tab}_{name}": fig for name, fig in figs.items()}
+    return [str(p) for p in figures.bundle(named, folder, f"scdviz-{tab}", ("png", "svg") if static else ())]

@@ -69,8 +69,9 @@ def _parse_layers(text: str, n_layers: int) -> list[int]:
     return layers
 
 
-def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> dict:
-    """Every SCD method on one text, with tables, token texts and figures for the tab."""
+def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, progress=False) -> dict:
+    """Every SCD method on one text, with tables, token texts and figures for the tab (``progress``: a
+    reporter, ``scdviz.progress``, told each method)."""
     from scdviz import link, plots
     from scdviz.scd import bench, measure, view
     from scdviz.scd import plan as plans
@@ -94,7 +95,7 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> 
                         "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
     report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
-                              budget=budget or None, coder=coder)
+                              budget=budget or None, coder=coder, progress=progress)
     plan = report.plans["SCD full"]
     full = next(r for r in report.methods if r.method == "SCD full")
     table = report.table()
@@ -120,6 +121,10 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None) -> 
         "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
         "plan": plots.plan_layers(plan, full.sent if plan.rate_target else None),
     }
+    kls = {r.method: float(r.kl) for r in res}
+    focus = {"SCD full", plots.best_other(kls, {m for m in kls if m.startswith("SCD") or m == "oracle"})}
+    for fig in figures.values():  # SCD full and the best baseline strong, the rest faint (a legend click shows each)
+        plots.paint(fig, focus)
     mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
     fewer = (f" (asked for {asked}; this calibration orders {ordered} patch layers for this placement)"
              if asked > patch_k and placement != "manual" else "")

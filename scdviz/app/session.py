@@ -100,6 +100,13 @@ class Session:
             self.runs.append(path)
         return path
 
+    def discard_run(self, path: Path) -> None:
+        """Remove a run folder this session made (a cancelled job's) and free its place."""
+        shutil.rmtree(path, ignore_errors=True)
+        with self._lock:
+            if path in self.runs:
+                self.runs.remove(path)
+
     def close(self) -> None:
         """Forget this visitor's artefacts and delete the session folder (hosted runs included)."""
         self.calibrations.clear()

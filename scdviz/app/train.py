@@ -5,30 +5,30 @@ What a visitor makes or loads goes into their ``Session`` (and a run folder), ne
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from scdviz.app import hosting
 from scdviz.app.requests import CalibrateRequest, TrainRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
+from scdviz.progress import Reporter
 
 
-def calibrate_for(pair: Pair, session: Session, request: CalibrateRequest) -> tuple[object, Path]:
-    """Calibrate SCD for a loaded pair on a mixture of shipped corpora, save it in a new run
-    folder, and make it this session's calibration for the pair (no one else's changes)."""
+def calibrate_for(pair: Pair, session: Session, request: CalibrateRequest, folder: Path,
+                  progress: bool | Reporter = True) -> object:
+    """Calibrate SCD for a loaded pair on a mixture of shipped corpora, save it in ``folder`` (a run of
+    ``session``), and make it this session's calibration for the pair (no one else's changes).
+    ``progress``: a reporter (``scdviz.progress``) that may stop the work."""
     from scdviz.scd import calibrate as cal
     from scdviz.scd import calibration
 
     req = request.checked()
-    domains, n_fit, op_k, bits, name = req.domains, req.fit_windows, req.patch_layers, req.bits, req.name
-    folder = session.new_run(name, "calibrations")
-    cfg = calibration.CalibConfig(domains=domains, n_fit=n_fit, n_select=4, n_candidates=8, op_patch_k=op_k,
-                                  code_bits=bits, patch_k=max(op_k, 2))
-    calib = cal.calibrate(cfg, pair)
+    cfg = calibration.CalibConfig(domains=req.domains, n_fit=req.fit_windows, n_select=4, n_candidates=8,
+                                  op_patch_k=req.patch_layers, code_bits=req.bits, patch_k=max(req.patch_layers, 2))
+    calib = cal.calibrate(cfg, pair, progress=progress)
     calib.save(folder)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
-    return calib, folder
+    return calib
 
 
 def load_calibration_for(pair: Pair, session: Session, folder) -> object:
@@ -44,32 +44,20 @@ def load_calibration_for(pair: Pair, session: Session, folder) -> object:
     return calib
 
 
-def train_policy_live(pair: Pair, session: Session, request: TrainRequest):
-    """Train a DistillCache policy on the pair's producer in a thread; yields the growing log
-    every ~2 s, then (folder, final log). The best policy joins this session's eviction methods."""
+def train_policy(pair: Pair, session: Session, request: TrainRequest, folder: Path, progress: bool | Reporter = True,
+                 on_log=None) -> dict:
+    """Train a DistillCache policy on the pair's producer into ``folder`` (a run of ``session``); ``on_log(log)``
+    after every step and checkpoint (a live plot). The best policy joins this session's eviction methods;
+    returns the final log. ``progress``: a reporter (``scdviz.progress``) that may stop the work."""
     from scdviz.evict.policy import Policy, PolicyConfig
     from scdviz.evict.train import TrainConfig, checkpoints_to, train
 
     req = request.checked()
-    steps, contexts, per_head, name = req.steps, req.contexts, req.per_head, req.name
-    folder = session.new_run(name, "policies")
     # the CLI's defaults except the sizes a live session can afford (learning rate, entropy: as the CLI)
-    cfg = TrainConfig(out=str(folder), contexts=contexts, steps=steps, warm_steps=50,
-                      checkpoint_every=max(5, steps // 4), val_contexts=4, policy=PolicyConfig(per_head=per_head))
-    state: dict = {"log": None, "error": None}
-
-    def work():
-        try:
-            state["log"] = train(cfg, pair, checkpoints_to(folder, then=lambda event: state.update(log=event.log))).log
-        except Exception as err:  # noqa: BLE001 - reported to the caller below
-            state["error"] = err
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(2.0)
-        yield state["log"]
-    if state["error"] is not None:
-        raise state["error"]
+    cfg = TrainConfig(out=str(folder), contexts=req.contexts, steps=req.steps, warm_steps=50,
+                      checkpoint_every=max(5, req.steps // 4), val_contexts=4,
+                      policy=PolicyConfig(per_head=req.per_head))
+    then = (lambda event: on_log(event.log)) if on_log is not None else None
+    log = train(cfg, pair, checkpoints_to(folder, then=then), progress=progress).log
     session.policies[f"yours:{folder.name}"] = Policy.load(folder / "best.safetensors")
-    yield folder, state["log"]
+    return log

@@ -13,13 +13,17 @@ results. Nothing heavy happens at import time.
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import gradio as gr
+from gradio.route_utils import FnIndexInferError
 
 from scdviz import data, drift, settings
 from scdviz.app import evict, pairs, results, scd, session
 from scdviz.app import train as training
+from scdviz.app.jobs import Jobs, Step, visitor_of
 from scdviz.app.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
 from scdviz.app.ui.common import redraw_on_select
 
@@ -68,9 +72,9 @@ def load(producer, consumer, progress):
 
 
 @gpu("generate")
-def generate(key, request):
+def generate(key, request, progress=False):
     pair = _pair(key)
-    gen = pairs.generate_both(pair, request)
+    gen = pairs.generate_both(pair, request, progress)
     tok = pair.tokenizer
     pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
     same = sum(a == b for a, b in zip(gen.producer_ids, gen.consumer_ids))
@@ -79,28 +83,29 @@ def generate(key, request):
     return pieces[0], pieces[1], md
 
 
-def scd_run(key, sess, request):
+def scd_run(key, sess, request, progress=False):
     """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
     request = request.checked()  # fan_out decides the GPU duration: checked before either starts
     run = _scd_fan_out if request.fan_out else _scd_one
-    return run(key, _session(sess), request)
+    return run(key, _session(sess), request, progress)
 
 
 @gpu("scd")
-def _scd_one(key, sess, request):
-    return scd.scd_run(_pair(key), request, session=sess)
+def _scd_one(key, sess, request, progress=False):
+    return scd.scd_run(_pair(key), request, session=sess, progress=progress)
 
 
 @gpu("scd_fan_out")
-def _scd_fan_out(key, sess, request):
+def _scd_fan_out(key, sess, request, progress=False):
     import pandas as pd
 
     pair = _pair(key)
-    out = scd.scd_run(pair, request, session=sess)
+    out = scd.scd_run(pair, request, session=sess, progress=progress)
     tables = [out["table"].assign(specialist=pair.consumer_source)]
     for consumer in pairs.builtin_choices()[1]:
         if consumer != pair.consumer_source:
-            other = scd.scd_run(pairs.get_pair(pair.producer_source, consumer), request, session=sess)
+            other = scd.scd_run(pairs.get_pair(pair.producer_source, consumer), request, session=sess,
+                                progress=progress)
             tables.append(other["table"].assign(specialist=consumer))
     out["table"] = pd.concat(tables, ignore_index=True)
     out["info"] += (f" Fan-out: {len(tables)} specialists on the same text from the same producer, each with "
@@ -109,19 +114,57 @@ def _scd_fan_out(key, sess, request):
 
 
 @gpu("evict")
-def evict_run(key, sess, request):
-    return evict.evict_run(_pair(key), request, session=_session(sess))
+def evict_run(key, sess, request, progress=False):
+    return evict.evict_run(_pair(key), request, session=_session(sess), progress=progress)
+
+
+def _page(http) -> str | None:
+    """The page's session key (gradio's session hash) of a gr.Request, if any."""
+    return getattr(http, "session_hash", None) or None
+
+
+def _progress_of(progress, step: Step) -> None:
+    if progress is not None:
+        progress((step.done, step.total or None), desc=step.desc)
+
+
+def _run_job(jobs: Jobs, what: str, sess: session.Session, http, name, kind: str, work, progress):
+    """Start a heavy job making a run folder ``runs/<kind>/<name>`` of the visitor's session and follow
+    ``work(folder, report)`` in its thread: yields each ``Step`` (shown on ``progress``), then the result."""
+    job = jobs.start(visitor_of(http), sess.id, what, makes_run=True)
+    try:
+        folder = sess.new_run(name, kind)
+    except BaseException:
+        jobs.finish(job, made_run=False)  # a refused name makes no run
+        raise
+    job.run = folder
+    for item in jobs.follow(job, lambda report: work(folder, report), discard=lambda: sess.discard_run(folder)):
+        if isinstance(item, Step):
+            _progress_of(progress, item)
+        yield item
+    yield folder
 
 
 @gpu("calibrate")
-def calibrate(key, sess, request, page=None):
+def calibrate(jobs, key, sess, request, http=None, progress=None):
+    """Calibrate the pair for this visitor (a heavy job): yields (markdown, figure or gr.skip(), session)."""
     from scdviz import plots
 
-    sess = _session(sess, page)
-    calib, folder = training.calibrate_for(_pair(key), sess, request)
-    md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(folder)}`; the SCD tab "
-          f"now uses it for you (other visitors keep theirs). {scd.calibration_summary(calib)}")
-    return md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
+    sess, req = _session(sess, _page(http)), request.checked()
+    pair = _pair(key)
+    made = {}
+
+    def work(folder, report):
+        made["calib"] = training.calibrate_for(pair, sess, req, folder, report)
+
+    for item in _run_job(jobs, "calibrate", sess, http, req.name, "calibrations", work, progress):
+        if isinstance(item, Step):
+            yield f"Calibrating: {item.desc} ({item.done}/{item.total}); press Stop to cancel.", gr.skip(), sess
+        elif isinstance(item, Path):
+            calib = made["calib"]
+            md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(item)}`; the SCD "
+                  f"tab now uses it for you (other visitors keep theirs). {scd.calibration_summary(calib)}")
+            yield md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
 
 
 def load_calibration(key, sess, folder):
@@ -134,19 +177,31 @@ def load_calibration(key, sess, folder):
 
 
 @gpu("train")
-def train(key, sess, request, page=None):
+def train(jobs, key, sess, request, http=None, progress=None):
+    """Train a policy for this visitor (a heavy job): yields (markdown, figure, session) as it trains."""
     from scdviz import plots
 
-    pair, sess = _pair(key), _session(sess, page)
-    for item in training.train_policy_live(pair, sess, request):
-        if isinstance(item, tuple):  # (folder, final log)
-            folder, log = item
-            yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(folder)}` and added to your "
-                   f"eviction methods as `yours:{folder.name}`.", plots.training_curve(log), sess)
-        else:
-            done = len((item or {}).get("steps", []))
-            yield (f"Training on {pair.producer_source}: {done} REINFORCE steps so far.", plots.training_curve(item),
-                   sess)
+    pair, sess, req = _pair(key), _session(sess, _page(http)), request.checked()
+    state: dict = {"log": None}
+
+    def work(folder, report):
+        return training.train_policy(pair, sess, req, folder, report, on_log=lambda log: state.update(log=log))
+
+    for item in _run_job(jobs, "train", sess, http, req.name, "policies", work, progress):
+        if isinstance(item, Step):
+            done = len((state["log"] or {}).get("steps", []))
+            yield (f"Training on {pair.producer_source}: {item.desc} ({item.done}/{item.total}); {done} REINFORCE "
+                   "steps so far; press Stop to cancel.", plots.training_curve(state["log"]), sess)
+        elif isinstance(item, Path):
+            log = state["log"] or {"steps": []}
+            yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(item)}` and added to your "
+                   f"eviction methods as `yours:{item.name}`.", plots.training_curve(log), sess)
+
+
+def stop_jobs(jobs, sess, what: str) -> str:
+    """The Stop button of a heavy job: cancel this visitor's ``what`` job (its files are removed)."""
+    n = jobs.cancel(sess.id, what) if isinstance(sess, session.Session) else 0
+    return f"Stopping the {what} job; what it wrote is removed." if n else f"No {what} job of yours is running."
 
 
 def _shown(folder: Path) -> str:
@@ -156,14 +211,36 @@ def _shown(folder: Path) -> str:
     return str(folder)
 
 
-def compare_results(shipped, uploads, local, sess, upload_roots=(), page=None) -> dict:
-    """The Results tab's view of the chosen records (``results.compare_results``) for this visitor."""
-    return results.compare_results(shipped, uploads, local, _session(sess, page), upload_roots)
+def compare_results(jobs, shipped, uploads, local, sess, upload_roots=(), http=None) -> dict:
+    """The Results tab's view of the chosen records (``results.compare_results``) for this visitor; its CSV
+    export counts toward the visitor's quota."""
+    out = results.compare_results(shipped, uploads, local, _session(sess, _page(http)), upload_roots)
+    if out["csv"]:
+        _charge(jobs, http, [out["csv"]])
+    return out
 
 
-def export_figures(figs, sess, tab: str, page=None) -> list[str]:
-    """A tab's current figures as files in this visitor's scratch folder (``results.export_figures``)."""
-    return results.export_figures(figs, _session(sess, page), tab)
+def export_figures(jobs, figs, sess, tab: str, http=None, static: bool = False) -> list[str]:
+    """A tab's current figures as files in this visitor's scratch folder (``results.export_figures``): a
+    heavy job, within the server's and the visitor's limits; the bytes count toward the visitor's quota."""
+    sess = _session(sess, _page(http))
+    job = jobs.start(visitor_of(http), sess.id, "export")
+    try:
+        paths = results.export_figures(figs, sess, tab, static)
+        _charge(jobs, http, paths)
+        return paths
+    finally:
+        jobs.finish(job)
+
+
+def _charge(jobs, http, paths: list[str]) -> None:
+    """Count files served to a visitor toward its quota; over it, they are removed and the request refused."""
+    try:
+        jobs.charge(visitor_of(http), sum(Path(p).stat().st_size for p in paths))
+    except Exception:
+        for p in paths:
+            Path(p).unlink(missing_ok=True)
+        raise
 
 
 def _windows(n: int = 3, tokens: int = 288) -> list[str]:
@@ -185,6 +262,8 @@ def build_demo() -> gr.Blocks:
     from gradio.utils import get_upload_folder
 
     producer, consumers = pairs.builtin_choices()
+    jobs = Jobs()  # the server's heavy jobs: limits and cancellation (no visitor's data)
+    export = functools.partial(export_figures, jobs)
     # gradio's own cache of served/uploaded files is swept hourly (files older than an hour)
     with gr.Blocks(title="scdviz", delete_cache=(3600, 3600)) as demo:
         gr.Markdown(
@@ -215,24 +294,32 @@ def build_demo() -> gr.Blocks:
         windows = _windows()
         with gr.Tab("SCD transfer") as tab:
             redraw_on_select(tab)
-            scd_tab.build(scd_run, windows, pair_state, sess, export=export_figures)
+            scd_tab.build(scd_run, windows, pair_state, sess, export=export)
         with gr.Tab("DistillCache eviction") as tab:
             redraw_on_select(tab)
-            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, export=export_figures)
+            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, export=export)
         with gr.Tab("Calibrate / train") as tab:
             redraw_on_select(tab)
-            train_tab.build(calibrate, load_calibration, train, pair_state, sess, export=export_figures)
+            train_tab.build(functools.partial(calibrate, jobs), load_calibration, functools.partial(train, jobs),
+                            functools.partial(stop_jobs, jobs), pair_state, sess, export=export)
         with gr.Tab("Results") as tab:
             redraw_on_select(tab)
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files
 
-            def open_records(shipped, files, local, s, page=None):
-                return compare_results(shipped, files, local, s, uploads, page)
+            def open_records(shipped, files, local, s, http=None):
+                return compare_results(jobs, shipped, files, local, s, uploads, http)
 
-            results_tab.build(open_records, list(results.shipped_records()), sess, export_figures,
+            results_tab.build(open_records, list(results.shipped_records()), sess, export,
                               local_runs=None if settings.hosted() else lambda: list(results.local_records()),
                               runs_folder=results.runs_root_shown())
-        demo.unload(_on_page_closed)
+        def on_page_closed(request: gr.Request):  # registered by demo.unload, which keeps it private
+            """A page closed: its jobs stop and its session folder (scratch files, hosted runs) goes at once;
+            gradio drops the in-memory state an hour later (and calls Session.close then)."""
+            if request is not None and request.session_hash:
+                jobs.cancel(session.folder_id(request.session_hash))
+                session.remove_folder_of(request.session_hash)
+
+        demo.unload(on_page_closed)
     for dep in demo.fns.values():  # gr.State's per-page initial value: an event gradio names after the function
         if dep.fn is session.open_session:
             dep.api_visibility = "private"  # internal, as the page-close handler: not an API endpoint
@@ -240,28 +327,56 @@ def build_demo() -> gr.Blocks:
     return demo
 
 
-def _on_page_closed(request: gr.Request):  # registered by demo.unload, which keeps it private
-    """A page closed: its session folder (scratch files, hosted runs) goes at once; gradio drops
-    the in-memory state an hour later (and calls Session.close then)."""
-    if request is not None and request.session_hash:
-        session.remove_folder_of(request.session_hash)
-
-
 def launch_kwargs() -> dict:
-    """launch() settings: GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are honoured (gradio reads them)."""
-    # the visitors' session folders (scratch: CSV and figure exports) may be served as downloads
+    """launch() settings: GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are honoured (gradio reads them). No
+    ``allowed_paths``: a file a handler returns is copied into gradio's cache under a secret-seeded hash,
+    so only the visitor it was handed to can name it; session folders are never served by path."""
     return {"max_file_size": f"{settings.max_upload_mb()}mb", "show_error": True,
-            "allowed_paths": [str(session.sessions_root())]}
+            "app_kwargs": {"exception_handlers": {KeyError: _unknown_endpoint, FnIndexInferError: _unknown_endpoint}}}
+
+
+EVENT_ROUTES = ("/queue/join", "/run/predict", "/call/")  # where a client names an event (fn_index, api_name)
+
+
+async def _unknown_endpoint(request, err: Exception):
+    """gradio looks an event up by number or name and answers a client's unknown one with HTTP 500: a 404
+    that says so instead (a KeyError anywhere else stays a server error, logged)."""
+    from fastapi.responses import JSONResponse
+
+    if any(route in request.url.path for route in EVENT_ROUTES):
+        return JSONResponse({"error": f"no such endpoint: {str(err)[:80]}; the app's endpoints are listed at "
+                                      "/gradio_api/info (or gradio_client's view_api())"}, status_code=404)
+    logging.getLogger("scdviz").error("server error at %s: %s %s", request.url.path, type(err).__name__,
+                                      str(err)[:200])
+    return JSONResponse({"error": "internal server error"}, status_code=500)
+
+
+def contain_files() -> dict[str, str]:
+    """Every file the app writes under ``SCDVIZ_WORK``: gradio's cache and uploads (``GRADIO_TEMP_DIR``)
+    and every temporary file, Chromium's profile included (``TMPDIR``), go there. The temporary folder is
+    the sessions root, so gradio may copy a visitor's scratch files into its cache (it copies only from
+    the temporary folder, the working directory or ``allowed_paths``). Hosted mode always; local use
+    keeps a ``GRADIO_TEMP_DIR`` already set. Call before ``build_demo``; returns what was set."""
+    import os
+    import tempfile
+
+    work = settings.work_dir()
+    cache = os.environ.get("GRADIO_TEMP_DIR") if not settings.hosted() else None
+    wanted = {"GRADIO_TEMP_DIR": cache or str(work / "gradio"), "TMPDIR": str(session.sessions_root())}
+    for key, value in wanted.items():
+        Path(value).mkdir(parents=True, exist_ok=True)
+        os.environ[key] = value
+    tempfile.tempdir = wanted["TMPDIR"]
+    return wanted
 
 
 def main() -> None:
     """Start the app (hosted mode first removes session folders left by an earlier process)."""
-    import logging
-
     logging.basicConfig(level=logging.INFO)
     if settings.hosted():
         removed = session.clean_stale()  # session folders of an earlier process: their pages are gone
         logging.getLogger("scdviz").info("hosted mode: removed %d stale session folders", removed)
+    logging.getLogger("scdviz").info("files under %s", contain_files())
     build_demo().launch(**launch_kwargs())
 
 

@@ -46,7 +46,7 @@ from scdviz import data, metrics, protocol, qa
 from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
-from scdviz.evict.policy import SHIPPED_DIR, Policy, keep_count
+from scdviz.evict.policy import SHIPPED_DIR, Policy, PolicyConfig, keep_count
 from scdviz.evict.press import DistillCachePress
 from scdviz.models import hf
 from scdviz.records import BenchRecord
@@ -188,6 +188,21 @@ def validation_kl(path: str | Path) -> float | None:
     return _lowest_logged(training_log(path))
 
 
+FOCUS_BASELINES = ("ObservedAttention", "SnapKV", "KVzip", "StreamingLLM")  # what a focused comparison shows
+
+
+def focus_methods() -> list[str]:
+    """A focused comparison (the app's default set): the shipped policy chosen on validation (the headline),
+    H2O (ObservedAttention), SnapKV, KVzip and StreamingLLM; the full cache is every comparison's reference."""
+    chosen = chosen_on_validation((), EvalConfig().question_len)
+    return ([chosen] if chosen else []) + list(FOCUS_BASELINES)
+
+
+def method_names() -> list[str]:
+    """Every eviction method by display name: the shipped policies, kvpress's scorers and its native presses."""
+    return [*load_policies(()), *baselines(), *native_baselines()]
+
+
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
     """Policies by method name (distillcache-head / distillcache-global[-lookahead][-wW])."""
     return {name: loaded.policy for name, loaded in _load(paths).items()}
@@ -269,17 +284,19 @@ def method_indices(
 
 
 def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None,
-                  natives: dict | None = None, failed: dict | None = None) -> dict:
+                  natives: dict | None = None, failed: dict | None = None, native_labels: set | None = None) -> dict:
     """All methods x budgets on one context; returns {(method, label): metrics} and timings.
 
     presses: kvpress scorers, scored in the shared eager prefill; natives: name -> press
     factory (``native_baselines``), each run in its own prefill per budget. failed: name ->
-    why it cannot run, filled on a press's first failure and skipped from then on.
+    why it cannot run, filled on a press's first failure and skipped from then on. native_labels: the
+    budget labels the natives run at (None: every budget; each is a prefill of its own).
     qa_item: optional scdviz.qa.QAItem about the context, answered from every pruned cache.
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
     fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
-    views = sorted({p.config.observation for p in policies.values()})  # (window, lookahead G, K)
+    # (window, lookahead G, K) of each policy; without policies, the features of a default policy's view
+    views = sorted({p.config.observation for p in policies.values()}) or [PolicyConfig().observation]
     failed = {} if failed is None else failed
     obs = observe(model, ids[:, :prefix], views[0][0], presses, tuple(dict.fromkeys(fracs.values())), failed,
                   views[0][1:], cfg.seed)
@@ -303,15 +320,18 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
             kept[(name, label)] = idx
     if natives:
         natives = {k: v for k, v in natives.items() if k not in failed}
-        results |= _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)
+        results |= _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item, native_labels)
     return {"results": results, "feats": feats, "kept": kept, "observed": obs}
 
 
-def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict, qa_item):
-    """The native kvpress presses at every budget (their cost: ``bench cost``)."""
+def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict, qa_item,
+                   labels: set | None = None):
+    """The native kvpress presses at every budget, or those ``labels`` name (their cost: ``bench cost``)."""
     tail, results = ids[:, prefix:], {}
     for name, make in natives.items():
         for label, n_keep in budgets(cfg, prefix):
+            if labels is not None and label not in labels:
+                continue
             try:
                 press = make(1.0 - n_keep / prefix)
                 with hf.press_prefill(model, press, ids[:, :prefix]) as cache:

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from scdviz import artefact, metrics
 from scdviz.config import opt
@@ -45,6 +44,7 @@ from scdviz.evict.policy import FILE as POLICY_FOLDER_FILE
 from scdviz.evict.policy import LOG as POLICY_LOG
 from scdviz.evict.policy import Policy, PolicyConfig, gumbel_top_b, keep_count, plackett_luce_logprob
 from scdviz.models import hf
+from scdviz.progress import Reporter, steps
 
 # ----------------------------------------------------------------------------- estimator maths
 
@@ -157,7 +157,8 @@ def scored_kl(sample: Sample, logits: Tensor) -> Tensor:
     return metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:])
 
 
-def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool = True) -> list[Sample]:
+def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool | Reporter = True
+            ) -> list[Sample]:
     """Prefill ``count`` contexts of one split of each corpus, once."""
     from scdviz import data
 
@@ -172,7 +173,7 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     if len(windows) < count:
         raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(sources)}")
     out = []
-    for w in tqdm(windows[:count], desc=f"prefill {split} contexts", disable=not progress):
+    for w in steps(windows[:count], f"prefill {split} contexts", progress):
         ids = hf.ids_tensor(w)
         cont = ids[:, cfg.context_len :]
         with hf.eager(model):  # features need attention probabilities; restored for other users
@@ -186,20 +187,22 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     return out
 
 
-def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict) -> None:
+def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict,
+               progress: bool | Reporter = True) -> None:
     """Imitate the warm-start ranking (``cfg.warm_target``): maximise its Plackett-Luce likelihood
     (at ``cfg.warm_lr`` when given; REINFORCE then continues at ``cfg.lr``)."""
     for group in opt.param_groups:
         group["lr"] = cfg.lr if cfg.warm_lr is None else cfg.warm_lr
     try:
-        _imitate(policy, samples, cfg, opt, log)
+        _imitate(policy, samples, cfg, opt, log, progress)
     finally:
         for group in opt.param_groups:
             group["lr"] = cfg.lr
 
 
-def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict) -> None:
-    for step in tqdm(range(cfg.warm_steps), desc=f"warm start ({cfg.warm_target})"):
+def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict,
+             progress: bool | Reporter) -> None:
+    for step in steps(range(cfg.warm_steps), f"warm start ({cfg.warm_target})", progress):
         sample = samples[step % len(samples)]
         scores = rows(policy, sample.obs)
         heuristic = warm_rows(sample, policy.config.per_head, cfg.warm_target)
@@ -324,7 +327,7 @@ class Event:
 
 
 def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = None,
-          progress: bool = True) -> Policy:
+          progress: bool | Reporter = True) -> Policy:
     """Train a policy (``fit``): returns the checkpoint chosen on validation (lowest validation KL),
     with the run's log as ``policy.log``. Writes no file.
 
@@ -362,11 +365,11 @@ def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = N
     run = _Run(model, policy, opt, log, held_out, cfg, callback, best)
     if not log["val"]:  # a fresh run: the starting point (after any warm start) is the first checkpoint
         if cfg.warm_steps:
-            warm_start(policy, samples, cfg, opt, log)
+            warm_start(policy, samples, cfg, opt, log, progress)
         run.checkpoint()
     order = random.Random(cfg.seed + len(log["steps"]))
     gen = torch.Generator(device=device).manual_seed(cfg.seed + len(log["steps"]))
-    bar = tqdm(range(len(log["steps"]), cfg.steps), desc="reinforce", disable=not progress)
+    bar = steps(range(len(log["steps"]), cfg.steps), "reinforce", progress)
     for step in bar:
         sample = samples[order.randrange(len(samples))]
         keep = cfg.keeps[step % len(cfg.keeps)]
@@ -384,7 +387,8 @@ def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = N
                 "entropy": round(stats["entropy"], 4),
             }
         )
-        bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
+        if hasattr(bar, "set_postfix"):  # a tqdm bar (the CLI)
+            bar.set_postfix(kl=f"{stats['kl']:.4f}", keep=keep)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             run.checkpoint()
         if callback is not None:

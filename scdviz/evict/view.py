@@ -21,6 +21,7 @@ from scdviz.evict.context import prune
 from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
 from scdviz.models import hf
+from scdviz.progress import Reporter, steps
 
 SWEEP = (0.5, 0.25, 0.125)  # kept fractions of the budget sweep
 
@@ -42,6 +43,7 @@ class EvictionView:
     continuation: str = ""  # the full cache's greedy continuation (the scored tokens)
     generations: dict[str, str] = field(default_factory=dict)  # method -> greedy text from its pruned cache
     versus_h2o: dict[str, list[float]] = field(default_factory=dict)  # method -> (T,) its kept share minus H2O's
+    failed: dict[str, str] = field(default_factory=dict)  # method -> why it could not run on this model
 
 
 H2O = "ObservedAttention"  # kvpress's H2O: what attention history alone keeps
@@ -68,14 +70,24 @@ def agreement(mask: torch.Tensor, reference: torch.Tensor) -> dict:
 
 
 def eviction_view(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
-            cont_len: int = 24, gen_tokens: int = 24, policies: dict | None = None) -> EvictionView:
-    """Compress ``context`` (plus ``question`` when aware) with every method at ``keep`` and compare.
+                  lengths: tuple[int, int] = (24, 24), policies: dict | None = None,
+                  methods: list[str] | None = None, progress: bool | Reporter = False) -> EvictionView:
+    """Compress ``context`` (plus ``question`` when aware) with each method at ``keep`` and compare.
 
-    policies: extra learned policies by method name (e.g. one a user just trained) beside the shipped ones.
+    lengths: (tokens of the full cache's continuation scored, tokens generated from each pruned cache).
+    policies: extra learned policies by method name (e.g. one a user just trained) beside the shipped ones,
+    always run. methods: the shipped policies, kvpress scorers and native presses to run (None: all; H2O
+    always runs, as every method is compared with it). Native presses (KVzip, PyramidKV, ...) prune inside
+    kvpress, so their rows, curves and texts are shown but not which tokens they keep; each costs a prefill
+    per budget, so they run at the chosen budget only (in the sweep: one point).
+    progress: a reporter (``scdviz.progress``) told each phase and each method's generation.
     """
+    cont_len, gen_tokens = lengths
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
-    presses = bench.baselines()
+    wanted = None if methods is None else set(methods) | {H2O}
+    presses = {k: v for k, v in bench.baselines().items() if wanted is None or k in wanted}
+    natives = {k: v for k, v in bench.native_baselines().items() if wanted is not None and k in wanted}
     # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
     need = max([16, *(int(getattr(p, "window_size", 0)) + 1 for p in presses.values())])
     prompt = ctx + q
@@ -93,31 +105,50 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
         keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
         cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
-        policies = bench.load_policies(()) | dict(policies or {})
-        out = bench.score_context(model, window, prefix, cfg, policies, presses)
+        shipped = {k: v for k, v in bench.load_policies(()).items() if wanted is None or k in wanted}
+        policies = shipped | dict(policies or {})
+        report(progress, f"one eager prefill, every scorer and {len(policies)} policies, {len(natives)} native "
+               "presses at each budget", 0, 1)
+        failed: dict = {}
+        out = bench.score_context(model, window, prefix, cfg, policies, presses, natives=natives, failed=failed,
+                                  native_labels={label})  # a native press: one prefill per budget, so one budget
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
         slots = {m: slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}
         res = out["results"]
-        methods = sorted(masks)
+        masked = sorted(masks)
+        shown = masked + sorted(k for k in natives if (k, label) in res)
         feats = out["feats"][min(out["feats"])].global_features[0]
         gens = {}
-        for m in methods:
+        for m in steps(shown, "text from each pruned cache", progress, name=str):
+            if m in natives:  # kvpress prunes inside its own prefill
+                press = natives[m](1.0 - keep_count(prefix, keep) / prefix)
+                with hf.press_prefill(model, press, ids[:, :prefix]) as cache:
+                    gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
+                continue
             cache = prune(model, out["observed"], out["kept"][(m, label)])
             gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
     return EvictionView(
         context_tokens=[tokenizer.decode([t]) for t in prompt[:prefix]],
         budget_label=label,
         tokens_kept=keep_count(prefix, keep),
-        kept_fraction={m: masks[m].mean(0).tolist() for m in methods},
-        kept_per_layer={m: masks[m].tolist() for m in methods},
-        kl_steps={m: res[(m, label)]["kl_steps"] for m in methods},
-        sweep={m: {k: res[(m, f"{k:g}")]["kl"] for k in keeps} for m in methods},
+        kept_fraction={m: masks[m].mean(0).tolist() for m in masked},
+        kept_per_layer={m: masks[m].tolist() for m in masked},
+        kl_steps={m: res[(m, label)]["kl_steps"] for m in shown},
+        sweep={m: {k: res[(m, f"{k:g}")]["kl"] for k in keeps if (m, f"{k:g}") in res} for m in shown},
         rows=[{"method": m, "kl": round(res[(m, label)]["kl"], 4), "top1": round(res[(m, label)]["top1"], 3),
-               "tokens_kept": res[(m, label)]["tokens_kept"]} | agreement(slots[m], slots[H2O]) for m in methods],
+               "tokens_kept": res[(m, label)]["tokens_kept"]} | (agreement(slots[m], slots[H2O]) if m in slots else {})
+              for m in shown],
         features=feats.tolist(),
         feature_names=NAMES + ((LOOKAHEAD,) if feats.shape[-1] > len(NAMES) else ()),
         continuation=tokenizer.decode(cont),
         generations=gens,
-        versus_h2o={m: (slots[m].mean((0, 1)) - slots[H2O].mean((0, 1))).tolist() for m in methods},
+        versus_h2o={m: (slots[m].mean((0, 1)) - slots[H2O].mean((0, 1))).tolist() for m in masked},
+        failed=failed,
     )
+
+
+def report(progress, desc: str, done: int, total: int) -> None:
+    """Tell a reporter (``scdviz.progress``) a phase; a bool shows nothing here."""
+    if callable(progress):
+        progress(desc, done, total)

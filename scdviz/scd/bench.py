@@ -22,6 +22,7 @@ from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin
 from scdviz.models.pair import Pair
+from scdviz.progress import Reporter
 from scdviz.records import BenchRecord
 from scdviz.scd import calibrate as cal
 from scdviz.scd import calibration, measure, rate
@@ -155,7 +156,7 @@ def bench(
     windows: list[list[int]],
     cfg: ScdBenchConfig,
     specialist: str | None = None,
-    progress: bool = True,
+    progress: bool | Reporter = True,
     scd_full: Plan | None = None,
 ) -> BenchReport:
     """Run the lineup (and sweeps) on ``windows`` with ``cfg``'s settings; see the module docstring.

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from scdviz import metrics
 from scdviz.models import hf
 from scdviz.models.pair import Pair
+from scdviz.progress import Reporter, steps
 from scdviz.scd import calibration, rate, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.calibration import CalibConfig, Calibration, domains_of, pair_identity
@@ -71,7 +71,7 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
     err = torch.zeros(n, 4, dtype=torch.float64, device=hf.HOST)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
     rows: list[list[tuple]] = [[] for _ in range(n)]
     s = slice(1, None, cfg.h_stride)
-    for window, fold in tqdm(list(zip(windows, folds)), desc="calibrate: paired prefills", disable=not progress):
+    for window, fold in steps(list(zip(windows, folds)), "calibrate: paired prefills", progress):
         prefix = hf.ids_tensor(window[: cfg.prompt_len - 1])
         p = transfer.producer_state(pair.producer, prefix)
         c = transfer.producer_state(pair.consumer, prefix)
@@ -247,12 +247,13 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
             "patch_sse": round(patch_sse, 2), "code_sse": round(code_sse, 2), "kept": patch_sse < code_sse}
 
 
-def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, base: plans.Plan) -> list[float]:
+def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, base: plans.Plan,
+                 progress: bool | Reporter = True) -> list[float]:
     """KL drop of the base plan when one layer gets the consumer's own (oracle) K, V."""
     start = cases[0].state.ids.shape[1]
     totals = [0.0] * calib.n_layers
     base_kl = 0.0
-    for case in tqdm(cases, desc="calibrate: ideal-patch gain per layer"):
+    for case in steps(cases, "calibrate: ideal-patch gain per layer", progress):
         cache = transfer.transferred(pair.consumer, case.state, base, calib)
         keys, values = hf.cache_kv(cache)
         oracle_k, oracle_v = hf.cache_kv(case.oracle_cache)
@@ -266,7 +267,8 @@ def _ideal_gains(pair: Pair, cases: list[transfer.Case], calib: Calibration, bas
     return [(base_kl - t) / len(cases) for t in totals]
 
 
-def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int) -> tuple[list[int], list[float]]:
+def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int,
+            progress: bool | Reporter = True) -> tuple[list[int], list[float]]:
     """Patch layers added one at a time, each the candidate that lowers selection KL most.
 
     Layers of a payload are received independently, so each case's cache is received once
@@ -296,7 +298,7 @@ def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int
 
     chosen: list[int] = []
     kls = [kl([])]
-    for _ in tqdm(range(min(k, len(candidates))), desc="calibrate: greedy patch placement"):
+    for _ in steps(range(min(k, len(candidates))), "calibrate: greedy patch placement", progress):
         scores = {c: kl(chosen + [c]) for c in candidates if c not in chosen}
         best = min(scores, key=scores.get)
         chosen.append(best)
@@ -309,8 +311,10 @@ def _mlp(cfg: CalibConfig) -> MlpFit:
     return MlpFit(hidden=cfg.aligner_hidden, steps=cfg.aligner_steps, seed=cfg.seed)
 
 
-def calibrate(cfg: CalibConfig, pair: Pair, progress=True) -> Calibration:
-    """Fit codes and aligners on a mixture of domains, select patch layers; see the module docstring."""
+def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) -> Calibration:
+    """Fit codes and aligners on a mixture of domains, select patch layers; see the module docstring.
+
+    progress: a tqdm bar per step (True), nothing, or a reporter (``scdviz.progress``), which may stop the work."""
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     windows, folds, select = calibration.windows(pair, cfg)
@@ -330,7 +334,7 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress=True) -> Calibration:
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in select]
     calib = Calibration(pair_identity(pair), cfg, key_codes, value_codes, {}, [], [], fits.drift_k, fits.drift_v,
                         [], [], {}, joint=refinements)
-    gains = _ideal_gains(pair, cases, calib, plans.full_rank_plan(calib))
+    gains = _ideal_gains(pair, cases, calib, plans.full_rank_plan(calib), progress)
     drift = [fits.drift_k[i] + fits.drift_v[i] for i in range(n)]
     by_drift = sorted(range(n), key=lambda i: -drift[i])
     by_gain = sorted(range(n), key=lambda i: -gains[i])
@@ -338,7 +342,7 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress=True) -> Calibration:
     candidates = sorted(set(want) | set(by_drift[: cfg.patch_k]))
     t1 = time.perf_counter()
     gates = {}
-    for layer in tqdm(candidates, desc="calibrate: aligners", disable=not progress):
+    for layer in steps(candidates, "calibrate: aligners", progress):
         weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
         choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]),
                                               weight, cfg)
@@ -352,7 +356,7 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress=True) -> Calibration:
     calib.ideal_gain = gains
     if cfg.selection == "greedy":
         passed = [c for c in by_gain[: cfg.n_candidates] if gates[c]["kept"] or not cfg.gate_patches]
-        calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, passed, cfg.patch_k)
+        calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, passed, cfg.patch_k, progress)
     else:
         calib.patch_order = list(cfg.given) if cfg.selection == "given" else calib.drift_order
         calib.selection_kl = []

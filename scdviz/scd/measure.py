@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from scdviz import link as links
 from scdviz import metrics, qa
 from scdviz.models import hf
 from scdviz.models.pair import Pair
+from scdviz.progress import Reporter, steps
 from scdviz.scd import calibration, transfer
 
 
@@ -67,12 +67,12 @@ class MethodResult:
         return [d[i + 1] / d[i] if d[i] > 0 else float("nan") for i in range(len(d) - 1)]
 
 
-def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress: bool = True,
+def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress: bool | Reporter = True,
                   qa_answer_len: int = 0) -> list[transfer.Case]:
     """Producer prefill and oracle continuation of every window; with ``qa_answer_len`` > 0 a
     context-QA item about each prompt (scdviz.qa), asked after the transferred cache."""
     cases = []
-    for i, w in enumerate(tqdm(windows, desc="prefill producer + oracle", disable=not progress)):
+    for i, w in enumerate(steps(windows, "prefill producer + oracle", progress)):
         case = transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
         if qa_answer_len:
             prompt = w[: len(w) - cont_len]
@@ -198,12 +198,10 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
 
 
 def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, oracle_gen=None,
-                progress=True) -> list[MethodResult]:
-    """``run_plan_on_cases`` for each plan."""
-    return [
-        run_plan_on_cases(pair, cases, p, calib, group, gen_tokens, oracle_gen)
-        for p in tqdm(plan_list, desc=f"methods ({group})", disable=not progress)
-    ]
+                progress: bool | Reporter = True) -> list[MethodResult]:
+    """``run_plan_on_cases`` for each plan (a reporter is told each method by name)."""
+    return [run_plan_on_cases(pair, cases, p, calib, group, gen_tokens, oracle_gen)
+            for p in steps(plan_list, f"methods ({group})", progress, name=lambda plan: plan.name)]
 
 
 def table(results: list[MethodResult]) -> pd.DataFrame:

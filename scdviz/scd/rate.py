@@ -21,10 +21,10 @@ import time
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from scdviz import metrics
 from scdviz.models import hf
+from scdviz.progress import Reporter, steps
 from scdviz.scd import calibration, quant, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.calibration import RateCurves
@@ -75,7 +75,7 @@ def calibration_windows(pair, calib, n_windows: int) -> list[list[int]]:
     return select[::step][:n_windows]
 
 
-def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurves:
+def measure(pair, calib, n_windows: int = 6, progress: bool | Reporter = True) -> RateCurves:
     """Error curves and sensitivities of ``calib`` on ``n_windows`` of its calibration text."""
     t0 = time.perf_counter()
     cfg = calib.config
@@ -87,7 +87,7 @@ def measure(pair, calib, n_windows: int = 6, progress: bool = True) -> RateCurve
     patch_sse = torch.zeros(len(order), len(BITS), 2, **HOST64)
     kl_k, kl_v = torch.zeros(n, **HOST64), torch.zeros(n, **HOST64)
     sse_k, sse_v = torch.zeros(n, **HOST64), torch.zeros(n, **HOST64)
-    for window in tqdm(windows, desc="rate: curves and sensitivities", disable=not progress):
+    for window in steps(windows, "rate: curves and sensitivities", progress):
         case = transfer.prepare_case(pair.producer, pair.consumer, window, cfg.cont_len)
         oracle_k, oracle_v = hf.cache_kv(case.oracle_cache)
         cos, sin = hf.rope(pair.consumer,

@@ -10,6 +10,7 @@ held-out text here (``bench.run``).
 from __future__ import annotations
 
 from scdviz.models.pair import Pair
+from scdviz.progress import Reporter
 from scdviz.scd import bench, calibration
 from scdviz.scd.codec import Codec
 from scdviz.scd.plan import Plan
@@ -29,18 +30,20 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
 
 
 def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
-               cont_len: int = 32, gen_tokens: int = 24, sweeps: bool = False, max_tokens: int = 1024,
-               budget: float | None = None, coder: str = "transform") -> bench.BenchReport:
+               cont_len: int = 32, gen_tokens: int = 24, max_tokens: int = 1024,
+               budget: float | None = None, coder: str = "transform", progress: bool | Reporter = False
+               ) -> bench.BenchReport:
     """The SCD tab's view of one text: ``bench`` on the one window made from it.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
     (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
-    ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full.
+    ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full. ``progress``: a reporter
+    (``scdviz.progress``) told each method as it runs.
     """
     if isinstance(calib, Codec):
         calib, plan = calib.calibration, calib.plan
     window = window_of(pair, text, cont_len, max_tokens)
-    cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=sweeps, budget=budget, coder=coder,
+    cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=False, budget=budget, coder=coder,
                          sent_rows=False, qa_answer_len=0)
-    return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=False, scd_full=plan)
+    return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=progress, scd_full=plan)

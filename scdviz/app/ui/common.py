@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from scdviz import settings
+
 log = logging.getLogger("scdviz.ui")
 
 # Plots drawn while their tab was hidden keep the width they were drawn at; gradio's plotly plots
@@ -57,26 +59,39 @@ def guard(fn):
     return wrapper
 
 
+def reporter(progress):
+    """A library reporter (``scdviz.progress``: ``report(desc, done, total)``) that moves a gr.Progress."""
+    def report(desc: str, done: int, total: int) -> None:
+        progress((done, total or None), desc=desc)
+    return report
+
+
 def diff_tokens(tokens: list[str], reference: list[str], label: str = "differs") -> list[tuple[str, str | None]]:
     """(text, label) pairs for gr.HighlightedText: tokens that differ from the reference at the same position."""
     return [(tok, None if i < len(reference) and reference[i] == tok else label) for i, tok in enumerate(tokens)]
 
 
 def figure_downloads(prefix: str, figs: gr.State, session: gr.State, export: Callable,
-                     name: str | None = None) -> gr.File:
-    """A "Download figures" button for a tab (element ids ``<prefix>-figs-btn``, ``<prefix>-figs``; files
-    named ``<name>_<figure>.<ext>``): ``export(figures, session, name, page)`` writes the tab's
-    current figures (held in ``figs``, so no model work runs again) as PNG, SVG and standalone HTML
-    into the visitor's session folder; the files are offered below the button."""
+                     name: str | None = None, static: bool | None = None) -> gr.File:
+    """A "Download figures" button for a tab (element ids ``<prefix>-figs-btn``, ``<prefix>-figs``,
+    ``<prefix>-figs-static``): ``export(figures, session, name, http, static)`` (``http``: the gr.Request)
+    writes the tab's current figures (held in ``figs``, so no model work runs again) into the visitor's
+    session folder as one HTML page and, when the box is ticked, PNG and SVG zips; the files are offered
+    below the button. Hosted mode (``static`` None: as the settings say) offers no box."""
+    static = not settings.hosted() if static is None else static
     with gr.Row():
         with gr.Column(scale=1, min_width=260):
-            button = gr.Button("Download these figures (PNG, SVG, HTML)", elem_id=f"{prefix}-figs-btn")
-            gr.Markdown("Written for you on the server; HTML files open offline (plotly.js inside).")
+            button = gr.Button("Download these figures", elem_id=f"{prefix}-figs-btn")
+            images = gr.Checkbox(False, label="also PNG and SVG (zips; starts Chromium, seconds more)",
+                                 visible=static, elem_id=f"{prefix}-figs-static")
+            gr.Markdown("One HTML page holds every figure and opens offline (plotly.js inside once); each plot's "
+                        "camera button saves it as PNG.")
         files = gr.File(label="Figures", file_count="multiple", interactive=False, elem_id=f"{prefix}-figs", scale=3,
                         height=200)
 
-    def download_figures(current, sess, request: gr.Request):
-        return export(current, sess, name or prefix, request.session_hash if request else None)
+    def download_figures(current, sess, with_images, request: gr.Request):
+        return export(current, sess, name or prefix, request, bool(with_images))
 
-    button.click(guard(download_figures), [figs, session], [files], api_name=f"{prefix}_figures", concurrency_limit=1)
+    button.click(guard(download_figures), [figs, session, images], [files], api_name=f"{prefix}_figures",
+                 concurrency_limit=1)
     return files

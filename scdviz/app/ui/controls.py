@@ -49,10 +49,13 @@ def widget(c: Control, value) -> gr.components.Component:
     if kind == "checkbox":
         return gr.Checkbox(value=value, label=c.label, **props)
     if kind == "radio":
+        if value is not None and all(isinstance(o, str) for o in c.options()):
+            value = str(value)  # e.g. code bits: the radio holds "4", the request the number
         return gr.Radio(shown, value=value, label=c.label, **props)
     if c.kind == "choices":
-        return gr.Dropdown(shown, value=list(c.options()) if value is None else value, multiselect=True,
-                           label=c.label, **props)
+        if value is None:
+            value = c.initial() if c.initial is not None else list(c.options())
+        return gr.Dropdown(shown, value=value, multiselect=True, label=c.label, **props)
     return gr.Dropdown(shown, value=value, label=c.label, allow_custom_value=c.kind == "pick", **props)
 
 

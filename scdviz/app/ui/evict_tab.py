@@ -13,8 +13,8 @@ import gradio as gr
 
 from scdviz.app.requests import EvictRequest
 from scdviz.app.ui import controls
-from scdviz.app.ui.common import figure_downloads, guard
-from scdviz.plots import rounded
+from scdviz.app.ui.common import figure_downloads, guard, reporter
+from scdviz.plots import FIGURE_LABELS, rounded, worded
 
 FIGURES = ("kl_steps", "sweep", "heatmap", "features")
 
@@ -22,7 +22,8 @@ FIGURES = ("kl_steps", "sweep", "heatmap", "features")
 def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, export: Callable | None = None,
           request_type: type = EvictRequest) -> None:
     """Add the eviction tab's widgets (built from ``request_type``'s fields); ``run(pair_key, session, request)``
-    checks the request and does the work; ``export`` (see ``common.figure_downloads``) offers the figures as files."""
+    checks the request and does the work (``progress``: a reporter, ``common.reporter``); ``export`` (see
+    ``common.figure_downloads``) offers the figures as files."""
     gr.Markdown(
         "Prune the producer's cache of the context to a budget with the learned DistillCache policies and "
         "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
@@ -31,15 +32,15 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     widgets, run_button = controls.build_run(request_type, "context", examples,
                                              "Passages from the shipped evaluation text", "method",
                                              {"value": "Evict", "elem_id": "ev-run"})
-    info = gr.Markdown(elem_id="ev-info")
+    info = gr.Markdown(label="Summary", elem_id="ev-info")
     kept = gr.HighlightedText(label="Retained tokens (darker = kept by more layers × KV heads)",
                               combine_adjacent=False, show_legend=False, elem_id="ev-kept")
     versus = gr.HighlightedText(label="Where the inspected method differs from H2O (ObservedAttention): positive = "
                                 "kept here and dropped by H2O, negative = kept by H2O only (difference in the share of "
                                 "layer × KV-head slots keeping the token, the largest darkest)",
                                 combine_adjacent=False, show_legend=False, elem_id="ev-versus")
-    table = gr.Dataframe(label="At this budget (jaccard_vs_h2o: overlap of kept layer × KV-head slots with H2O's; "
-                               "kept_not_by_h2o: share of this method's kept slots H2O drops)",
+    table = gr.Dataframe(label="At this budget (overlap and share dropped: of the layer × KV-head slots each method "
+                               "keeps, compared with H2O's)",
                          interactive=False, elem_id="ev-table")
     texts = gr.Dataframe(headers=["method", "generated from the pruned cache"], label="Generated text",
                          interactive=False, wrap=True, elem_id="ev-texts")
@@ -48,15 +49,14 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     for row in (FIGURES[:2], FIGURES[2:]):
         with gr.Row():
             for name in row:
-                plots[name] = gr.Plot(elem_id=f"ev-{name}", label=name)
+                plots[name] = gr.Plot(elem_id=f"ev-{name}", label=FIGURE_LABELS[name])
     downloads = [figure_downloads("ev", figs, session, export, name="evict")] if export is not None else []
 
     def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        progress(0.1, desc="one eager prefill, then every method")
-        out = run(pair_key, session, request_type(**values))
-        return ([out["info"], out["kept"], out["versus"], rounded(out["table"]), out["texts"],
+        out = run(pair_key, session, request_type(**values), progress=reporter(progress))
+        return ([out["info"], out["kept"], out["versus"], rounded(worded(out["table"])), out["texts"],
                 gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES] + [out["figures"]]
                 + [None] * len(downloads))  # a new run: the previous figure files go
 

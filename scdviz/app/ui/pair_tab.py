@@ -14,7 +14,7 @@ import gradio as gr
 
 from scdviz.app.requests import GenerateRequest
 from scdviz.app.ui import controls
-from scdviz.app.ui.common import diff_tokens, guard
+from scdviz.app.ui.common import diff_tokens, guard, reporter
 
 
 @dataclass
@@ -26,7 +26,7 @@ class PairTabFns:
     default_producer: str  # preselected producer
     default_consumer: str  # preselected consumer
     load: Callable  # (producer, consumer, progress) -> (summary_md, facts_rows, pair_key)
-    generate: Callable  # (pair_key, GenerateRequest) -> (prod_tokens, cons_tokens, info_md)
+    generate: Callable  # (pair_key, GenerateRequest, progress=reporter) -> (prod_tokens, cons_tokens, info_md)
     examples: list[str]  # example prompts
 
 
@@ -44,7 +44,7 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
         consumer = gr.Dropdown(fns.consumer_choices, value=fns.default_consumer, label="Consumer",
                                allow_custom_value=True, elem_id="consumer")
         load_btn = gr.Button("Load pair", variant="primary", elem_id="load-pair")
-    summary = gr.Markdown(elem_id="pair-summary")
+    summary = gr.Markdown(label="Pair summary", elem_id="pair-summary")
     facts = gr.Dataframe(headers=["fact", "producer", "consumer"], label="Model facts", interactive=False,
                          elem_id="pair-facts")
 
@@ -59,7 +59,7 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
     if fns.examples:
         gr.Examples([[e] for e in fns.examples], inputs=[widgets["prompt"]],
                     label="Examples from the shipped evaluation text")
-    info = gr.Markdown(elem_id="pair-gen-info")
+    info = gr.Markdown(label="Summary", elem_id="pair-gen-info")
     with gr.Row():
         prod_out = gr.HighlightedText(label="Producer", elem_id="producer-text", combine_adjacent=False)
         cons_out = gr.HighlightedText(label="Consumer (tokens that differ from the producer's are marked)",
@@ -74,10 +74,10 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
         md, rows, key = fns.load(producer, consumer, report)
         return md, rows, key
 
-    def on_generate(pair_key, **values):
+    def on_generate(pair_key, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
         if not pair_key:
             raise gr.Error("load a pair first", print_exception=False)
-        prod_tokens, cons_tokens, md = fns.generate(pair_key, GenerateRequest(**values))
+        prod_tokens, cons_tokens, md = fns.generate(pair_key, GenerateRequest(**values), progress=reporter(progress))
         return md, [(t, None) for t in prod_tokens], diff_tokens(cons_tokens, prod_tokens)
 
     load_btn.click(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,

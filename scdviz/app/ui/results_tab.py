@@ -18,9 +18,9 @@ TITLES = {"payload_vs_kl": "SCD: payload vs KL", "kl_vs_budget": "Eviction: KL v
 
 def build(load: Callable, shipped: list[str], session: gr.State, export: Callable | None = None,
           local_runs: Callable[[], list[str]] | None = None, runs_folder: str = "") -> None:
-    """``load(shipped_names, uploaded_paths, run_names, session, page) -> dict`` (info, figures, settings,
-    table, csv); ``shipped``: names of bundled records; ``local_runs()``: names of the bench runs in
-    the local runs folder (None: not offered, as in hosted mode)."""
+    """``load(shipped_names, uploaded_paths, run_names, session, http) -> dict`` (``http``: the gr.Request;
+    the dict holds info, figures, settings, table, csv); ``shipped``: names of bundled records;
+    ``local_runs()``: names of the bench runs in the local runs folder (None: not offered, as in hosted mode)."""
     gr.Markdown("Open one or several records (JSON or CSV from `python -m scdviz bench scd|evict|ttft`) to "
                 "compare them: each kind gets one plot with every record overlaid (a marker and legend group per "
                 "record; hover a point for its method and values), then the settings that differ and every row.")
@@ -37,7 +37,7 @@ def build(load: Callable, shipped: list[str], session: gr.State, export: Callabl
             refresh = None
         upload = gr.File(label="Upload records (JSON / CSV, several at once)", file_types=[".json", ".csv"],
                          file_count="multiple", elem_id="res-upload", scale=2, height=140)
-    info = gr.Markdown(elem_id="res-info")
+    info = gr.Markdown(label="Summary", elem_id="res-info")
     figs = gr.State({})
     plots = {name: gr.Plot(elem_id=f"res-{name}", label=TITLES[name], visible=False) for name in FIGURES}
     downloads = [figure_downloads("res", figs, session, export)] if export is not None else []
@@ -49,7 +49,7 @@ def build(load: Callable, shipped: list[str], session: gr.State, export: Callabl
 
     def on_open(names, files, runs, sess, request: gr.Request):
         files = [f if isinstance(f, str) else f.name for f in files] if isinstance(files, list) else files
-        out = load(names, files, runs, sess, request.session_hash if request else None)
+        out = load(names, files, runs, sess, request)
         figures = out["figures"]
         shown = [gr.update(value=figures.get(n), visible=n in figures) for n in FIGURES]
         settings = out["settings"]
@@ -71,9 +71,13 @@ def build(load: Callable, shipped: list[str], session: gr.State, export: Callabl
         return gr.update(choices=local_runs())
 
     outputs = [info, *[plots[n] for n in FIGURES], diff, table, csv, figs, *downloads]
-    # one handler, three orders: each event's first input is its own widget (API clients may name just that one)
-    bundled.change(guard(open_shipped), [bundled, upload, local, session], outputs, api_name="open_shipped")
-    upload.change(guard(open_upload), [upload, bundled, local, session], outputs, api_name="open_upload")
-    local.change(guard(open_runs), [local, bundled, upload, session], outputs, api_name="open_runs")
+    # one handler, three orders: each event's first input is its own widget (API clients may name just that one);
+    # files are capped in bytes, rows and columns, so four visitors may open records at once
+    bundled.change(guard(open_shipped), [bundled, upload, local, session], outputs, api_name="open_shipped",
+                   concurrency_limit=4)
+    upload.change(guard(open_upload), [upload, bundled, local, session], outputs, api_name="open_upload",
+                  concurrency_limit=4)
+    local.change(guard(open_runs), [local, bundled, upload, session], outputs, api_name="open_runs",
+                 concurrency_limit=4)
     if refresh is not None:
         refresh.click(guard(list_runs), None, [local], api_name=False)

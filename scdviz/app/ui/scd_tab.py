@@ -13,8 +13,8 @@ import gradio as gr
 
 from scdviz.app.requests import ScdRequest
 from scdviz.app.ui import controls
-from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select
-from scdviz.plots import rounded
+from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select, reporter
+from scdviz.plots import FIGURE_LABELS, rounded, worded
 
 FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
            "ttft", "plan")
@@ -35,7 +35,7 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     )
     widgets, run_button = controls.build_run(request_type, "text", examples, "Windows from the shipped evaluation text",
                                              "fan_out", {"value": "Transfer", "elem_id": "scd-run"})
-    info = gr.Markdown(elem_id="scd-info")
+    info = gr.Markdown(label="Summary", elem_id="scd-info")
     table = gr.Dataframe(label="Results (one prompt)", interactive=False, elem_id="scd-table")
     texts = gr.HighlightedText(label="Generated text per method (tokens that differ from the oracle's are marked)",
                                combine_adjacent=False, show_inline_category=False, show_legend=True,
@@ -49,21 +49,20 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                 for i in range(0, len(names), 2):
                     with gr.Row():
                         for name in names[i : i + 2]:
-                            plots[name] = gr.Plot(elem_id=f"scd-{name}", label=name)
+                            plots[name] = gr.Plot(elem_id=f"scd-{name}", label=FIGURE_LABELS[name])
     assert set(plots) == set(FIGURES)
     downloads = [figure_downloads("scd", figs, session, export)] if export is not None else []
 
     def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        progress(0.1, desc="transferring with every method")
-        out = run(pair_key, session, request_type(**values))
+        out = run(pair_key, session, request_type(**values), progress=reporter(progress))
         segments = []
         oracle = out["texts"][0][1]
         for method, tokens in out["texts"]:
             segments.append((f"\n{method}: ", None))
             segments += diff_tokens(tokens, oracle)
-        return ([out["info"], rounded(out["table"]), segments] + [out["figures"][n] for n in FIGURES]
+        return ([out["info"], rounded(worded(out["table"])), segments] + [out["figures"][n] for n in FIGURES]
                 + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
 
     run_button.click(guard(on_run), [pair_state, session], [info, table, texts] + [plots[n] for n in FIGURES]

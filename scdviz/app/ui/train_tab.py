@@ -15,11 +15,12 @@ from scdviz.app.ui import controls
 from scdviz.app.ui.common import figure_downloads, guard
 
 
-def build(calibrate: Callable, load_calibration: Callable, train: Callable, pair_state: gr.State, session: gr.State,
-          export: Callable | None = None) -> None:
+def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop: Callable, pair_state: gr.State,
+          session: gr.State, export: Callable | None = None) -> None:
     """Add the tab (its controls built from ``CalibrateRequest`` and ``TrainRequest``): ``calibrate(pair_key,
-    session, request, page)`` / ``load_calibration(pair_key, session, folder)`` return (markdown, figure,
-    session); ``train(pair_key, session, request, page)`` yields them;
+    session, request, http, progress)`` and ``train(...)`` (the same) yield (markdown, figure, session) as they
+    run; ``load_calibration(pair_key, session, folder)`` returns them; ``stop(session, what)`` cancels the
+    visitor's "calibrate" or "train" job (its Stop button) and returns a message;
     ``export`` (see ``common.figure_downloads``) offers the tab's two figures as files.
 
     What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
@@ -31,10 +32,11 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, pair
     calibration = controls.build(CalibrateRequest)
     with gr.Row():
         cal_btn = gr.Button("Calibrate", variant="primary", elem_id="cal-run")
+        cal_stop = gr.Button("Stop", variant="stop", elem_id="cal-stop", scale=0, min_width=80)
         folder = gr.Textbox(label="…or load a saved calibration folder", elem_id="cal-folder")
         load_btn = gr.Button("Load calibration", elem_id="cal-load")
-    cal_info = gr.Markdown(elem_id="cal-info")
-    cal_plot = gr.Plot(elem_id="cal-plot")
+    cal_info = gr.Markdown(label="Summary", elem_id="cal-info")
+    cal_plot = gr.Plot(label="Greedy patch selection", elem_id="cal-plot")
 
     gr.Markdown("### DistillCache policy training\nREINFORCE with Gumbel top-B sampling and a leave-one-out "
                 "baseline on the producer, after a short warm start. Saved as a run named NAME and added to your "
@@ -44,40 +46,46 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, pair
 
     def add_button(_):
         buttons["train"] = gr.Button("Train", variant="primary", elem_id="train-run")
+        buttons["stop"] = gr.Button("Stop", variant="stop", elem_id="train-stop", scale=0, min_width=80)
 
     training = controls.build(TrainRequest, after={"name": add_button})
-    train_info = gr.Markdown(elem_id="train-info")
-    train_plot = gr.Plot(elem_id="train-plot")
+    train_info = gr.Markdown(label="Summary", elem_id="train-info")
+    train_plot = gr.Plot(label="Policy training", elem_id="train-plot")
     figs = gr.State({})  # this visitor's figures of the tab, for the download button
     downloads = [figure_downloads("train", figs, session, export)] if export is not None else []
 
     def with_figure(out, figures, name):
         md, fig, sess = out
-        return md, fig, sess, {**(figures or {}), name: fig}, *[None] * len(downloads)  # earlier files go
+        figures = {**(figures or {}), name: fig} if hasattr(fig, "to_dict") else figures  # not a progress update
+        return md, fig, sess, figures, *[None] * len(downloads)  # earlier files go
 
-    def on_calibrate(pair_key, session, figures, request: gr.Request, progress=gr.Progress(track_tqdm=True),  # noqa: B008
-                     **values):
+    def on_calibrate(pair_key, session, figures, request: gr.Request, progress=gr.Progress(), **values):  # noqa: B008
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        out = calibrate(pair_key, session, CalibrateRequest(**values), page=request.session_hash if request else None)
-        return with_figure(out, figures, "patch_selection")
+        for out in calibrate(pair_key, session, CalibrateRequest(**values), http=request, progress=progress):
+            yield with_figure(out, figures, "patch_selection")
 
     def on_load(pair_key, session, figures, folder):
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         return with_figure(load_calibration(pair_key, session, folder), figures, "patch_selection")
 
-    def on_train(pair_key, session, figures, request: gr.Request, progress=gr.Progress(track_tqdm=True),  # noqa: B008
-                 **values):
+    def on_train(pair_key, session, figures, request: gr.Request, progress=gr.Progress(), **values):  # noqa: B008
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        for out in train(pair_key, session, TrainRequest(**values), page=request.session_hash if request else None):
+        for out in train(pair_key, session, TrainRequest(**values), http=request, progress=progress):
             yield with_figure(out, figures, "policy_training")
 
-    cal_btn.click(guard(on_calibrate), [pair_state, session, figs], [cal_info, cal_plot, session, figs, *downloads],
-                  inputs_kwargs=calibration, concurrency_limit=1, api_name="calibrate")
-    load_btn.click(guard(on_load), [pair_state, session, figs, folder], [cal_info, cal_plot, session, figs, *downloads],
+    cal_outputs = [cal_info, cal_plot, session, figs, *downloads]
+    cal_event = cal_btn.click(guard(on_calibrate), [pair_state, session, figs], cal_outputs,
+                              inputs_kwargs=calibration, concurrency_limit=None, api_name="calibrate")
+    load_btn.click(guard(on_load), [pair_state, session, figs, folder], cal_outputs,
                    concurrency_limit=1, api_name="load_calibration")
-    buttons["train"].click(guard(on_train), [pair_state, session, figs], [train_info, train_plot, session, figs,
-                                                                         *downloads],
-                           inputs_kwargs=training, concurrency_limit=1, api_name="train")
+    train_event = buttons["train"].click(guard(on_train), [pair_state, session, figs],
+                                         [train_info, train_plot, session, figs, *downloads],
+                                         inputs_kwargs=training, concurrency_limit=None, api_name="train")
+    # Stop: the job is told to end at its next step (its files are removed), and the event is cancelled
+    cal_stop.click(lambda sess: stop(sess, "calibrate"), [session], [cal_info], cancels=[cal_event], api_name=False,
+                   queue=False)
+    buttons["stop"].click(lambda sess: stop(sess, "train"), [session], [train_info], cancels=[train_event],
+                          api_name=False, queue=False)
