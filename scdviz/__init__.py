@@ -20,7 +20,10 @@ DistillCache (learned eviction)
 Records and figures
   ``BenchRecord`` is what every bench writes; ``read_record(path)`` reads one. ``plots``: pure
   Plotly figures from results (``plots.layer_drift(report.methods, "K")``, ``plots.budget_sweep``);
-  ``figures.export(figs, folder)`` writes them as PNG, SVG and HTML.
+  ``figures.export(figs, folder)`` writes them as PNG, SVG and HTML; ``figures.bundle`` as one page.
+Progress
+  ``calibrate``, ``train`` and the views take ``progress``: True (tqdm), False, or a callable
+  ``report(step, done, total)`` told every step; raising ``Stopped`` from it ends the work there.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ _WHERE = {  # public name -> the module that defines it
     "train": "scdviz.evict.train",
     "DistillCachePress": "scdviz.evict.press",
     "eviction_view": "scdviz.evict.view",
+    "Stopped": "scdviz.progress",
 }
 _ALIASES = {"read_record": "read"}  # public name -> the name in its module
 _MODULES = ("plots", "figures")  # public submodules

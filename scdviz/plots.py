@@ -109,8 +109,8 @@ def _layout(fig: go.Figure, title: str, x: str, y: str, log_y: bool = False) -> 
     fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, template="plotly_white",
                       height=380 + (22 * max(0, rows - 1) if below else 0), colorway=list(COLORS),
                       margin=dict(l=60, r=20, t=50, b=50), legend=legend, hoverlabel=dict(namelength=-1))
-    if log_y:
-        fig.update_yaxes(type="log")
+    if log_y:  # every tick a whole number ("0.02", not a bare "2" between decades; no SI prefix such as µ)
+        fig.update_yaxes(type="log", tickformat=".2~g")
     return fig
 
 
@@ -321,7 +321,7 @@ def pareto(table: pd.DataFrame) -> go.Figure:
     if not several:
         paint(fig)
     return _layout(fig, "Payload vs quality (lower left is better)", "payload bytes per prompt token",
-                   "KL(oracle ‖ method)", log_y=True)
+                   "KL(oracle ‖ method), nats/token", log_y=True)
 
 
 def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float = 0.0005) -> go.Figure:
@@ -339,7 +339,8 @@ def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float
         fig.add_scatter(x=gbps, y=ys, mode="lines+markers", name=r.method)
     fig.update_xaxes(type="log", tickvals=gbps)
     paint(fig)
-    return _layout(fig, "Modelled TTFT vs link bandwidth", "Gbit/s", "seconds", log_y=True)
+    return _layout(fig, "Modelled TTFT vs link bandwidth", "link bandwidth, Gbit/s", "time to first token, s",
+                   log_y=True)
 
 
 # ----------------------------------------------------------------------------- eviction
@@ -352,8 +353,8 @@ def kl_per_step(kl_steps: dict[str, list[float]]) -> go.Figure:
         fig.add_scatter(x=list(range(1, len(ys) + 1)), y=ys, mode="lines", name=method,
                         line=dict(dash=DASHES[(i // len(COLORS)) % len(DASHES)], width=1.5))
     paint(fig)
-    return _layout(fig, "KL per decode step (teacher-forced on the full cache's continuation)", "step",
-                   "KL(full ‖ pruned)", log_y=True)
+    return _layout(fig, "KL per decode step (teacher-forced on the full cache's continuation)", "decode step",
+                   "KL(full ‖ pruned), nats", log_y=True)
 
 
 def budget_sweep(sweep: dict[str, dict[float, float]]) -> go.Figure:
@@ -365,7 +366,7 @@ def budget_sweep(sweep: dict[str, dict[float, float]]) -> go.Figure:
                         marker=dict(symbol=SYMBOLS[i % len(SYMBOLS)], size=7),
                         hovertemplate=f"{method}<br>%{{x:.3g}} % kept: KL %{{y:.4g}}<extra></extra>")
     paint(fig)
-    return _layout(fig, "Budget sweep", "% of context kept", "mean KL(full ‖ pruned)", log_y=True)
+    return _layout(fig, "Budget sweep", "% of context kept", "mean KL(full ‖ pruned), nats/token", log_y=True)
 
 
 def kept_heatmap(kept_per_layer: list[list[float]], tokens: list[str], method: str) -> go.Figure:
@@ -376,16 +377,30 @@ def kept_heatmap(kept_per_layer: list[list[float]], tokens: list[str], method: s
     return _layout(fig, f"Tokens kept per layer by {method} (share of KV heads)", "context token", "layer")
 
 
+FEATURE_WORDS = {  # the policy's per-token features (scdviz.evict.features), as a person reads them
+    "alpha": ("attention received", "mean attention the window's queries give the token (α)"),
+    "vnorm": ("value norm", "L2 norm of the token's value vector ‖v‖"),
+    "sigma": ("attention spread", "variance of the received attention across query heads (σ)"),
+    "entropy": ("attenders' entropy", "attention-weighted entropy of the queries that attend to the token"),
+    "pos": ("position", "position in the context, 0 = first token, 1 = last"),
+    "lookahead": ("lookahead attention", "attention from sampled continuations of the context"),
+}
+
+
 def feature_distributions(features: list[list[float]], kept: list[float], names: tuple[str, ...]) -> go.Figure:
-    """Box plots of each per-token feature for kept (share ≥ 0.5) vs evicted tokens."""
+    """Box plots of each per-token feature for kept (share ≥ 0.5) vs evicted tokens, each feature named in
+    words (``FEATURE_WORDS``; the hover says what it measures)."""
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names)
+    words = [FEATURE_WORDS.get(n, (n, n)) for n in names]
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[w[0] for w in words])
     for j in range(len(names)):
         for label, color, sel in (("kept", "#1f77b4", True), ("evicted", "#d62728", False)):
             ys = [f[j] for f, k in zip(features, kept) if (k >= 0.5) == sel]
-            fig.add_box(y=ys, name=label, marker_color=color, showlegend=j == 0, legendgroup=label, row=1, col=j + 1)
-    fig.update_layout(title="Features of kept vs evicted tokens", template="plotly_white", height=360,
+            fig.add_box(y=ys, name=label, marker_color=color, showlegend=j == 0, legendgroup=label, row=1, col=j + 1,
+                        hovertemplate=f"{words[j][1]}<br>{label}: %{{y:.3g}}<extra></extra>")
+    fig.update_layout(title="Features of kept vs evicted tokens (kept: by at least half the heads)",
+                      template="plotly_white", height=360,
                       margin=dict(l=40, r=20, t=70, b=40))
     return fig
 

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(ROOT / "scdviz").rglob("*.py"), *(ROOT / "research").glob("*.py"), *(ROOT / "tests").glob("*.py"),
                   ROOT / "app.py"])
 # who may import whom: a module imports only modules of its own layer or of lower ones (prefix -> layer)
-GROUND = ("scdviz.settings", "scdviz.config", "scdviz.metrics", "scdviz.link", "scdviz.figures")  # import no scdviz
+GROUND = ("scdviz.settings", "scdviz.config", "scdviz.metrics", "scdviz.link", "scdviz.figures",
+          "scdviz.progress")  # import no scdviz
 LAYERS = {**dict.fromkeys(GROUND, 0), "scdviz.models": 1, "scdviz.scd": 3, "scdviz.evict": 3,
           "scdviz.modelcard": 4, "scdviz.commands": 4, "scdviz.report": 4,  # tools over both methods
           "scdviz.app": 5, "scdviz.cli": 6, "scdviz.__main__": 6}

@@ -98,6 +98,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     if isinstance(keep, int) and not keep < prefix:
         raise ValueError(f"a budget of {keep} tokens keeps the whole {prefix}-token context; choose fewer")
     with hf.eager(model):  # restored on exit: the model may be shared by other requests
+        report(progress, "full-cache prefill and its continuation", 0, 1)
         ids = hf.ids_tensor(prompt)
         full = hf.forward(model, ids[:, :prefix]).cache
         cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)

@@ -33,15 +33,17 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                                              "Passages from the shipped evaluation text", "method",
                                              {"value": "Evict", "elem_id": "ev-run"})
     info = gr.Markdown(label="Summary", elem_id="ev-info")
-    kept = gr.HighlightedText(label="Retained tokens (darker = kept by more layers × KV heads)",
-                              combine_adjacent=False, show_legend=False, elem_id="ev-kept")
-    versus = gr.HighlightedText(label="Where the inspected method differs from H2O (ObservedAttention): positive = "
-                                "kept here and dropped by H2O, negative = kept by H2O only (difference in the share of "
-                                "layer × KV-head slots keeping the token, the largest darkest)",
-                                combine_adjacent=False, show_legend=False, elem_id="ev-versus")
-    table = gr.Dataframe(label="At this budget (overlap and share dropped: of the layer × KV-head slots each method "
-                               "keeps, compared with H2O's)",
-                         interactive=False, elem_id="ev-table")
+    gr.Markdown("**Retained tokens** of the inspected method: darker = kept by more layers × KV heads.")
+    kept = gr.HighlightedText(label="Retained tokens", combine_adjacent=False, show_legend=False, elem_id="ev-kept")
+    gr.Markdown("**Difference from H2O** (ObservedAttention): positive = kept by the inspected method and dropped by "
+                "H2O, negative = kept by H2O only (the difference in the share of layer × KV-head slots keeping the "
+                "token; the largest darkest).")
+    versus = gr.HighlightedText(label="Difference from H2O", combine_adjacent=False, show_legend=False,
+                                elem_id="ev-versus")
+    gr.Markdown("**At this budget**: the overlap and the share dropped compare the layer × KV-head slots each method "
+                "keeps with H2O's.")
+    table = gr.Dataframe(label="Methods at this budget", headers=["method"], interactive=False,
+                         elem_id="ev-table")  # filled by a run
     texts = gr.Dataframe(headers=["method", "generated from the pruned cache"], label="Generated text",
                          interactive=False, wrap=True, elem_id="ev-texts")
     figs = gr.State({})
@@ -62,4 +64,5 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
 
     run_button.click(guard(on_run), [pair_state, session],
                         [info, kept, versus, table, texts, widgets["method"]] + [plots[n] for n in FIGURES] + [figs]
-                        + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="evict")
+                        + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="evict",
+                     show_progress_on=[info])

@@ -85,4 +85,4 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
     demo.load(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
               api_name=False)
     buttons["generate"].click(guard(on_generate), [pair_state], [info, prod_out, cons_out], inputs_kwargs=widgets,
-                              concurrency_limit=1, api_name="generate")
+                              concurrency_limit=1, api_name="generate", show_progress_on=[info])

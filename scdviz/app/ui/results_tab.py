@@ -41,11 +41,13 @@ def build(load: Callable, shipped: list[str], session: gr.State, export: Callabl
     figs = gr.State({})
     plots = {name: gr.Plot(elem_id=f"res-{name}", label=TITLES[name], visible=False) for name in FIGURES}
     downloads = [figure_downloads("res", figs, session, export)] if export is not None else []
-    diff = gr.Dataframe(label="Settings that differ between the records (all settings for one record)",
+    diff = gr.Dataframe(label="Settings that differ",
                         interactive=False, wrap=True, elem_id="res-settings", visible=False)
-    table = gr.Dataframe(label="Rows of every record (the record column names it; numbers to 4 significant digits, "
-                               "the CSV keeps them whole)", interactive=False, elem_id="res-table", max_height=600)
-    csv = gr.File(label="Export the rows as CSV (all records, unrounded)", elem_id="res-export")
+    gr.Markdown("Every record's rows below (the record column names it; numbers to 4 significant digits, the CSV "
+                "keeps them whole); with one record, the settings table lists all its settings.")
+    table = gr.Dataframe(label="Rows of every record", headers=["record", "method"], interactive=False,
+                         elem_id="res-table", max_height=600)
+    csv = gr.File(label="Rows as CSV", elem_id="res-export")
 
     def on_open(names, files, runs, sess, request: gr.Request):
         files = [f if isinstance(f, str) else f.name for f in files] if isinstance(files, list) else files
@@ -74,10 +76,10 @@ def build(load: Callable, shipped: list[str], session: gr.State, export: Callabl
     # one handler, three orders: each event's first input is its own widget (API clients may name just that one);
     # files are capped in bytes, rows and columns, so four visitors may open records at once
     bundled.change(guard(open_shipped), [bundled, upload, local, session], outputs, api_name="open_shipped",
-                   concurrency_limit=4)
+                   concurrency_limit=4, show_progress_on=[info])
     upload.change(guard(open_upload), [upload, bundled, local, session], outputs, api_name="open_upload",
-                  concurrency_limit=4)
+                  concurrency_limit=4, show_progress_on=[info])
     local.change(guard(open_runs), [local, bundled, upload, session], outputs, api_name="open_runs",
-                 concurrency_limit=4)
+                 concurrency_limit=4, show_progress_on=[info])
     if refresh is not None:
         refresh.click(guard(list_runs), None, [local], api_name=False)

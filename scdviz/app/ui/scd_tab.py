@@ -36,8 +36,8 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     widgets, run_button = controls.build_run(request_type, "text", examples, "Windows from the shipped evaluation text",
                                              "fan_out", {"value": "Transfer", "elem_id": "scd-run"})
     info = gr.Markdown(label="Summary", elem_id="scd-info")
-    table = gr.Dataframe(label="Results (one prompt)", interactive=False, elem_id="scd-table")
-    texts = gr.HighlightedText(label="Generated text per method (tokens that differ from the oracle's are marked)",
+    table = gr.Dataframe(label="Results (one prompt)", headers=["method"], interactive=False, elem_id="scd-table")
+    texts = gr.HighlightedText(label="Generated text per method (marked: differs from the oracle)",
                                combine_adjacent=False, show_inline_category=False, show_legend=True,
                                color_map={"differs": "orange"}, elem_id="scd-texts")
     figs = gr.State({})
@@ -66,4 +66,5 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
                 + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
 
     run_button.click(guard(on_run), [pair_state, session], [info, table, texts] + [plots[n] for n in FIGURES]
-                        + [figs] + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="scd_transfer")
+                        + [figs] + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="scd_transfer",
+                     show_progress_on=[info])

@@ -78,12 +78,14 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
 
     cal_outputs = [cal_info, cal_plot, session, figs, *downloads]
     cal_event = cal_btn.click(guard(on_calibrate), [pair_state, session, figs], cal_outputs,
-                              inputs_kwargs=calibration, concurrency_limit=None, api_name="calibrate")
+                              inputs_kwargs=calibration, concurrency_limit=None, api_name="calibrate",
+                              show_progress_on=[cal_info])
     load_btn.click(guard(on_load), [pair_state, session, figs, folder], cal_outputs,
-                   concurrency_limit=1, api_name="load_calibration")
+                   concurrency_limit=1, api_name="load_calibration", show_progress_on=[cal_info])
     train_event = buttons["train"].click(guard(on_train), [pair_state, session, figs],
                                          [train_info, train_plot, session, figs, *downloads],
-                                         inputs_kwargs=training, concurrency_limit=None, api_name="train")
+                                         inputs_kwargs=training, concurrency_limit=None, api_name="train",
+                                         show_progress_on=[train_info])
     # Stop: the job is told to end at its next step (its files are removed), and the event is cancelled
     cal_stop.click(lambda sess: stop(sess, "calibrate"), [session], [cal_info], cancels=[cal_event], api_name=False,
                    queue=False)
