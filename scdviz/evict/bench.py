@@ -31,6 +31,7 @@ no figures.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -284,13 +285,12 @@ def method_indices(
 
 
 def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None,
-                  natives: dict | None = None, failed: dict | None = None, native_labels: set | None = None) -> dict:
+                  natives: dict | None = None, failed: dict | None = None) -> dict:
     """All methods x budgets on one context; returns {(method, label): metrics} and timings.
 
     presses: kvpress scorers, scored in the shared eager prefill; natives: name -> press
     factory (``native_baselines``), each run in its own prefill per budget. failed: name ->
-    why it cannot run, filled on a press's first failure and skipped from then on. native_labels: the
-    budget labels the natives run at (None: every budget; each is a prefill of its own).
+    why it cannot run, filled on a press's first failure and skipped from then on.
     qa_item: optional scdviz.qa.QAItem about the context, answered from every pruned cache.
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
@@ -320,31 +320,37 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
             kept[(name, label)] = idx
     if natives:
         natives = {k: v for k, v in natives.items() if k not in failed}
-        results |= _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item, native_labels)
-    return {"results": results, "feats": feats, "kept": kept, "observed": obs}
+        results |= _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)
+    return {"results": results, "feats": feats, "kept": kept, "observed": obs, "ref": ref}
 
 
-def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict, qa_item,
-                   labels: set | None = None):
-    """The native kvpress presses at every budget, or those ``labels`` name (their cost: ``bench cost``)."""
-    tail, results = ids[:, prefix:], {}
+def _score_natives(model, ids, prefix: int, cfg: EvalConfig, ref, natives: dict, failed: dict, qa_item):
+    """The native kvpress presses at every budget (their cost: ``bench cost``)."""
+    results = {}
     for name, make in natives.items():
         for label, n_keep in budgets(cfg, prefix):
-            if labels is not None and label not in labels:
-                continue
             try:
-                press = make(1.0 - n_keep / prefix)
-                with hf.press_prefill(model, press, ids[:, :prefix]) as cache:
-                    logits = hf.continue_logits(model, cache, tail, prefix)[0]
-                    results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {
-                        "tokens_kept": round(hf.kept_per_head(model, cache), 2)}
-                    if qa_item is not None:
-                        results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
+                with native_scored(model, make, ids, prefix, n_keep, cfg, ref, qa_item) as (row, _):
+                    results[(name, label)] = row
             except Exception as err:  # a press that cannot run on this model: reported, never fatal
                 failed[name] = why_not(err)
                 results = {k: v for k, v in results.items() if k[0] != name}
                 break
     return results
+
+
+@contextlib.contextmanager
+def native_scored(model, make, ids: torch.Tensor, prefix: int, n_keep: int, cfg: EvalConfig, ref, qa_item=None):
+    """One native press (``make(compression ratio)``) at one budget, its own prefill: yields (its metrics
+    against the full cache's logits ``ref``, as ``score_context`` reports them; the pruned cache, valid
+    inside the block)."""
+    tail = ids[:, prefix:]
+    with hf.press_prefill(model, make(1.0 - n_keep / prefix), ids[:, :prefix]) as cache:
+        logits = hf.continue_logits(model, cache, tail, prefix)[0]
+        row = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": round(hf.kept_per_head(model, cache), 2)}
+        if qa_item is not None:
+            row |= qa.answer(model, cache, qa_item, prefix)
+        yield row, cache
 
 
 DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scdviz.evict import bench
-from scdviz.evict.context import prune
+from scdviz.evict.context import prune, why_not
 from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
 from scdviz.models import hf
@@ -108,25 +108,29 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
         shipped = {k: v for k, v in bench.load_policies(()).items() if wanted is None or k in wanted}
         policies = shipped | dict(policies or {})
-        report(progress, f"one eager prefill, every scorer and {len(policies)} policies, {len(natives)} native "
-               "presses at each budget", 0, 1)
+        report(progress, f"one eager prefill: {len(presses)} scorers and {len(policies)} policies at each budget", 0, 1)
         failed: dict = {}
-        out = bench.score_context(model, window, prefix, cfg, policies, presses, natives=natives, failed=failed,
-                                  native_labels={label})  # a native press: one prefill per budget, so one budget
+        out = bench.score_context(model, window, prefix, cfg, policies, presses, failed=failed)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
         slots = {m: slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}
         res = out["results"]
         masked = sorted(masks)
-        shown = masked + sorted(k for k in natives if (k, label) in res)
         feats = out["feats"][min(out["feats"])].global_features[0]
         gens = {}
-        for m in steps(shown, "text from each pruned cache", progress, name=str):
-            if m in natives:  # kvpress prunes inside its own prefill
-                press = natives[m](1.0 - keep_count(prefix, keep) / prefix)
-                with hf.press_prefill(model, press, ids[:, :prefix]) as cache:
-                    gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
-                continue
+        # a native press prunes inside its own prefill (one per budget): the chosen budget only, its text
+        # generated from the same prefill
+        for name, make in steps(natives.items(), "native presses (their own prefill each)", progress,
+                                name=lambda item: item[0]):
+            try:
+                with bench.native_scored(model, make, window, prefix, keep_count(prefix, keep), cfg, out["ref"]) \
+                        as (row, cache):
+                    res[(name, label)] = row
+                    gens[name] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
+            except Exception as err:  # a press that cannot run on this model: said, never fatal
+                failed[name] = why_not(err)
+        shown = masked + [k for k in natives if k in gens]
+        for m in steps(masked, "text from each pruned cache", progress, name=str):
             cache = prune(model, out["observed"], out["kept"][(m, label)])
             gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
     return EvictionView(
@@ -143,7 +147,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         features=feats.tolist(),
         feature_names=NAMES + ((LOOKAHEAD,) if feats.shape[-1] > len(NAMES) else ()),
         continuation=tokenizer.decode(cont),
-        generations=gens,
+        generations={m: gens[m] for m in shown},
         versus_h2o={m: (slots[m].mean((0, 1)) - slots[H2O].mean((0, 1))).tolist() for m in masked},
         failed=failed,
     )
