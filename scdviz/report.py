@@ -534,6 +534,38 @@ def evict_lookahead() -> str:
     return f"{n} contexts of the dev slice.\n\n" + _table(head, out) + "\n\n" + _source_line([LOOKAHEAD])
 
 
+COST = "policy/bench/cost.json"
+
+
+def evict_cost() -> str:
+    """Every eviction method's cost in one run of ``bench cost``: added time to first token and time per
+    decoded token against a plain SDPA prefill and decode of the full cache, at each context length."""
+    rec = _read(COST)
+    out = []
+    for r in rec.rows:
+        if r.get("cannot_run"):
+            out.append([f"{r['context_len']:,}", r["method"], "cannot run here: " + r["cannot_run"][:80],
+                        "", "", "", "", ""])
+            continue
+        lo, hi = r["prefill_iqr_ms"]
+        evicting = ("" if r.get("evicting_ms_per_token") is None else
+                    f"{r['evicting_ms_per_token']:.1f} ({r['added_ms_per_token']:+.1f})")
+        out.append([f"{r['context_len']:,}", r["method"], f"{r['prefill_ms']:,.0f} [{lo:,.0f}, {hi:,.0f}]",
+                    f"{r['added_ttft_ms']:+,.0f}", f"{r['prefill_ratio']:.2f}×", f"{r['decode_ms_per_token']:.1f}",
+                    f"{r['throughput_vs_full']:.2f}×", evicting])
+    head = ["context tokens", "method", "prefill ms (median [IQR])", "added TTFT ms", "prefill / full",
+            "decode ms/token (pruned cache)", "decode throughput / full", "ms/token evicting while decoding (added)"]
+    s = rec.settings.get("cost", rec.settings)
+    env = rec.versions or {}
+    hw = env.get("hardware") or {}
+    what = (f"Kept {s.get('keep', 0.25):.0%} of the context; {s.get('rounds')} timed rounds after {s.get('warmup')} "
+            f"warm-up, the methods in a shuffled order each round; medians, interquartile range in brackets. The "
+            f"denominator is the full cache's plain prefill (SDPA) and decode. {env.get('device', 'cpu')}, "
+            f"{hw.get('cpu_count', '?')} cores, {hw.get('torch_threads', '?')} torch threads, on a machine shared with "
+            "other work: read the ratios, not the milliseconds.")
+    return what + "\n\n" + _table(head, out) + "\n\n" + _source_line([COST])
+
+
 # ----------------------------------------------------------------------------- the README's headline
 
 
@@ -599,6 +631,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "evict-decode": evict_decode,
     "evict-gemma": evict_gemma,
     "evict-lookahead": evict_lookahead,
+    "evict-cost": evict_cost,
 }
 
 
