@@ -393,15 +393,16 @@ def feature_distributions(features: list[list[float]], kept: list[float], names:
     from plotly.subplots import make_subplots
 
     words = [FEATURE_WORDS.get(n, (n, n)) for n in names]
-    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[w[0] for w in words])
+    # one word per line: six titles side by side in a half-width plot would run into each other
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[w[0].replace(" ", "<br>") for w in words])
     for j in range(len(names)):
         for label, color, sel in (("kept", "#1f77b4", True), ("evicted", "#d62728", False)):
             ys = [f[j] for f, k in zip(features, kept) if (k >= 0.5) == sel]
             fig.add_box(y=ys, name=label, marker_color=color, showlegend=j == 0, legendgroup=label, row=1, col=j + 1,
                         hovertemplate=f"{words[j][1]}<br>{label}: %{{y:.3g}}<extra></extra>")
     fig.update_layout(title="Features of kept vs evicted tokens (kept: by at least half the heads)",
-                      template="plotly_white", height=360,
-                      margin=dict(l=40, r=20, t=70, b=40))
+                      template="plotly_white", height=380,
+                      margin=dict(l=40, r=20, t=100, b=40))
     return fig
 
 
