@@ -100,7 +100,8 @@ def _http(url, kind, arg):
         what = (info.split(" tokens.")[0], "".join(d["token"] for d in cons))
     elif kind == "scd":
         out = client.predict(arg, 16, 8, "4", 0, 0, 2, "selected", "", 10, 0.5, False, api_name="/scd_transfer")
-        what = (out[0].split(" prompt tokens")[0], tuple(row[1] for row in out[1]["data"]))
+        col = out[1]["headers"].index("method")  # the table as shown: columns in words
+        what = (out[0].split(" prompt tokens")[0], tuple(row[col] for row in out[1]["data"]))
     else:
         out = client.predict(arg, "", False, "% kept", 25, "producer", "distillcache-head", FEW, api_name="/evict")
         what = "".join(d["token"] for d in out[1])
