@@ -44,3 +44,9 @@ def _reported(items: Iterable, desc: str, progress: Reporter, total: int | None,
         done += 1
     progress(desc, done, n)
 
+
+
+def tell(progress: bool | Reporter, desc: str, done: int, total: int) -> None:
+    """Tell a reporter one phase of work that is not a loop; a bool shows nothing."""
+    if callable(progress):
+        progress(desc, done, total)

@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from scdviz import settings
 from scdviz.errors import UserError
@@ -56,7 +55,6 @@ class Job:
     visitor: str
     owner: str  # the session folder id (``Session.id``) the job writes into
     what: str  # "calibrate", "train", "export"
-    run: Path | None = None  # the run folder it writes, removed if it is cancelled
     stop: threading.Event = field(default_factory=threading.Event)
     beat: float = field(default_factory=time.monotonic)  # when its follower last resumed
     step: Step = Step("starting", 0, 0)  # as last reported

@@ -137,7 +137,6 @@ def _run_job(jobs: Jobs, what: str, sess: session.Session, http, name, kind: str
     except BaseException:
         jobs.finish(job, made_run=False)  # a refused name makes no run
         raise
-    job.run = folder
     for item in jobs.follow(job, lambda report: work(folder, report), discard=lambda: sess.discard_run(folder)):
         if isinstance(item, Step):
             _progress_of(progress, item)

@@ -21,7 +21,7 @@ from scdviz.evict.context import prune, why_not
 from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
 from scdviz.models import hf
-from scdviz.progress import Reporter, steps
+from scdviz.progress import Reporter, steps, tell
 
 SWEEP = (0.5, 0.25, 0.125)  # kept fractions of the budget sweep
 
@@ -98,7 +98,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     if isinstance(keep, int) and not keep < prefix:
         raise ValueError(f"a budget of {keep} tokens keeps the whole {prefix}-token context; choose fewer")
     with hf.eager(model):  # restored on exit: the model may be shared by other requests
-        report(progress, "full-cache prefill and its continuation", 0, 1)
+        tell(progress, "full-cache prefill and its continuation", 0, 1)
         ids = hf.ids_tensor(prompt)
         full = hf.forward(model, ids[:, :prefix]).cache
         cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)
@@ -108,7 +108,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
         shipped = {k: v for k, v in bench.load_policies(()).items() if wanted is None or k in wanted}
         policies = shipped | dict(policies or {})
-        report(progress, f"one eager prefill: {len(presses)} scorers and {len(policies)} policies at each budget", 0, 1)
+        tell(progress, f"one eager prefill: {len(presses)} scorers and {len(policies)} policies at each budget", 0, 1)
         failed: dict = {}
         out = bench.score_context(model, window, prefix, cfg, policies, presses, failed=failed)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
@@ -152,8 +152,3 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         failed=failed,
     )
 
-
-def report(progress, desc: str, done: int, total: int) -> None:
-    """Tell a reporter (``scdviz.progress``) a phase; a bool shows nothing here."""
-    if callable(progress):
-        progress(desc, done, total)
