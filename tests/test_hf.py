@@ -81,6 +81,67 @@ def test_generate_matches_argmax_chain_and_handles_pruned_cache(tiny):
     assert steps == [7, 8, 9]  # 6 kept + last prompt token, then + each generated token
 
 
+def test_generate_each_equals_one_generation_per_cache(tiny):
+    """Batched greedy decoding (a full cache beside pruned ones: left-padded, padding masked) produces
+    each cache's own tokens; a cache whose layers differ in length is decoded alone; caches unchanged."""
+    ids = _ids(14)
+    tr = hf.forward(tiny, ids[:, :-1])
+    full = hf.make_cache(tiny, tr.keys, tr.values)
+    keep_a, keep_b = torch.tensor([0, 1, 5, 6, 7, 8, 12]), torch.tensor([0, 3, 4, 9, 10, 11, 12])
+    pruned = [hf.make_cache(tiny, [k[:, :, i] for k in tr.keys], [v[:, :, i] for v in tr.values])
+              for i in (keep_a, keep_b)]
+    short = torch.tensor([0, 12])
+    ragged = hf.make_cache(tiny, [k[:, :, keep_a if n % 2 else short] for n, k in enumerate(tr.keys)],
+                           [v[:, :, keep_a if n % 2 else short] for n, v in enumerate(tr.values)])
+    caches = [full, *pruned, ragged]
+    each = hf.generate_each(tiny, caches, ids[:, -1:], 13, 6)
+    alone = [hf.generate(tiny, c, ids[:, -1:], 13, 6) for c in caches]
+    assert each == alone and len(set(map(tuple, alone))) > 1  # the caches do decode differently
+    assert [hf.cache_len(c)[0] for c in caches[:3]] == [13, 7, 7]
+    eos = alone[1][2]  # a row that meets its end-of-sequence token stops there, the others go on
+    stopped = hf.generate_each(tiny, caches[:3], ids[:, -1:], 13, 6, eos_token_id=eos)
+    assert stopped == [hf.generate(tiny, c, ids[:, -1:], 13, 6, eos_token_id=eos) for c in caches[:3]]
+    assert stopped[1] == alone[1][:3]
+
+
+def test_continue_each_equals_one_continuation_per_cache(tiny):
+    """Teacher-forced logits batched per cache length equal each cache's own; odd ones run alone."""
+    ids = _ids(16)
+    tr = hf.forward(tiny, ids[:, :12])
+    cut = [torch.tensor(i) for i in ([0, 1, 5, 6, 7], [0, 2, 3, 9, 11], [1, 2, 3, 4, 5, 6, 7, 8])]
+    caches = [hf.make_cache(tiny, [k[:, :, i] for k in tr.keys], [v[:, :, i] for v in tr.values]) for i in cut]
+    caches.append(hf.make_cache(tiny, [k[:, :, cut[n % 2]] if n else k for n, k in enumerate(tr.keys)],
+                                [v[:, :, cut[n % 2]] if n else v for n, v in enumerate(tr.values)]))
+    each = hf.continue_each(tiny, caches, ids[:, 12:], 12)
+    for got, cache in zip(each, caches, strict=True):
+        torch.testing.assert_close(got, hf.continue_logits(tiny, cache, ids[:, 12:], 12)[0])
+    assert not torch.allclose(each[0], each[1])
+    assert [hf.cache_len(c)[0] for c in caches[:3]] == [5, 5, 8]  # not changed
+
+
+def test_rows_attention_gives_eager_probabilities_and_sdpa_output(tiny):
+    """``hf.ROWS``: SDPA's output with the attention probabilities computed from q·k grouped by KV head:
+    eager's probabilities for a causal prefill and for a batch of decode steps; the logits unchanged."""
+    ids = _ids(12)
+    got = {}
+    for impl in ("eager", hf.ROWS):
+        with hf.attention(tiny, impl):
+            prefill = hf.forward(tiny, ids, attentions=True)
+            cache = hf.make_cache(tiny, [k.expand(3, -1, -1, -1) for k in prefill.keys],
+                                  [v.expand(3, -1, -1, -1) for v in prefill.values])
+            step = hf.forward(tiny, torch.tensor([[5], [6], [7]]), cache=cache, positions=torch.full((3, 1), 12),
+                              attentions=True)
+            got[impl] = (prefill, step)
+    for eager, rows in zip(got["eager"], got[hf.ROWS], strict=True):
+        torch.testing.assert_close(rows.logits, eager.logits)
+        for a, b in zip(rows.attn, eager.attn, strict=True):
+            torch.testing.assert_close(a, b)
+    assert got[hf.ROWS][1].attn[0].shape == (3, 4, 1, 13)
+    assert tiny.config._attn_implementation not in ("eager", hf.ROWS)  # restored
+    last = hf.forward(tiny, ids, last_logits=True).logits  # the LM head on the last position only
+    torch.testing.assert_close(last, got["eager"][0].logits[:, -1:])
+
+
 def test_attention_probabilities_need_eager_and_sum_to_one(tiny):
     with pytest.raises(ValueError, match="eager"):
         tiny.set_attn_implementation("sdpa")

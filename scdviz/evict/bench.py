@@ -284,26 +284,40 @@ def method_indices(
     return out
 
 
+def observe_context(model, prefix_ids: torch.Tensor, cfg: EvalConfig, policies, presses,
+                    failed: dict | None = None) -> tuple[Observed, dict]:
+    """The shared eager prefill of one context's compressed part ``prefix_ids`` (1, T): (its observation,
+    with every scorer's scores by (name, budget label); each policy view's features by (W, G, K)).
+    ``score_context`` runs it, or takes it (``observed``) from a caller who also continues its cache."""
+    prefix = prefix_ids.shape[1]
+    fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
+    # (window, lookahead G, K) of each policy; without policies, the features of a default policy's view
+    views = sorted({p.config.observation for p in policies.values()}) or [PolicyConfig().observation]
+    failed = {} if failed is None else failed
+    obs = observe(model, prefix_ids, views[0][0], presses, tuple(dict.fromkeys(fracs.values())), failed,
+                  views[0][1:], cfg.seed)
+    feats = {views[0]: obs} | {v: observe(model, prefix_ids, v[0], lookahead=v[1:], seed=cfg.seed)
+                               for v in views[1:]}  # the other policies' observations
+    obs.scores = {(name, lab): obs.scores[(name, frac)] for name in presses if name not in failed
+                  for lab, frac in fracs.items()}
+    return obs, feats
+
+
 def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, policies, presses, qa_item=None,
-                  natives: dict | None = None, failed: dict | None = None) -> dict:
+                  natives: dict | None = None, failed: dict | None = None,
+                  observed: tuple[Observed, dict] | None = None) -> dict:
     """All methods x budgets on one context; returns {(method, label): metrics} and timings.
 
     presses: kvpress scorers, scored in the shared eager prefill; natives: name -> press
     factory (``native_baselines``), each run in its own prefill per budget. failed: name ->
     why it cannot run, filled on a press's first failure and skipped from then on.
     qa_item: optional scdviz.qa.QAItem about the context, answered from every pruned cache.
+    observed: ``observe_context(model, ids[:, :prefix], cfg, policies, presses, failed)`` when the caller
+    ran it already (the same prefill is not run twice).
     """
     policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}  # policies move with the model
-    fracs = {label: n / prefix for label, n in budgets(cfg, prefix)}
-    # (window, lookahead G, K) of each policy; without policies, the features of a default policy's view
-    views = sorted({p.config.observation for p in policies.values()}) or [PolicyConfig().observation]
     failed = {} if failed is None else failed
-    obs = observe(model, ids[:, :prefix], views[0][0], presses, tuple(dict.fromkeys(fracs.values())), failed,
-                  views[0][1:], cfg.seed)
-    feats = {views[0]: obs} | {v: observe(model, ids[:, :prefix], v[0], lookahead=v[1:], seed=cfg.seed)
-                               for v in views[1:]}  # the other policies' observations
-    obs.scores = {(name, lab): obs.scores[(name, frac)] for name in presses if name not in failed
-                  for lab, frac in fracs.items()}
+    obs, feats = observed or observe_context(model, ids[:, :prefix], cfg, policies, presses, failed)
     tail = ids[:, prefix:]
     ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), tail, prefix)[0]
     results, kept = {}, {}
@@ -311,13 +325,15 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
     if qa_item is not None:
         results[("full cache", "full")] |= qa.answer(model, hf.make_cache(model, obs.keys, obs.values), qa_item, prefix)
     for label, n_keep in budgets(cfg, prefix):
-        for name, idx in method_indices(obs, feats, policies, label, n_keep).items():
-            cache = prune(model, obs, idx)
-            logits = hf.continue_logits(model, cache, tail, prefix)[0]
+        chosen = method_indices(obs, feats, policies, label, n_keep)
+        caches = {name: prune(model, obs, idx) for name, idx in chosen.items()}
+        # one batch per budget: every pruned cache holds n_keep tokens (``hf.continue_each``)
+        for (name, cache), logits in zip(caches.items(), hf.continue_each(model, list(caches.values()), tail, prefix),
+                                         strict=True):
             results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": n_keep}
             if qa_item is not None:
                 results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
-            kept[(name, label)] = idx
+            kept[(name, label)] = chosen[name]
     if natives:
         natives = {k: v for k, v in natives.items() if k not in failed}
         results |= _score_natives(model, ids, prefix, cfg, ref, natives, failed, qa_item)

@@ -92,7 +92,7 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
 
     start = time.perf_counter()
     with hf.attention_hook(model, on_layer), torch.no_grad():
-        trace = hf.forward(model, ids)
+        trace = hf.forward(model, ids, last_logits=True)  # the lookahead samples from the last position
     prefill_seconds = time.perf_counter() - start
     scores = {k: v for k, v in scores.items() if k[0] not in failed}
     head, glob = torch.stack(head, 0), F.global_features(glob)
@@ -122,19 +122,21 @@ def sampled_lookahead(model, trace, tokens: int, samples: int, seed: int = 0) ->
     K = ``samples`` continuations of G = ``tokens`` tokens are sampled from the model's own
     next-token distribution (temperature 1) over a copy of the full cache; the attention
     rows of the sampled tokens over the T context tokens are averaged
-    (``features.lookahead_attention``). Needs eager attention; the trace's cache is not touched.
+    (``features.lookahead_attention``). The sampled steps run ``hf.ROWS`` attention (SDPA, with the
+    probabilities from q·k: eager's values at about half its cost for K = 8 rows over a long cache);
+    the trace's cache is not touched.
     """
     if trace.logits.shape[0] != 1:
         raise ValueError("the lookahead feature is computed for one context at a time (batch size 1)")
     if samples < 1:
         raise ValueError(f"the lookahead needs at least one sampled continuation, got {samples}")
-    t, (_, n_kv, _) = trace.logits.shape[1], hf.attn_heads(model)
+    t, (_, n_kv, _) = trace.keys[0].shape[2], hf.attn_heads(model)
     device = trace.logits.device
     gen = torch.Generator(device=device).manual_seed(seed)
     cache = hf.make_cache(model, [k.expand(samples, -1, -1, -1) for k in trace.keys],
                           [v.expand(samples, -1, -1, -1) for v in trace.values])
     logits, rows = trace.logits[:, -1].expand(samples, -1), []
-    with torch.no_grad():
+    with torch.no_grad(), hf.attention(model, hf.ROWS):
         for step in range(tokens):
             token = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)  # (K, 1)
             positions = torch.full((samples, 1), t + step, device=device)

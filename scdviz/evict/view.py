@@ -98,28 +98,38 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     if isinstance(keep, int) and not keep < prefix:
         raise ValueError(f"a budget of {keep} tokens keeps the whole {prefix}-token context; choose fewer")
     with hf.eager(model):  # restored on exit: the model may be shared by other requests
-        tell(progress, "full-cache prefill and its continuation", 0, 1)
         ids = hf.ids_tensor(prompt)
-        full = hf.forward(model, ids[:, :prefix]).cache
-        cont = hf.generate(model, full, ids[:, prefix:], prefix, cont_len)
-        window = hf.ids_tensor(prompt + cont)
         label = f"{keep:g}" if isinstance(keep, float) else f"{keep}tok"
         keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
-        cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=len(cont))
+        cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=cont_len)
         shipped = {k: v for k, v in bench.load_policies(()).items() if wanted is None or k in wanted}
         policies = shipped | dict(policies or {})
         tell(progress, f"one eager prefill: {len(presses)} scorers and {len(policies)} policies at each budget", 0, 1)
         failed: dict = {}
-        out = bench.score_context(model, window, prefix, cfg, policies, presses, failed=failed)
+        policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}
+        observed = bench.observe_context(model, ids[:, :prefix], cfg, policies, presses, failed)
+        # texts need only the kept sets, not the continuation: the full cache's continuation (the scored
+        # tokens) and every pruned cache's text are decoded in one batch
+        chosen = bench.method_indices(*observed, policies, label, keep_count(prefix, keep))
+        masked = sorted(chosen)
+        tell(progress, f"the full cache's continuation and text from the {len(masked)} pruned caches (one batch)", 0, 1)
+        caches = [hf.make_cache(model, observed[0].keys, observed[0].values)]
+        caches += [prune(model, observed[0], chosen[m]) for m in masked]
+        with hf.attention(model, "sdpa"):  # greedy tokens only: no attention probabilities needed
+            texts = hf.generate_each(model, caches, ids[:, prefix:], prefix, max(cont_len, gen_tokens))
+        cont = texts[0][:cont_len]
+        gens = {m: tokenizer.decode(t[:gen_tokens]) for m, t in zip(masked, texts[1:], strict=True)}
+        tell(progress, "every method's pruned cache scored on the continuation", 0, 1)
+        out = bench.score_context(model, hf.ids_tensor(prompt + cont), prefix, cfg, policies, presses,
+                                  failed=failed, observed=observed)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
         slots = {m: slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}
         res = out["results"]
-        masked = sorted(masks)
         feats = out["feats"][min(out["feats"])].global_features[0]
-        gens = {}
         # a native press prunes inside its own prefill (one per budget): the chosen budget only, its text
         # generated from the same prefill
+        window = hf.ids_tensor(prompt + cont)
         for name, make in steps(natives.items(), "native presses (their own prefill each)", progress,
                                 name=lambda item: item[0]):
             try:
@@ -130,9 +140,6 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
             except Exception as err:  # a press that cannot run on this model: said, never fatal
                 failed[name] = why_not(err)
         shown = masked + [k for k in natives if k in gens]
-        for m in steps(masked, "text from each pruned cache", progress, name=str):
-            cache = prune(model, out["observed"], out["kept"][(m, label)])
-            gens[m] = tokenizer.decode(hf.generate(model, cache, ids[:, prefix:], prefix, gen_tokens))
     return EvictionView(
         context_tokens=[tokenizer.decode([t]) for t in prompt[:prefix]],
         budget_label=label,

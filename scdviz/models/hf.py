@@ -147,6 +147,39 @@ def attn_heads(model) -> tuple[int, int, int]:
     return cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
 
 
+ROWS = "scdviz_rows"  # SDPA's output plus attention probabilities computed from q·k (see ``_rows_attention``)
+
+
+def _rows_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """SDPA attention that also returns the probabilities (B, H, n, T), as eager does, without eager's
+    copy of the keys per query head (``repeat_kv``): the probabilities come from q·k grouped by KV head.
+    Meant for few query rows (decode steps): for n rows it builds the (B, H, n, T) matrix eager builds."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    b, h, n, d = query.shape
+    n_kv, t = key.shape[1], key.shape[2]
+    grouped = query.reshape(b, n_kv, h // n_kv * n, d)  # query head i reads KV head i // (H / Hkv)
+    scores = (torch.matmul(grouped, key.transpose(-1, -2)) * scaling).reshape(b, h, n, t)
+    if attention_mask is not None:
+        mask = attention_mask[..., :t]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    elif n > 1:  # SDPA left causality to its kernel: the same pattern, the new rows last
+        scores = scores.masked_fill(~torch.ones(n, t, dtype=torch.bool, device=scores.device).tril(t - n),
+                                    float("-inf"))
+    return out, torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+
+
+@functools.cache
+def _register_rows() -> None:
+    """Make ``ROWS`` an attention implementation transformers knows (its masks: SDPA's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROWS, _rows_attention)
+    AttentionMaskInterface.register(ROWS, sdpa_mask)
+
+
 def set_eager(model) -> None:
     """Use eager attention for good (a model this caller owns; shared models: ``eager``)."""
     model.set_attn_implementation("eager")
@@ -161,13 +194,16 @@ def eager(model):
 
 @contextlib.contextmanager
 def attention(model, implementation: str):
-    """The model runs ``implementation`` ("eager" or "sdpa") attention inside the block.
+    """The model runs ``implementation`` attention inside the block: "eager", "sdpa", or ``ROWS``
+    (SDPA plus attention probabilities: decode steps that need them at SDPA's cost).
 
     Holds the model's work lock throughout and restores the previous implementation on
     exit, so a shared model is never left switched for other requests.
     """
-    if implementation not in ("sdpa", "eager"):
-        raise ValueError(f"unknown attention implementation {implementation!r}; use sdpa or eager")
+    if implementation not in ("sdpa", "eager", ROWS):
+        raise ValueError(f"unknown attention implementation {implementation!r}; use sdpa, eager or {ROWS}")
+    if implementation == ROWS:
+        _register_rows()
     with _lock_of(model):
         before = model.config._attn_implementation
         _attention(model, implementation)
@@ -314,6 +350,8 @@ def forward(
     positions: Tensor | None = None,
     capture: frozenset | set = frozenset(),
     attentions: bool = False,
+    attention_mask: Tensor | None = None,
+    last_logits: bool = False,
 ) -> Trace:
     """Run the model on ``input_ids`` (B, T) and return a Trace.
 
@@ -322,7 +360,9 @@ def forward(
       cache's length. Pass them explicitly for a pruned cache, whose length is no
       longer the next position.
     capture: subset of {"keys_pre", "h_in", "resid"}.
-    attentions: also capture attention probabilities (needs eager attention).
+    attentions: also capture attention probabilities (needs eager or ``ROWS`` attention).
+    attention_mask: (B, T_cache + T) 1 for the keys each row may read, 0 for padding (None: all).
+    last_logits: the LM head on the last position only (logits (B, 1, V)): a prefill that needs no more.
     """
     device = device_of(model)
     input_ids = input_ids.to(device)
@@ -334,10 +374,11 @@ def forward(
     positions = positions.to(device)
     n = n_layers(model) + 1
     lists = {name: [None] * n for name in ("keys_pre", "h_in", "resid", "attn")}
-    if attentions and model.config._attn_implementation != "eager":
+    if attentions and model.config._attn_implementation not in ("eager", ROWS):
         raise ValueError("attention probabilities need eager attention: call hf.set_eager(model) first")
     with _hooks(model, frozenset(capture), attentions, lists), torch.no_grad():
-        out = model(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True)
+        out = model(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True,
+                    attention_mask=attention_mask, logits_to_keep=1 if last_logits else 0)
     nl = n - 1
     return Trace(
         logits=out.logits,
@@ -468,6 +509,81 @@ def generate(
         ids = torch.tensor([[token]], device=device_of(model))
         if on_step is not None:
             on_step(cache, step)
+    return out
+
+
+@_one_at_a_time
+def generate_each(model, caches: list[DynamicCache], first_ids: Tensor, start: int, max_new_tokens: int,
+                  eos_token_id: int | list[int] | None = None) -> list[list[int]]:
+    """Greedy decoding from each of several caches (batch size 1 each) after the same ``first_ids`` at
+    positions ``start``..: ``[generate(model, c, first_ids, start, max_new_tokens, eos_token_id) for c in
+    caches]``, in one batch (a decode step then reads the weights once for all of them: on a CPU that is
+    most of its time). Caches of different lengths (a full cache beside pruned ones) are left-padded and
+    the padding masked; a cache whose layers differ in length is decoded on its own. The callers' caches
+    are not changed."""
+    even = [c for c in caches if len(set(cache_len(c))) == 1 and c.layers[0].keys.shape[0] == 1]
+    if len(even) < 2:
+        return [generate(model, c, first_ids, start, max_new_tokens, eos_token_id) for c in caches]
+    if len(even) < len(caches):
+        batched = iter(generate_each(model, even, first_ids, start, max_new_tokens, eos_token_id))
+        return [next(batched) if any(c is e for e in even) else
+                generate(model, c, first_ids, start, max_new_tokens, eos_token_id) for c in caches]
+    device = device_of(model)
+    cache, mask = _stacked(model, caches)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    ids, pos = first_ids.to(device).expand(len(caches), -1), start
+    out: list[list[int]] = [[] for _ in caches]
+    for _ in range(max_new_tokens):
+        mask = torch.cat([mask, mask.new_ones(len(caches), ids.shape[1])], 1)
+        positions = _positions(ids, pos, device)
+        logits = forward(model, ids, cache=cache, positions=positions, attention_mask=mask).logits
+        tokens = logits[:, -1].argmax(-1)
+        for row, token in zip(out, tokens.tolist(), strict=True):
+            if not (row and row[-1] in eos):
+                row.append(token)
+        if all(row[-1] in eos for row in out):
+            break
+        pos += ids.shape[1]
+        ids = tokens.unsqueeze(1)
+    return out
+
+
+def _stacked(model, caches: list[DynamicCache]) -> tuple[DynamicCache, Tensor]:
+    """Caches of batch size 1, each one length across its layers, as one batch: (the cache, left-padded to
+    the longest; its (B, width) mask, 1 on real keys)."""
+    device, lengths = device_of(model), [cache_len(c)[0] for c in caches]
+    width = max(lengths)
+
+    def padded(tensors):  # (1, Hkv, n, D) each -> (B, Hkv, width, D), the padding first
+        return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors])
+
+    kv = [cache_kv(c) for c in caches]
+    cache = make_cache(model, [padded(layer) for layer in zip(*(k for k, _ in kv), strict=True)],
+                       [padded(layer) for layer in zip(*(v for _, v in kv), strict=True)])
+    return cache, (torch.arange(width, device=device) >= width - torch.tensor(lengths, device=device)[:, None]).long()
+
+
+@_one_at_a_time
+def continue_each(model, caches: list[DynamicCache], ids: Tensor, start: int) -> list[Tensor]:
+    """``[continue_logits(model, c, ids, start)[0] for c in caches]`` (each (n, V)), in one batch per group
+    of caches of one length (no padding: a row's logits are those it gets alone, up to a batched matmul's
+    rounding; on this project's CPU builds bit for bit); a cache whose layers differ in length is continued
+    on its own. The callers' caches are not changed."""
+    out: list[Tensor | None] = [None] * len(caches)
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(caches):
+        even = len(set(cache_len(c))) == 1 and c.layers[0].keys.shape[0] == 1
+        groups.setdefault(tuple(cache_len(c)) if even else ("alone", i), []).append(i)
+    for key, members in groups.items():
+        if key[0] == "alone" or len(members) == 1:
+            for i in members:
+                out[i] = continue_logits(model, caches[i], ids, start)[0]
+            continue
+        cache, _ = _stacked(model, [caches[i] for i in members])  # one length: no padding
+        logits = forward(model, ids.expand(len(members), -1), cache=cache,
+                         positions=_positions(ids, start, device_of(model)).expand(len(members), -1)).logits
+        for i, row in zip(members, logits, strict=True):
+            out[i] = row
     return out
 
 

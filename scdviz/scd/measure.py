@@ -104,48 +104,53 @@ def _mean(rows: list[list[float]]) -> list[float]:
 
 
 def run_plan_on_cases(pair, cases, plan, calib, group="method", gen_tokens=0, oracle_gen=None) -> MethodResult:
-    """Run one plan on every case and aggregate (generation when gen_tokens > 0)."""
-    kl_prompt, top1, nll, nll_o, f1, qa_f1 = [], [], [], [], [], []
-    dk, dv, div, cons, enc, orc, pay, ttfts = [], [], [], [], [], [], [], {lk.label: [] for lk in links.PRESETS}
-    gens: list[list[int]] = []
-    sent = []
-    fp16 = pair.consumer_facts.kv_bytes_per_token_fp16
-    for i, case in enumerate(cases):
-        run = transfer.run_plan(pair.consumer, case, plan, calib)
-        targets = case.targets[0].to(run.logits.device)
-        kl = metrics.kl_per_token(case.oracle_logits, run.logits)
-        kl_prompt.append(float(kl.mean()))
-        top1 += metrics.top1_agreement(case.oracle_logits, run.logits).tolist()
-        nll += metrics.nll_per_token(run.logits, targets).tolist()
-        nll_o += metrics.nll_per_token(case.oracle_logits, targets).tolist()
-        k, v = _layer_drift(run.cache, case)
-        dk.append(k)
-        dv.append(v)
-        div.append(_divergence(run.resid, case.oracle_resid))
-        cons.append(run.consumer_seconds)
-        enc.append(run.encode_seconds)
-        orc.append(case.oracle_seconds)
-        pay.append(run.payload_bytes / case.state.ids.shape[1])
-        sent.append(sent_per_layer(run.spans, len(plan.modes), case.state.ids.shape[1]))
-        for lk in links.PRESETS:
-            ttfts[lk.label].append(links.ttft(run.payload_bytes, run.consumer_seconds + run.encode_seconds, lk))
-        if gen_tokens:
-            got = hf.generate(pair.consumer, run.cache, case.fed[:, :1], case.state.ids.shape[1], gen_tokens)
-            f1.append(metrics.token_f1(got, oracle_gen[i]))
-            gens.append(got)
-        if case.qa_item is not None:
-            qa_f1.append(_qa_f1(pair.consumer, run.cache, case))
-    kl_mean, kl_se = metrics.mean_se(kl_prompt)
-    bpt = sum(pay) / len(pay)
+    """Run one plan on every case and aggregate (generation when gen_tokens > 0): ``run_methods`` of one."""
+    return run_methods(pair, calib, cases, [plan], group, gen_tokens, oracle_gen, progress=False)[0]
+
+
+def _measure(pair, case: transfer.Case, plan, calib) -> dict:
+    """One plan on one case: every per-prompt measurement, and the consumer's cache (``cache``)."""
+    run = transfer.run_plan(pair.consumer, case, plan, calib)
+    targets = case.targets[0].to(run.logits.device)
+    n_tokens = case.state.ids.shape[1]
+    dk, dv = _layer_drift(run.cache, case)
+    return {
+        "kl": float(metrics.kl_per_token(case.oracle_logits, run.logits).mean()),
+        "top1": metrics.top1_agreement(case.oracle_logits, run.logits).tolist(),
+        "nll": metrics.nll_per_token(run.logits, targets).tolist(),
+        "nll_oracle": metrics.nll_per_token(case.oracle_logits, targets).tolist(),
+        "dk": dk, "dv": dv, "div": _divergence(run.resid, case.oracle_resid),
+        "consumer": run.consumer_seconds, "encode": run.encode_seconds, "oracle": case.oracle_seconds,
+        "bytes": run.payload_bytes / n_tokens, "sent": sent_per_layer(run.spans, len(plan.modes), n_tokens),
+        "ttft": {lk.label: links.ttft(run.payload_bytes, run.consumer_seconds + run.encode_seconds, lk)
+                 for lk in links.PRESETS},
+        "qa_f1": [] if case.qa_item is None else [_qa_f1(pair.consumer, run.cache, case)],
+        "prompt_tokens": n_tokens, "cache": run.cache,
+    }
+
+
+def _aggregate(plan, group: str, rows: list[dict], fp16: float) -> MethodResult:
+    """One plan's per-case measurements (``_measure``, with ``gen`` / ``f1`` when generated) as its row."""
+    kl_mean, kl_se = metrics.mean_se([r["kl"] for r in rows])
+    top1 = [x for r in rows for x in r["top1"]]
+    bpt = sum(r["bytes"] for r in rows) / len(rows)
+    f1 = [r["f1"] for r in rows if "f1" in r]
+
+    def mean(key):
+        return sum(r[key] for r in rows) / len(rows)
+
     return MethodResult(
         method=plan.name, group=group, payload_bytes_per_token=bpt, compression_vs_fp16=fp16 / bpt,
-        kl=kl_mean, kl_se=kl_se, top1=sum(top1) / len(top1), ppl=metrics.perplexity(nll),
-        ppl_oracle=metrics.perplexity(nll_o), f1=sum(f1) / len(f1) if f1 else None,
-        consumer_seconds=sum(cons) / len(cons), encode_seconds=sum(enc) / len(enc), oracle_seconds=sum(orc) / len(orc),
-        ttft={k: sum(v) / len(v) for k, v in ttfts.items()}, n_prompts=len(cases), n_tokens=len(top1),
-        modes=list(plan.modes), drift_k=_mean(dk), drift_v=_mean(dv), divergence=_mean(div),
-        prompt_tokens=sum(c.state.ids.shape[1] for c in cases) / len(cases), generations=gens, kl_per_prompt=kl_prompt,
-        qa_f1=qa_f1, sent={key: _mean([s[key] for s in sent]) for key in sent[0]},
+        kl=kl_mean, kl_se=kl_se, top1=sum(top1) / len(top1),
+        ppl=metrics.perplexity([x for r in rows for x in r["nll"]]),
+        ppl_oracle=metrics.perplexity([x for r in rows for x in r["nll_oracle"]]), f1=sum(f1) / len(f1) if f1 else None,
+        consumer_seconds=mean("consumer"), encode_seconds=mean("encode"), oracle_seconds=mean("oracle"),
+        ttft={lk.label: sum(r["ttft"][lk.label] for r in rows) / len(rows) for lk in links.PRESETS},
+        n_prompts=len(rows), n_tokens=len(top1), modes=list(plan.modes), drift_k=_mean([r["dk"] for r in rows]),
+        drift_v=_mean([r["dv"] for r in rows]), divergence=_mean([r["div"] for r in rows]),
+        prompt_tokens=mean("prompt_tokens"), generations=[r["gen"] for r in rows if "gen" in r],
+        kl_per_prompt=[r["kl"] for r in rows], qa_f1=[x for r in rows for x in r["qa_f1"]],
+        sent={key: _mean([r["sent"][key] for r in rows]) for key in rows[0]["sent"]},
     )
 
 
@@ -199,9 +204,26 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
 
 def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, oracle_gen=None,
                 progress: bool | Reporter = True) -> list[MethodResult]:
-    """``run_plan_on_cases`` for each plan (a reporter is told each method by name)."""
-    return [run_plan_on_cases(pair, cases, p, calib, group, gen_tokens, oracle_gen)
-            for p in steps(plan_list, f"methods ({group})", progress, name=lambda plan: plan.name)]
+    """Each plan on every case, aggregated per plan (a reporter is told each method by name).
+
+    Case by case: every plan's cache of one case is held until the greedy generations (gen_tokens > 0,
+    token-F1 against ``oracle_gen``) are decoded from all of them in one batch, then dropped."""
+    rows: list[list[dict]] = [[] for _ in plan_list]
+    work = [(i, j) for i in range(len(cases)) for j in range(len(plan_list))]
+    for i, j in steps(work, f"methods ({group})", progress, name=lambda w: plan_list[w[1]].name):
+        rows[j].append(_measure(pair, cases[i], plan_list[j], calib))
+        if j < len(plan_list) - 1:
+            continue
+        case, these = cases[i], [r[i] for r in rows]
+        if gen_tokens:
+            got = hf.generate_each(pair.consumer, [r["cache"] for r in these], case.fed[:, :1],
+                                   case.state.ids.shape[1], gen_tokens)
+            for row, gen in zip(these, got, strict=True):
+                row |= {"gen": gen, "f1": metrics.token_f1(gen, oracle_gen[i])}
+        for row in these:
+            del row["cache"]
+    fp16 = pair.consumer_facts.kv_bytes_per_token_fp16
+    return [_aggregate(plan, group, r, fp16) for plan, r in zip(plan_list, rows, strict=True)]
 
 
 def table(results: list[MethodResult]) -> pd.DataFrame:
