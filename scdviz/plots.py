@@ -374,7 +374,9 @@ def kept_heatmap(kept_per_layer: list[list[float]], tokens: list[str], method: s
     fig = go.Figure(go.Heatmap(z=kept_per_layer, x=list(range(len(tokens))), colorscale="Blues", zmin=0, zmax=1,
                                customdata=[tokens] * len(kept_per_layer),
                                hovertemplate="layer %{y}, token %{x} %{customdata}: %{z:.2f}<extra></extra>"))
-    return _layout(fig, f"Tokens kept per layer by {method} (share of KV heads)", "context token", "layer")
+    fig.update_traces(colorbar={"title": {"text": "share of<br>KV heads", "side": "top"}})
+    # the method's name can be long (distillcache-head-lookahead-w512): on its own line, the plot is half width
+    return _layout(fig, f"Tokens kept per layer<br><sub>by {method}</sub>", "context token", "layer")
 
 
 FEATURE_WORDS = {  # the policy's per-token features (scdviz.evict.features), as a person reads them

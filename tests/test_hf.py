@@ -102,6 +102,8 @@ def test_generate_each_equals_one_generation_per_cache(tiny):
     stopped = hf.generate_each(tiny, caches[:3], ids[:, -1:], 13, 6, eos_token_id=eos)
     assert stopped == [hf.generate(tiny, c, ids[:, -1:], 13, 6, eos_token_id=eos) for c in caches[:3]]
     assert stopped[1] == alone[1][:3]
+    lengths = [6, 2, 4, 3]  # one length per cache: the short rows leave the batch, the rest go on
+    assert hf.generate_each(tiny, caches, ids[:, -1:], 13, lengths) == [a[:n] for a, n in zip(alone, lengths)]
 
 
 def test_continue_each_equals_one_continuation_per_cache(tiny):

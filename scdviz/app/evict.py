@@ -46,7 +46,8 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None,
         raise UserError(f"Method to inspect: {method[:60]!r} is not among the methods compared whose kept tokens can "
                         f"be shown; choose one of {', '.join(inspectable) or '(none: add a policy or scorer)'}")
     view = eviction_view(model, pair.tokenizer, context, question, keep, aware, policies=mine,
-                         methods=req.methods, progress=progress)
+                         lengths=(req.continuation_tokens, req.generated_tokens), methods=req.methods,
+                         progress=progress)
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd
 

@@ -102,6 +102,8 @@ class EvictRequest(Request):
     methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",
                             "choices", name="Methods", choices=_evict_methods, initial=_evict_focus,
                             props={"elem_id": "ev-methods"})
+    continuation_tokens: int = control(24, "Continuation tokens scored", "int", lo=8, hi=64, step=8, row="lengths")
+    generated_tokens: int = control(16, "Tokens generated per method", "int", lo=4, hi=48, step=4, row="lengths")
 
 
 @dataclass

@@ -70,7 +70,7 @@ def agreement(mask: torch.Tensor, reference: torch.Tensor) -> dict:
 
 
 def eviction_view(model, tokenizer, context: str, question: str = "", keep: float | int = 0.25, aware: bool = False,
-                  lengths: tuple[int, int] = (24, 24), policies: dict | None = None,
+                  lengths: tuple[int, int] = (24, 16), policies: dict | None = None,
                   methods: list[str] | None = None, progress: bool | Reporter = False) -> EvictionView:
     """Compress ``context`` (plus ``question`` when aware) with each method at ``keep`` and compare.
 
@@ -116,9 +116,9 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         caches = [hf.make_cache(model, observed[0].keys, observed[0].values)]
         caches += [prune(model, observed[0], chosen[m]) for m in masked]
         with hf.attention(model, "sdpa"):  # greedy tokens only: no attention probabilities needed
-            texts = hf.generate_each(model, caches, ids[:, prefix:], prefix, max(cont_len, gen_tokens))
-        cont = texts[0][:cont_len]
-        gens = {m: tokenizer.decode(t[:gen_tokens]) for m, t in zip(masked, texts[1:], strict=True)}
+            texts = hf.generate_each(model, caches, ids[:, prefix:], prefix, [cont_len] + [gen_tokens] * len(masked))
+        cont = texts[0]
+        gens = {m: tokenizer.decode(t) for m, t in zip(masked, texts[1:], strict=True)}
         tell(progress, "every method's pruned cache scored on the continuation", 0, 1)
         out = bench.score_context(model, hf.ids_tensor(prompt + cont), prefix, cfg, policies, presses,
                                   failed=failed, observed=observed)

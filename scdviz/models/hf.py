@@ -513,39 +513,52 @@ def generate(
 
 
 @_one_at_a_time
-def generate_each(model, caches: list[DynamicCache], first_ids: Tensor, start: int, max_new_tokens: int,
+def generate_each(model, caches: list[DynamicCache], first_ids: Tensor, start: int, max_new_tokens: int | list[int],
                   eos_token_id: int | list[int] | None = None) -> list[list[int]]:
     """Greedy decoding from each of several caches (batch size 1 each) after the same ``first_ids`` at
-    positions ``start``..: ``[generate(model, c, first_ids, start, max_new_tokens, eos_token_id) for c in
-    caches]``, in one batch (a decode step then reads the weights once for all of them: on a CPU that is
-    most of its time). Caches of different lengths (a full cache beside pruned ones) are left-padded and
-    the padding masked; a cache whose layers differ in length is decoded on its own. The callers' caches
-    are not changed."""
-    even = [c for c in caches if len(set(cache_len(c))) == 1 and c.layers[0].keys.shape[0] == 1]
-    if len(even) < 2:
-        return [generate(model, c, first_ids, start, max_new_tokens, eos_token_id) for c in caches]
-    if len(even) < len(caches):
-        batched = iter(generate_each(model, even, first_ids, start, max_new_tokens, eos_token_id))
-        return [next(batched) if any(c is e for e in even) else
-                generate(model, c, first_ids, start, max_new_tokens, eos_token_id) for c in caches]
-    device = device_of(model)
-    cache, mask = _stacked(model, caches)
+    positions ``start``..: ``[generate(model, c, first_ids, start, n, eos_token_id) for c, n in zip(caches,
+    max_new_tokens)]`` (one ``max_new_tokens`` for all, or one per cache), in one batch: a decode step then
+    reads the weights once for all of them, on a CPU most of its time. Caches of different lengths (a full
+    cache beside pruned ones) are left-padded and the padding masked; a row leaves the batch when it has its
+    tokens or its end-of-sequence token; a cache whose layers differ in length is decoded on its own. The
+    callers' caches are not changed."""
+    wanted = [max_new_tokens] * len(caches) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(wanted) != len(caches):
+        raise ValueError(f"max_new_tokens: {len(wanted)} lengths for {len(caches)} caches")
+    even = [i for i, c in enumerate(caches) if len(set(cache_len(c))) == 1 and c.layers[0].keys.shape[0] == 1]
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    ids, pos = first_ids.to(device).expand(len(caches), -1), start
     out: list[list[int]] = [[] for _ in caches]
-    for _ in range(max_new_tokens):
-        mask = torch.cat([mask, mask.new_ones(len(caches), ids.shape[1])], 1)
-        positions = _positions(ids, pos, device)
-        logits = forward(model, ids, cache=cache, positions=positions, attention_mask=mask).logits
+    for i in range(len(caches)):
+        if i not in even or len(even) < 2:
+            out[i] = generate(model, caches[i], first_ids, start, wanted[i], eos_token_id)
+    if len(even) < 2:
+        return out
+
+    def done(i):
+        return len(out[i]) >= wanted[i] or bool(out[i] and out[i][-1] in eos)
+
+    device = device_of(model)
+    batch = [i for i in even if not done(i)]  # the caches whose rows the batch holds, in order
+    if not batch:
+        return out
+    cache, mask = _stacked(model, [caches[i] for i in batch])
+    ids, pos = first_ids.to(device).expand(len(batch), -1), start
+    while True:
+        mask = torch.cat([mask, mask.new_ones(len(batch), ids.shape[1])], 1)
+        logits = forward(model, ids, cache=cache, positions=_positions(ids, pos, device), attention_mask=mask).logits
         tokens = logits[:, -1].argmax(-1)
-        for row, token in zip(out, tokens.tolist(), strict=True):
-            if not (row and row[-1] in eos):
-                row.append(token)
-        if all(row[-1] in eos for row in out):
-            break
+        for i, token in zip(batch, tokens.tolist(), strict=True):
+            out[i].append(token)
         pos += ids.shape[1]
         ids = tokens.unsqueeze(1)
-    return out
+        keep = [j for j, i in enumerate(batch) if not done(i)]
+        if not keep:
+            return out
+        if len(keep) < len(batch):  # finished rows leave the batch
+            rows = torch.tensor(keep, device=device)
+            keys, values = cache_kv(cache)
+            cache = make_cache(model, [k[rows] for k in keys], [v[rows] for v in values])
+            mask, ids, batch = mask[rows], ids[rows], [batch[j] for j in keep]
 
 
 def _stacked(model, caches: list[DynamicCache]) -> tuple[DynamicCache, Tensor]:
