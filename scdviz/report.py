@@ -126,7 +126,7 @@ def command(path: Path, record: records.BenchRecord) -> str:
 def slice_of(record: records.BenchRecord) -> str | None:
     """The eval slice a record read (``scdviz.data``: dev or test), None for a record made before the
     slices existed (it read the opening windows of each eval split, which are now in dev)."""
-    for part in ("bench", "eval", "cost"):
+    for part in ("bench", "eval", "cost", "ttft"):
         if isinstance(record.settings.get(part), dict) and "slice" in record.settings[part]:
             return record.settings[part]["slice"]
     return record.settings.get("slice")  # a research probe's record

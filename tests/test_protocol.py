@@ -150,7 +150,9 @@ def test_vs_best_and_per_domain_pass_the_clusters_on():
 
 def test_a_test_slice_run_refuses_an_uncommitted_tree(monkeypatch):
     from scdviz.evict import bench as evict_bench
+    from scdviz.evict import cost
     from scdviz.scd import bench as scd_bench
+    from scdviz.scd import ttft
 
     protocol.check_slice("dev")  # dev: always
     with pytest.raises(ValueError, match="unknown slice"):
@@ -167,3 +169,7 @@ def test_a_test_slice_run_refuses_an_uncommitted_tree(monkeypatch):
             scd_bench.run(scd_bench.ScdBenchConfig(slice="test"), None)
         with pytest.raises(ValueError, match="clean, committed git checkout"):
             evict_bench.run(evict_bench.EvalConfig(slice="test"), None)
+        with pytest.raises(ValueError, match="clean, committed git checkout"):  # and both timing benches
+            cost.run(cost.CostConfig(slice="test"), None, None)
+        with pytest.raises(ValueError, match="clean, committed git checkout"):
+            ttft.run(ttft.TtftConfig(slice="test"), None, None)

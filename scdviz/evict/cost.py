@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from scdviz import data, timing
+from scdviz import data, protocol, timing
 from scdviz.config import opt
 from scdviz.evict import bench
 from scdviz.evict.context import observe, prune, why_not
@@ -143,6 +143,7 @@ def run(cfg: CostConfig, model, tokenizer, progress: bool = True) -> list[dict]:
                          f"{cfg.decode_steps}")
     if not 0 < cfg.keep < 1:
         raise ValueError(f"--keep must be a kept fraction between 0 and 1, not {cfg.keep}")
+    protocol.check_slice(cfg.slice)
     rows, rng = [], random.Random(cfg.seed)
     for length in cfg.context_lens:
         [window] = data.eval_windows(tokenizer, cfg.corpus, cfg.slice, length + 1, 1)

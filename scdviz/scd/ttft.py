@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pandas as pd
 from tqdm.auto import tqdm
 
-from scdviz import data, timing
+from scdviz import data, protocol, timing
 from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin, hf
@@ -43,6 +43,8 @@ class TtftConfig:
     domain: str | None = opt(None, "shipped corpus whose eval split gives the prompts (default: the specialist's own)")
     texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval "
                             "split gives the prompts instead")
+    slice: str = opt("dev", "the slice of the eval split the prompts come from (timing hardly depends on the text)",
+                     choices=data.SLICES)
     limit: int = opt(3, "prompts")
     prompt_len: int = opt(1024, "prompt tokens per window")
     warmup: int = opt(1, "untimed rounds first")
@@ -65,10 +67,10 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
     """One row per method (oracle first): medians of every timed step and the TTFT columns."""
     if cfg.reps < 1 or cfg.limit < 1:
         raise ValueError("--reps and --limit must be at least 1")
+    protocol.check_slice(cfg.slice)
     name = calibration.specialist_name(pair.consumer_source)
     domain = cfg.domain or builtin.training_corpus(name) or (calib.stats.get("domains") or data.corpora())[0]
-    # timing hardly depends on the text; the windows are spread through the dev slice as every bench reads
-    windows = [w.ids for w in data.eval_windows(pair.tokenizer, data.USER if cfg.texts else domain, "dev",
+    windows = [w.ids for w in data.eval_windows(pair.tokenizer, data.USER if cfg.texts else domain, cfg.slice,
                                                 cfg.prompt_len + 1, cfg.limit, cfg.texts)]
     rng = random.Random(cfg.seed)
     samples: dict[tuple[str, str], list[float]] = {}
