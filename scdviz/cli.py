@@ -24,6 +24,7 @@ from scdviz.commands import (
     BenchScd,
     BenchTtft,
     Calibrate,
+    Distil,
     Finetune,
     ModelCard,
     PairInfo,
@@ -151,6 +152,28 @@ def _rate(cmd: Rate) -> None:
     print(f"rate curves of {len(calib.rate.bits)} code precisions x ranks 0..{calib.rate.err_k.shape[2] - 1}, "
           f"{len(calib.rate.patch_layers)} patch layers, measured on {calib.rate.n_windows} windows in "
           f"{calib.rate.seconds:.0f} s; saved into {out}")
+
+
+def _distil(cmd: Distil) -> None:
+    from scdviz.models.pair import choose_threads, load_pair
+    from scdviz.scd import calibration, distil
+
+    folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
+    print(f"torch threads: {choose_threads()}")
+    pair = load_pair(cmd.producer, cmd.consumer)
+    calib = calibration.Calibration.load(folder, pair)
+    out = _out_folder(cmd.out, "calibrations", cmd.name or runs.auto_name(f"{folder.name}-distil"), cmd.maintainer,
+                      None)
+    t0 = time.perf_counter()
+    trained, log = distil.distil(pair, calib, cmd.distil)
+    trained.save(out)
+    _save_run(cmd, out, "distil", cmd.distil.seed, str(pair.device), time.perf_counter() - t0)
+    kl = log["val_kl"]
+    print(f"validation KL (calib split, {log['val_windows']} windows): closed form {kl[0]:.4f}, best "
+          f"{min(kl):.4f} after epoch {log['best_epoch']} of {len(kl) - 1}; training KL per epoch "
+          + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
+    print(f"saved to {out} in {log['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
+          f"{cmd.consumer} --calibs {out}")
 
 
 def _bench_scd(cmd: BenchScd) -> None:
@@ -388,6 +411,8 @@ COMMANDS = [
     ("prepare-text", "rebuild assets/text from Debian's text packages (maintainers)", PrepareText, _prepare_text),
     ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
+    ("distil", "train an SCD calibration's correction stage through the consumer on its continuation KL",
+     Distil, _distil),
     ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),
     ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
     ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill "

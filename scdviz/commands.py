@@ -17,6 +17,7 @@ from scdviz.evict.train import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
 from scdviz.scd.calibration import CalibConfig
+from scdviz.scd.distil import DistilConfig
 from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
@@ -83,6 +84,18 @@ class Rate:
     windows: int = opt(6, "calibration windows to measure on")
     maintainer: bool = opt(False, MAINTAINER_HELP + ": update a shipped calibration in place (else the result "
                            "is saved as a calibration in the runs folder)")
+
+
+@dataclass
+class Distil:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:austen-qkv", f"consumer {SOURCE_HELP}")
+    calib: str | None = opt(None, "calibration folder to train the correction stage of (default: yours in the runs "
+                            "folder, else the shipped one)")
+    name: str | None = opt(None, NAME_HELP.format(kind="calibrations") + " (default: <calibration>-distil)")
+    out: str | None = opt(None, "output folder instead of the runs folder")
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": --out may then write into assets/")
+    distil: DistilConfig = field(default_factory=DistilConfig)
 
 
 @dataclass

@@ -894,3 +894,73 @@ def test_scale_timing_adds_up_its_steps_and_scales_the_link_with_bytes():
     wire_1 = row["scd_ttft_1gbps_ms"] - row["scd_consumer_ms"]
     wire_10 = row["scd_ttft_10gbps_ms"] - row["scd_consumer_ms"]
     assert wire_1 == pytest.approx(10 * wire_10, rel=0.05, abs=0.002)
+
+
+# ----------------------------------------------------------------------------- the trained correction stage
+
+
+def _low_rank_plan(calib):
+    from scdviz.scd import plan as plans
+
+    n = len(calib.key_codes)
+    return plans.scd_plan([2] * n, [2] * n, [], code_bits=16, name="rank 2")
+
+
+def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pair, tiny_calib, tmp_path):
+    """b = s = 0 leaves every received cache bit for bit as the closed form's; a trained one changes it,
+    is written with the calibration and read back exactly, and gives the calibration another tag."""
+    from scdviz.scd import distil
+
+    plan = _low_rank_plan(tiny_calib)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    blob = transfer.build_payload(case.state, plan, tiny_calib)
+    rows = distil.refined_rows(tiny_calib, [blob], plan)
+    start = distil.initial(tiny_calib, plan, rows, 3, 0)
+    assert sorted(start) == [i for i, m in enumerate(plan.modes) if m == "code"]
+    plain = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib).cache)
+    same = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib, start).cache)
+    assert all(torch.equal(a, b) for x, y in zip(plain, same) for a, b in zip(x, y))
+    g = torch.Generator().manual_seed(1)
+    trained = {layer: p | {"b": 0.1 * torch.randn(p["b"].shape, generator=g), "s": torch.full_like(p["s"], 0.05)}
+               for layer, p in start.items()}
+    with_it = copy.copy(tiny_calib)
+    with_it.corrections, with_it.stats = trained, {**tiny_calib.stats, "distil": {"note": "by hand"}}
+    with_it.__dict__.pop("tag", None)
+    with pytest.raises(ValueError, match="use the sender's calibration"):  # the two never mix
+        transfer.receive(tiny_pair.consumer, blob, with_it)
+    mine = transfer.build_payload(case.state, plan, with_it)
+    moved = hf.cache_kv(transfer.receive(tiny_pair.consumer, mine, with_it).cache)
+    layer = next(iter(trained))
+    assert not torch.allclose(moved[0][layer], plain[0][layer])
+    with_it.save(tmp_path)
+    back = calibration.Calibration.load(tmp_path)
+    assert back.tag == with_it.tag != tiny_calib.tag
+    assert all(torch.equal(back.corrections[i][n], trained[i][n]) for i in trained for n in trained[i])  # float32
+    again = hf.cache_kv(transfer.receive(tiny_pair.consumer, mine, back).cache)  # the codes are stored in fp16
+    for x, y in zip(moved, again):
+        for a, b in zip(x, y):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_form(tiny_pair, tiny_calib):
+    """Trained on KL(oracle ‖ method) through the frozen consumer: the chosen epoch's validation KL is the
+    log's lowest and below the closed form's, the shipped corrections give exactly that KL, and no
+    gradient lands on the (shared) consumer."""
+    from scdviz.scd import distil
+
+    plan = _low_rank_plan(tiny_calib)
+    cfg = distil.DistilConfig(rank=4, epochs=5, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2)
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, plan=plan)
+    assert len(log["val_kl"]) == cfg.epochs + 1 and len(log["train_kl"]) == cfg.epochs
+    assert log["best_epoch"] > 0 and log["val_kl"][log["best_epoch"]] == min(log["val_kl"])
+    assert min(log["val_kl"]) < 0.8 * log["val_kl"][0]
+    assert log["train_kl"][-1] < log["train_kl"][0]
+    assert all(p.grad is None for p in tiny_pair.consumer.parameters())
+    train_w, val_w = distil.windows(tiny_pair, tiny_calib, cfg)
+    assert not {tuple(w) for w in train_w} & {tuple(w) for w in val_w}
+    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
+    blobs = [transfer.build_payload(c.state, plan, out) for c in cases]
+    with torch.no_grad():
+        kls = [float(distil.continuation_kl(tiny_pair, c, b, out, None, False)) for c, b in zip(cases, blobs)]
+    kl = sum(kls) / len(kls)
+    assert kl == pytest.approx(min(log["val_kl"]), rel=1e-5)

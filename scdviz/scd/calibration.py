@@ -139,6 +139,9 @@ class Calibration:
     rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
     # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
     joint: list[LinearCode | None] | None = None
+    # layer -> the correction trained through the consumer (scdviz.scd.distil): tensors a (D, r), b (r, D),
+    # s (D,), sigma (D,) over the refined [K_pre, V] rows (D = 2 d_kv); None: the closed form alone
+    corrections: dict[int, dict[str, Tensor]] | None = None
 
     def refine(self, layer: int, keys_pre: Tensor, values: Tensor, noise: tuple | None = None) -> tuple[Tensor, Tensor]:
         """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any);
@@ -149,6 +152,19 @@ class Calibration:
         rows = torch.cat([keys_pre, values], 1)
         gain = 1.0 if noise is None else self.refine_gain(layer, noise)
         rows = rows + gain * code.decode(code.encode(rows, code.max_rank))
+        return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
+
+    def correct(self, layer: int, keys_pre: Tensor, values: Tensor,
+                corrections: dict[int, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+        """Refined REUSE rows (N, d_kv) each -> the same after the layer's trained correction, if it has one:
+        ``y = x (1 + s) + (x / sigma) a b`` on x = [K_pre, V] (scdviz.scd.distil; the identity when b and s
+        are 0, where its training starts). ``corrections``: use these instead of the calibration's own."""
+        p = ((self.corrections if corrections is None else corrections) or {}).get(layer)
+        if p is None:
+            return keys_pre, values
+        rows = torch.cat([keys_pre, values], 1)
+        p = {k: v.to(device=rows.device, dtype=rows.dtype) for k, v in p.items()}
+        rows = rows * (1 + p["s"]) + ((rows / p["sigma"]) @ p["a"]) @ p["b"]
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
     def refine_gain(self, layer: int, noise: tuple[Tensor, Tensor]) -> float:
@@ -234,6 +250,8 @@ class Calibration:
                     tensors[f"p.{layer}.aligner.{name}"] = t.half()
         if self.rate is not None:
             tensors.update({f"rd.{name}": getattr(self.rate, name) for name in RATE_TENSORS})
+        for layer, params in (self.corrections or {}).items():
+            tensors.update({f"c.{layer}.{name}": t.detach().float().contiguous() for name, t in params.items()})
         meta = {
             "rate": None if self.rate is None else {name: getattr(self.rate, name) for name in RATE_META},
             "patch_layers": sorted(self.patches),
@@ -327,6 +345,7 @@ def windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], l
 
 # ----------------------------------------------------------------------------- artefact
 
+CORRECTION_FIELDS = ("a", "b", "s", "sigma")  # a trained correction's tensors (Calibration.correct)
 FILE = "calibration.safetensors"  # the artefact inside a calibration folder
 KIND = "scd-calibration"
 
@@ -359,6 +378,8 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"], curves,
         [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
+        {i: {name: t[f"c.{i}.{name}"].float() for name in CORRECTION_FIELDS} for i in range(n) if f"c.{i}.a" in t}
+        or None,
     )
 
 def specialist_name(source: str) -> str:

@@ -168,12 +168,14 @@ def _rate_controlled(head: Layout, sections: list[Section], allowed: int) -> byt
         scale *= 1.01
 
 
-def receive(model, blob: bytes, calib=None) -> Received:
+def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> Received:
     """Build the consumer's cache from a payload, timing the consumer's compute.
 
     The payload's header says what to do at each layer and with token 0; ``calib`` (the
-    calibration the header names) decodes its REUSE and PATCH codes. ValueError for a
-    message with codes and no calibration, or codes of another calibration.
+    calibration the header names) decodes its REUSE and PATCH codes, and applies its trained
+    corrections (``Calibration.correct``) or ``corrections`` instead (training them: the cache then
+    carries their autograd graph). ValueError for a message with codes and no calibration, or codes
+    of another calibration.
     """
     t0 = timing.clock(hf.device_of(model))
     msg = payload.decode(blob)
@@ -209,6 +211,7 @@ def receive(model, blob: bytes, calib=None) -> Received:
                           for kind in ("k_code", "v_code"))
             k_pre, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
                                     calib.value_codes[layer].decode(by[layer, "v_code"]), noise)
+            k_pre, v = calib.correct(layer, dev(k_pre), dev(v), corrections)
             keys[layer] = hf.rotate(heads(dev(k_pre), n_kv), cos, sin)
             values[layer] = heads(dev(v), n_kv)
         elif mode == "patch":

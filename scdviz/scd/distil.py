@@ -1,0 +1,169 @@
+"""SCD's correction stage trained through the consumer on what it outputs (issue 31, part 1).
+
+The closed-form calibration (scdviz.scd.calibrate) fits every REUSE map to squared error of K / V
+rows, a proxy; the benches score KL(oracle ‖ method) of the consumer's continuation. This stage
+adds, per code layer, a correction of the refined decoded rows x = [K_pre, V] (D = 2 d_kv):
+
+    y = x (1 + s) + (x / sigma) a b        a: (D, r), b: (r, D), s: (D,), sigma: the rows' spread
+
+with b and s starting at 0, so training starts at the closed form exactly. It is trained by
+backpropagation through the frozen consumer on KL(oracle ‖ method) of teacher-forced
+continuations, the quantity the benches report. The payloads it trains on are built at the
+calibration's operating point (its code bits: quantisation-aware), so the correction reads what a
+consumer receives (decoded codes), never the producer's raw state. Training windows come from
+the ``train`` splits, the validation windows that choose the epoch from the ``calib`` splits
+(never eval). Gradients are taken with ``torch.autograd.grad``: nothing lands on the shared model.
+
+``distil(pair, calib, cfg)`` returns a new Calibration carrying the corrections (its tag differs,
+so payloads of the two never mix) and a log; ``save`` / ``load`` are the calibration's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scdviz import config, data, metrics
+from scdviz.config import opt
+from scdviz.models import hf
+from scdviz.models.pair import Pair
+from scdviz.progress import Reporter, steps
+from scdviz.scd import plan as plans
+from scdviz.scd import transfer
+from scdviz.scd.calibration import Calibration, domains_of
+
+
+@dataclass
+class DistilConfig:
+    """One training of the correction stage."""
+
+    rank: int = opt(32, "rank r of each layer's correction")
+    epochs: int = opt(6, "passes over the training windows (the epoch with the lowest validation KL is kept)")
+    train_windows: int = opt(10, "training windows per domain (train split)")
+    val_windows: int = opt(2, "validation windows per domain (calib split), which choose the epoch")
+    prompt_len: int = opt(256, "prompt tokens per window")
+    cont_len: int = opt(32, "teacher-forced continuation tokens scored per window")
+    lr: float = opt(3e-4, "AdamW learning rate")
+    weight_decay: float = opt(0.05, "AdamW weight decay")
+    clip: float = opt(1.0, "gradient norm clip")
+    seed: int = opt(0, "initialisation and window order")
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+
+def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
+    """(training windows from the train splits, validation windows from the calib splits) of the
+    calibration's domains, ``prompt_len + cont_len`` tokens each, spread through each split."""
+    length, train, val = cfg.prompt_len + cfg.cont_len, [], []
+    for name in domains_of(calib.config):
+        for split, n, out in (("train", cfg.train_windows, train), ("calib", cfg.val_windows, val)):
+            got = data.token_windows(pair.tokenizer, data.passages(name, split, calib.config.texts), length)
+            if len(got) < n:
+                raise ValueError(f"{name!r} gives {len(got)} windows of {length} tokens in its {split} split; "
+                                 f"need {n}")
+            out += [got[round(i * len(got) / n)] for i in range(n)]
+    return train, val
+
+
+def initial(calib: Calibration, plan: plans.Plan, rows: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
+    """The corrections training starts from (the identity: b = s = 0), for each code layer of ``plan``;
+    sigma: the spread of each column of that layer's refined rows ``rows[layer]`` (N, D)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer, mode in enumerate(plan.modes):
+        if mode != "code":
+            continue
+        d = rows[layer].shape[1]
+        out[layer] = {"a": torch.randn(d, rank, generator=g) / d**0.5, "b": torch.zeros(rank, d),
+                      "s": torch.zeros(d), "sigma": rows[layer].std(0).clamp_min(1e-6)}
+    return out
+
+
+def continuation_kl(pair: Pair, case: transfer.Case, blob: bytes, calib: Calibration, corrections: dict | None,
+                    grad: bool):
+    """Mean KL(oracle ‖ method) of one case's continuation after ``blob`` with ``corrections``."""
+    got = transfer.receive(pair.consumer, blob, calib, corrections)
+    start = case.state.ids.shape[1]
+    positions = torch.arange(start, start + case.fed.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0)
+    logits = hf.forward(pair.consumer, case.fed, cache=got.cache, positions=positions, grad=grad).logits[0]
+    return metrics.kl_per_token(case.oracle_logits, logits).mean()
+
+
+def refined_rows(calib: Calibration, blobs: list[bytes], plan: plans.Plan) -> dict[int, torch.Tensor]:
+    """Per code layer, the refined decoded [K_pre, V] rows of every payload (no correction)."""
+    from scdviz.scd import payload
+
+    rows: dict[int, list[torch.Tensor]] = {}
+    for blob in blobs:
+        by = {(s.layer, s.kind): s.data for s in payload.decode(blob).sections}
+        for layer, mode in enumerate(plan.modes):
+            if mode == "code":
+                k, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
+                                    calib.value_codes[layer].decode(by[layer, "v_code"]))
+                rows.setdefault(layer, []).append(torch.cat([k, v], 1))
+    return {layer: torch.cat(r) for layer, r in rows.items()}
+
+
+def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Reporter = True,
+           plan: plans.Plan | None = None) -> tuple[Calibration, dict]:
+    """Train the correction stage of ``calib`` (see the module docstring) at ``plan`` (default: the
+    operating point). Returns (the calibration with the corrections of the best epoch, the log)."""
+    t0 = time.perf_counter()
+    plan = plan or plans.operating_plan(calib)
+    if "code" not in plan.modes:
+        raise ValueError(f"plan {plan.name!r} sends no REUSE codes: there is nothing to correct")
+    train_w, val_w = windows(pair, calib, cfg)
+    device = hf.device_of(pair.consumer)
+
+    def prepared(ws, what):
+        cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len)
+                 for w in steps(ws, f"distil: producer and oracle prefills ({what})", progress)]
+        return cases, [transfer.build_payload(c.state, plan, calib) for c in cases]
+
+    train, val = prepared(train_w, "training"), prepared(val_w, "validation")
+    start = initial(calib, plan, refined_rows(calib, train[1], plan), cfg.rank, cfg.seed)
+    params = {layer: {k: v.to(device).requires_grad_(k in ("a", "b", "s")) for k, v in p.items()}
+              for layer, p in start.items()}
+    trained = [t for p in params.values() for k, t in p.items() if k != "sigma"]
+    opt_ = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def validation() -> float:
+        with torch.no_grad():
+            kls = [float(continuation_kl(pair, c, b, calib, params, False)) for c, b in zip(*val, strict=True)]
+        return sum(kls) / len(kls)
+
+    log = {"config": config.to_dict(cfg), "plan": plan.name, "train_windows": len(train_w),
+           "val_windows": len(val_w), "val_kl": [validation()], "train_kl": [], "best_epoch": 0}
+    best: dict = {}
+    order = list(range(len(train_w)))
+    rng = random.Random(cfg.seed)
+    for epoch in steps(range(cfg.epochs), "distil: epochs through the consumer", progress):
+        rng.shuffle(order)
+        total = 0.0
+        for i in order:
+            loss = continuation_kl(pair, train[0][i], train[1][i], calib, params, True)
+            grads = torch.autograd.grad(loss, trained)  # only the corrections' gradients: the model is shared
+            scale = min(1.0, cfg.clip / (float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) + 1e-12))
+            for t, g in zip(trained, grads, strict=True):
+                t.grad = g * scale
+            opt_.step()
+            opt_.zero_grad(set_to_none=True)
+            total += float(loss.detach())
+        log["train_kl"].append(total / len(order))
+        log["val_kl"].append(validation())
+        if log["val_kl"][-1] < min(log["val_kl"][:-1]):
+            log["best_epoch"] = epoch + 1
+            best = {layer: {k: v.detach().cpu().clone() for k, v in p.items()} for layer, p in params.items()}
+    log["seconds"] = round(time.perf_counter() - t0, 1)
+    out = copy.copy(calib)
+    out.corrections = best if log["best_epoch"] else None  # no epoch beat the closed form: none kept
+    out.stats = {**calib.stats, "distil": log}  # a new tag: payloads of the two never mix
+    out.__dict__.pop("tag", None)
+    return out, log
