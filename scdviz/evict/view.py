@@ -120,8 +120,8 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         cont = texts[0]
         gens = {m: tokenizer.decode(t) for m, t in zip(masked, texts[1:], strict=True)}
         tell(progress, "every method's pruned cache scored on the continuation", 0, 1)
-        out = bench.score_context(model, hf.ids_tensor(prompt + cont), prefix, cfg, policies, presses,
-                                  failed=failed, observed=observed)
+        window = hf.ids_tensor(prompt + cont)
+        out = bench.score_context(model, window, prefix, cfg, policies, presses, failed=failed, observed=observed)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
         slots = {m: slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}
@@ -129,7 +129,6 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         feats = out["feats"][min(out["feats"])].global_features[0]
         # a native press prunes inside its own prefill (one per budget): the chosen budget only, its text
         # generated from the same prefill
-        window = hf.ids_tensor(prompt + cont)
         for name, make in steps(natives.items(), "native presses (their own prefill each)", progress,
                                 name=lambda item: item[0]):
             try:

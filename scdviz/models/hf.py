@@ -528,7 +528,7 @@ def generate_each(model, caches: list[DynamicCache], first_ids: Tensor, start: i
     wanted = [max_new_tokens] * len(caches) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(wanted) != len(caches):
         raise ValueError(f"max_new_tokens: {len(wanted)} lengths for {len(caches)} caches")
-    even = [i for i, c in enumerate(caches) if len(set(cache_len(c))) == 1 and c.layers[0].keys.shape[0] == 1]
+    even = [i for i, c in enumerate(caches) if _batchable(c)]
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     out: list[list[int]] = [[] for _ in caches]
     for i in range(len(caches)):
@@ -564,6 +564,11 @@ def generate_each(model, caches: list[DynamicCache], first_ids: Tensor, start: i
             mask, ids, batch = mask[rows], ids[rows], [batch[j] for j in keep]
 
 
+def _batchable(cache: DynamicCache) -> bool:
+    """A cache ``_stacked`` can batch: batch size 1, one length across its layers."""
+    return len(set(cache_len(cache))) == 1 and cache.layers[0].keys.shape[0] == 1
+
+
 def _stacked(model, caches: list[DynamicCache]) -> tuple[DynamicCache, Tensor]:
     """Caches of batch size 1, each one length across its layers, as one batch: (the cache, left-padded to
     the longest; its (B, width) mask, 1 on real keys)."""
@@ -588,8 +593,7 @@ def continue_each(model, caches: list[DynamicCache], ids: Tensor, start: int) ->
     out: list[Tensor | None] = [None] * len(caches)
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(caches):
-        even = len(set(cache_len(c))) == 1 and c.layers[0].keys.shape[0] == 1
-        groups.setdefault(tuple(cache_len(c)) if even else ("alone", i), []).append(i)
+        groups.setdefault(tuple(cache_len(c)) if _batchable(c) else ("alone", i), []).append(i)
     for key, members in groups.items():
         if key[0] == "alone" or len(members) == 1:
             for i in members:

@@ -32,8 +32,8 @@ from scdviz.config import opt
 from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
+from scdviz.scd import payload, transfer
 from scdviz.scd import plan as plans
-from scdviz.scd import transfer
 from scdviz.scd.calibration import Calibration, domains_of
 
 
@@ -98,17 +98,14 @@ def continuation_kl(pair: Pair, case: transfer.Case, blob: bytes, calib: Calibra
 
 
 def refined_rows(calib: Calibration, blobs: list[bytes], plan: plans.Plan) -> dict[int, torch.Tensor]:
-    """Per code layer, the refined decoded [K_pre, V] rows of every payload (no correction)."""
-    from scdviz.scd import payload
-
+    """Per code layer, the [K_pre, V] rows of every payload as ``transfer.receive`` refines them (no correction)."""
     rows: dict[int, list[torch.Tensor]] = {}
     for blob in blobs:
-        by = {(s.layer, s.kind): s.data for s in payload.decode(blob).sections}
+        sections = payload.decode(blob).sections
+        by, noise_of = {(s.layer, s.kind): s.data for s in sections}, {(s.layer, s.kind): s.noise for s in sections}
         for layer, mode in enumerate(plan.modes):
             if mode == "code":
-                k, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
-                                    calib.value_codes[layer].decode(by[layer, "v_code"]))
-                rows.setdefault(layer, []).append(torch.cat([k, v], 1))
+                rows.setdefault(layer, []).append(torch.cat(transfer.reuse_rows(calib, layer, by, noise_of), 1))
     return {layer: torch.cat(r) for layer, r in rows.items()}
 
 

@@ -206,11 +206,7 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
                 k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
             keys[layer], values[layer] = heads(dev(k), n_kv), heads(dev(v), n_kv)
         elif mode == "code":
-            noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None
-                          else noise_of[layer, kind]
-                          for kind in ("k_code", "v_code"))
-            k_pre, v = calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
-                                    calib.value_codes[layer].decode(by[layer, "v_code"]), noise)
+            k_pre, v = reuse_rows(calib, layer, by, noise_of)
             k_pre, v = calib.correct(layer, dev(k_pre), dev(v), corrections)
             keys[layer] = hf.rotate(heads(dev(k_pre), n_kv), cos, sin)
             values[layer] = heads(dev(v), n_kv)
@@ -225,6 +221,15 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
         _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
     cache = hf.make_cache(model, keys, values)
     return Received(cache, timing.clock(hf.device_of(model)) - t0)
+
+
+def reuse_rows(calib, layer: int, by: dict, noise_of: dict) -> tuple[Tensor, Tensor]:
+    """A code layer's decoded, refined (K_pre, V) rows (N, d_kv) each, before any trained correction, from a
+    payload's sections ``by`` and their quantisation noise ``noise_of`` ((layer, kind) -> tensor)."""
+    noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None
+                  else noise_of[layer, kind] for kind in ("k_code", "v_code"))
+    return calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
+                        calib.value_codes[layer].decode(by[layer, "v_code"]), noise)
 
 
 def transferred(model, state: ProducerState, plan: Plan, calib=None):
