@@ -94,6 +94,19 @@ def _cli_defaults(kind: str) -> dict[str, tuple[str, object]]:
     return config.flags(commands.BENCHES[kind])
 
 
+def _live(settings_: dict) -> dict:
+    """Nested settings without those the CLI has retired (``commands.RETIRED_SETTINGS``, dotted paths): an
+    older record still carries them, its shipped config no longer does."""
+    from scdviz import commands
+
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in settings_.items()}
+    for dotted in commands.RETIRED_SETTINGS:
+        table, _, key = dotted.rpartition(".")
+        if isinstance(out.get(table), dict):
+            out[table].pop(key, None)
+    return out
+
+
 def command(path: Path, record: records.BenchRecord) -> str:
     """The command that made ``record``: ``bench KIND --config TOML`` when a .toml beside it holds
     exactly its settings, else ``bench KIND`` with the flags whose values differ from the CLI's defaults."""
@@ -101,9 +114,9 @@ def command(path: Path, record: records.BenchRecord) -> str:
         flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(_flag_value, v)) if isinstance(v, list) else v}"
                          for k, v in record.settings.items() if k in RESEARCH_FLAGS)
         return f"python -m research.{record.settings['research']} {flags} --out {Path(path).name}"
-    mine = _flat(record.settings)
+    mine = _flat(_live(record.settings))
     for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != Path(path).stem):
-        if _same_settings(mine, _flat(tomllib.loads(toml.read_text()))):
+        if _same_settings(mine, _flat(_live(tomllib.loads(toml.read_text())))):
             return f"python -m scdviz bench {record.kind} --config {_rel(toml)}"
     defaults = _cli_defaults(record.kind)
     parts = [f"python -m scdviz bench {record.kind}"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import fields
 
 import pytest
@@ -166,6 +167,22 @@ def test_shipped_records_and_artefacts_are_current():
         art = artefact.load(folder / calibration.FILE, calibration.KIND)
         assert art.identity["consumer_source"] == f"builtin:{folder.name}"
         assert config.from_dict(calibration.CalibConfig, art.config)[1] == []
+
+
+def test_shipped_configs_run_as_their_first_line_says():
+    """Every shipped TOML config names its command on its first line, and that command reads it: a rerun
+    must not stop at a setting the CLI has since retired."""
+    from scdviz import settings
+
+    classes = {name: cls for name, _, cls, _ in cli.COMMANDS}
+    paths = sorted(settings.ASSETS_DIR.rglob("*.toml"))
+    assert paths
+    for path in paths:
+        first = path.read_text().splitlines()[0]
+        m = re.match(r"# python -m scdviz (bench \w+|[\w-]+) --config (\S+)", first)
+        assert m, (path, first)
+        assert m.group(2) == str(path.relative_to(settings.ASSETS_DIR.parent)), path
+        config.read_toml(classes[m.group(1)], str(path))  # raises on an unknown (or retired) setting
 
 
 def test_configs_have_help_on_every_field():
