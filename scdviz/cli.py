@@ -168,10 +168,12 @@ def _distil(cmd: Distil) -> None:
     trained, log = distil.distil(pair, calib, cmd.distil)
     trained.save(out)
     _save_run(cmd, out, "distil", cmd.distil.seed, str(pair.device), time.perf_counter() - t0)
-    kl = log["val_kl"]
-    print(f"validation KL (calib split, {log['val_windows']} windows): closed form {kl[0]:.4f}, best "
-          f"{min(kl):.4f} after epoch {log['best_epoch']} of {len(kl) - 1}; training KL per epoch "
+    kl, best = log["val_kl"], log["best_epoch"]
+    print(f"validation KL (calib split, {log['val_windows']} windows), mean of {len(log['plans'])} plans: closed "
+          f"form {kl[0]:.4f}, best {kl[best]:.4f} after epoch {best} of {len(kl) - 1}; training KL per epoch "
           + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
+    for name, by in log["val_kl_by_plan"].items():
+        print(f"  {name}: {by[0]:.4f} -> {by[best]:.4f}")
     print(f"saved to {out} in {log['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out}")
 

@@ -914,8 +914,8 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     plan = _low_rank_plan(tiny_calib)
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     blob = transfer.build_payload(case.state, plan, tiny_calib)
-    rows = distil.refined_rows(tiny_calib, [blob], plan)
-    start = distil.initial(tiny_calib, plan, rows, 3, 0)
+    rows = distil.refined_rows(tiny_calib, [blob])
+    start = distil.initial(rows, 3, 0)
     assert sorted(start) == [i for i, m in enumerate(plan.modes) if m == "code"]
     plain = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib).cache)
     same = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib, start).cache)
@@ -950,7 +950,7 @@ def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_f
 
     plan = _low_rank_plan(tiny_calib)
     cfg = distil.DistilConfig(rank=4, epochs=5, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2)
-    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, plan=plan)
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan])
     assert len(log["val_kl"]) == cfg.epochs + 1 and len(log["train_kl"]) == cfg.epochs
     assert log["best_epoch"] > 0 and log["val_kl"][log["best_epoch"]] == min(log["val_kl"])
     assert min(log["val_kl"]) < 0.8 * log["val_kl"][0]
@@ -964,3 +964,32 @@ def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_f
         kls = [float(distil.continuation_kl(tiny_pair, c, b, out, None, False)) for c, b in zip(cases, blobs)]
     kl = sum(kls) / len(kls)
     assert kl == pytest.approx(min(log["val_kl"]), rel=1e-5)
+
+
+def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair, tiny_calib):
+    """Trained at two plans in turn (two quantisations of the same codes): the log keeps each plan's
+    validation KL, the epoch kept minimises their mean, and the kept corrections reproduce each plan's
+    KL exactly. Transform-coded plans need rate curves: asked for without them, the message says so."""
+    from scdviz.scd import distil
+    from scdviz.scd import plan as plans
+
+    n = len(tiny_calib.key_codes)
+    at = [plans.scd_plan([2] * n, [2] * n, [], code_bits=bits, name=f"rank 2, {bits} bits") for bits in (16, 4)]
+    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
+                              budgets=[])
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=at)
+    by = log["val_kl_by_plan"]
+    assert list(by) == [p.name for p in at] and all(len(v) == cfg.epochs + 1 for v in by.values())
+    assert log["val_kl"] == pytest.approx([(a + b) / 2 for a, b in zip(*by.values())], rel=1e-12)
+    assert log["best_epoch"] > 0 and log["val_kl"][log["best_epoch"]] == min(log["val_kl"])
+    _, val_w = distil.windows(tiny_pair, tiny_calib, cfg)
+    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
+    for p in at:
+        with torch.no_grad():
+            kl = sum(float(distil.continuation_kl(tiny_pair, c, transfer.build_payload(c.state, p, out), out, None,
+                                                   False)) for c in cases) / len(cases)
+        assert kl == pytest.approx(by[p.name][log["best_epoch"]], rel=1e-5)
+    assert [p.name for p in distil.trained_plans(tiny_calib, cfg)] == [plans.operating_plan(tiny_calib).name]
+    if tiny_calib.rate is None:
+        with pytest.raises(ValueError, match="rate curves"):
+            distil.trained_plans(tiny_calib, distil.DistilConfig(budgets=[3840.0]))

@@ -8,9 +8,11 @@ adds, per code layer, a correction of the refined decoded rows x = [K_pre, V] (D
 
 with b and s starting at 0, so training starts at the closed form exactly. It is trained by
 backpropagation through the frozen consumer on KL(oracle ‖ method) of teacher-forced
-continuations, the quantity the benches report. The payloads it trains on are built at the
-calibration's operating point (its code bits: quantisation-aware), so the correction reads what a
-consumer receives (decoded codes), never the producer's raw state. Training windows come from
+continuations, the quantity the benches report. The payloads it trains on are built at every
+operating point it is trained for (quantisation-aware): the calibration's own plan (its code bits)
+and the transform-coded plans at ``budgets`` bytes per token (by default 1/6 and 1/10 of the fp16
+cache of the built-in producer), one plan per step in turn, so one correction serves them all. It
+reads what a consumer receives (decoded codes), never the producer's raw state. Training windows come from
 the ``train`` splits, the validation windows that choose the epoch from the ``calib`` splits
 (never eval). Gradients are taken with ``torch.autograd.grad``: nothing lands on the shared model.
 
@@ -43,6 +45,8 @@ class DistilConfig:
     lr 3e-4, 30 at 3e-4, 30 at 1e-4), the one with the lowest calib-split validation KL."""
 
     rank: int = opt(32, "rank r of each layer's correction")
+    budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
+                               "calibration's own operating point (needs its rate curves; none: that point only)")
     epochs: int = opt(6, "passes over the training windows (the epoch with the lowest validation KL is kept)")
     train_windows: int = opt(30, "training windows per domain (train split)")
     val_windows: int = opt(2, "validation windows per domain (calib split), which choose the epoch")
@@ -57,6 +61,17 @@ class DistilConfig:
         for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if any(not b > 0 for b in self.budgets):
+            raise ValueError(f"--budgets must be positive bytes per token, got {self.budgets}")
+
+
+def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
+    """The operating points the correction is trained at: the calibration's own plan, then the
+    transform-coded plan at each of ``cfg.budgets``."""
+    if cfg.budgets and calib.rate is None:
+        raise ValueError("--budgets trains at transform-coded plans, which need the calibration's rate curves: run "
+                         "`python -m scdviz rate` on it first, or pass --budgets with no value")
+    return [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets]
 
 
 def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
@@ -73,14 +88,12 @@ def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[lis
     return train, val
 
 
-def initial(calib: Calibration, plan: plans.Plan, rows: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
-    """The corrections training starts from (the identity: b = s = 0), for each code layer of ``plan``;
+def initial(rows: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
+    """The corrections training starts from (the identity: b = s = 0), for each code layer in ``rows``;
     sigma: the spread of each column of that layer's refined rows ``rows[layer]`` (N, D)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for layer, mode in enumerate(plan.modes):
-        if mode != "code":
-            continue
+    for layer in sorted(rows):
         d = rows[layer].shape[1]
         out[layer] = {"a": torch.randn(d, rank, generator=g) / d**0.5, "b": torch.zeros(rank, d),
                       "s": torch.zeros(d), "sigma": rows[layer].std(0).clamp_min(1e-6)}
@@ -97,56 +110,68 @@ def continuation_kl(pair: Pair, case: transfer.Case, blob: bytes, calib: Calibra
     return metrics.kl_per_token(case.oracle_logits, logits).mean()
 
 
-def refined_rows(calib: Calibration, blobs: list[bytes], plan: plans.Plan) -> dict[int, torch.Tensor]:
+def refined_rows(calib: Calibration, blobs: list[bytes]) -> dict[int, torch.Tensor]:
     """Per code layer, the [K_pre, V] rows of every payload as ``transfer.receive`` refines them (no correction)."""
     rows: dict[int, list[torch.Tensor]] = {}
     for blob in blobs:
-        sections = payload.decode(blob).sections
-        by, noise_of = {(s.layer, s.kind): s.data for s in sections}, {(s.layer, s.kind): s.noise for s in sections}
-        for layer, mode in enumerate(plan.modes):
+        msg = payload.decode(blob)
+        by = {(s.layer, s.kind): s.data for s in msg.sections}
+        noise_of = {(s.layer, s.kind): s.noise for s in msg.sections}
+        for layer, mode in enumerate(msg.layout.modes):
             if mode == "code":
                 rows.setdefault(layer, []).append(torch.cat(transfer.reuse_rows(calib, layer, by, noise_of), 1))
     return {layer: torch.cat(r) for layer, r in rows.items()}
 
 
 def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Reporter = True,
-           plan: plans.Plan | None = None) -> tuple[Calibration, dict]:
-    """Train the correction stage of ``calib`` (see the module docstring) at ``plan`` (default: the
-    operating point). Returns (the calibration with the corrections of the best epoch, the log)."""
+           at: list[plans.Plan] | None = None) -> tuple[Calibration, dict]:
+    """Train the correction stage of ``calib`` (see the module docstring) at the plans ``at`` (default:
+    ``trained_plans``), one plan per step in turn. The epoch kept is the one with the lowest validation
+    KL averaged over the plans. Returns (the calibration with that epoch's corrections, the log)."""
     t0 = time.perf_counter()
-    plan = plan or plans.operating_plan(calib)
-    if "code" not in plan.modes:
-        raise ValueError(f"plan {plan.name!r} sends no REUSE codes: there is nothing to correct")
+    at = at or trained_plans(calib, cfg)
+    if not any("code" in p.modes for p in at):
+        raise ValueError(f"plans {[p.name for p in at]} send no REUSE codes: there is nothing to correct")
     train_w, val_w = windows(pair, calib, cfg)
     device = hf.device_of(pair.consumer)
 
     def prepared(ws, what):
         cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len)
-                 for w in steps(ws, f"distil: producer and oracle prefills ({what})", progress)]
-        return cases, [transfer.build_payload(c.state, plan, calib) for c in cases]
+                 for w in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
+                                progress)]
+        return cases, [[transfer.build_payload(c.state, p, calib) for p in at] for c in cases]
 
     train, val = prepared(train_w, "training"), prepared(val_w, "validation")
-    start = initial(calib, plan, refined_rows(calib, train[1], plan), cfg.rank, cfg.seed)
+    start = initial(refined_rows(calib, [b for blobs in train[1] for b in blobs]), cfg.rank, cfg.seed)
     params = {layer: {k: v.to(device).requires_grad_(k in ("a", "b", "s")) for k, v in p.items()}
               for layer, p in start.items()}
     trained = [t for p in params.values() for k, t in p.items() if k != "sigma"]
     opt_ = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def validation() -> float:
+    def validation() -> list[float]:
+        """Mean validation KL at each plan."""
         with torch.no_grad():
-            kls = [float(continuation_kl(pair, c, b, calib, params, False)) for c, b in zip(*val, strict=True)]
-        return sum(kls) / len(kls)
+            return [sum(float(continuation_kl(pair, c, blobs[j], calib, params, False))
+                        for c, blobs in zip(*val, strict=True)) / len(val[0]) for j in range(len(at))]
 
-    log = {"config": config.to_dict(cfg), "plan": plan.name, "train_windows": len(train_w),
-           "val_windows": len(val_w), "val_kl": [validation()], "train_kl": [], "best_epoch": 0}
+    def record(by_plan: list[float]) -> None:
+        for p, kl in zip(at, by_plan, strict=True):
+            log["val_kl_by_plan"][p.name].append(kl)
+        log["val_kl"].append(sum(by_plan) / len(by_plan))
+
+    log = {"config": config.to_dict(cfg), "plans": [p.name for p in at], "train_windows": len(train_w),
+           "val_windows": len(val_w), "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "train_kl": [],
+           "best_epoch": 0}
+    record(validation())
     best: dict = {}
     order = list(range(len(train_w)))
     rng = random.Random(cfg.seed)
     for epoch in steps(range(cfg.epochs), "distil: epochs through the consumer", progress):
         rng.shuffle(order)
         total = 0.0
-        for i in order:
-            loss = continuation_kl(pair, train[0][i], train[1][i], calib, params, True)
+        for n, i in enumerate(order):
+            j = (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
+            loss = continuation_kl(pair, train[0][i], train[1][i][j], calib, params, True)
             grads = torch.autograd.grad(loss, trained)  # only the corrections' gradients: the model is shared
             scale = min(1.0, cfg.clip / (float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) + 1e-12))
             for t, g in zip(trained, grads, strict=True):
@@ -155,7 +180,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
             opt_.zero_grad(set_to_none=True)
             total += float(loss.detach())
         log["train_kl"].append(total / len(order))
-        log["val_kl"].append(validation())
+        record(validation())
         if log["val_kl"][-1] < min(log["val_kl"][:-1]):
             log["best_epoch"] = epoch + 1
             best = {layer: {k: v.detach().cpu().clone() for k, v in p.items()} for layer, p in params.items()}
