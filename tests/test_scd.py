@@ -993,3 +993,33 @@ def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair
     if tiny_calib.rate is None:
         with pytest.raises(ValueError, match="rate curves"):
             distil.trained_plans(tiny_calib, distil.DistilConfig(budgets=[3840.0]))
+
+
+def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny_calib):
+    """With a correction stage, every SCD plan runs twice on the same prompts: with the correction, and as
+    "(closed form)", whose numbers equal a bench of the calibration before training exactly. The closed
+    form is the untrained calibration again (its tag), and raw KV, which sends no codes, runs once."""
+    from scdviz.scd import bench, distil
+
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    blob = transfer.build_payload(case.state, plans.operating_plan(tiny_calib), tiny_calib)
+    start = distil.initial(distil.refined_rows(tiny_calib, [blob]), 3, 0)
+    g = torch.Generator().manual_seed(2)
+    trained = copy.copy(tiny_calib)
+    trained.corrections = {layer: p | {"b": 0.2 * torch.randn(p["b"].shape, generator=g)} for layer, p in start.items()}
+    trained.stats = {**tiny_calib.stats, "distil": {"note": "by hand"}}
+    trained.__dict__.pop("tag", None)
+    fresh = copy.copy(tiny_calib)
+    fresh.__dict__.pop("tag", None)
+    assert tiny_calib.tag == fresh.tag  # calibrate names the calibration after its final stats (rate included)
+    assert trained.closed_form().tag == tiny_calib.tag != trained.tag and tiny_calib.closed_form() is tiny_calib
+    cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0)
+    torch.manual_seed(0)
+    both = {r.method: r for r in bench.bench(tiny_pair, trained, [_window(48, 7)], cfg, progress=False).methods}
+    torch.manual_seed(0)
+    before = {r.method: r for r in bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False).methods}
+    assert set(both) == set(before) | {m + bench.CLOSED for m in before if m.startswith("SCD")}
+    for m in (m for m in before if m.startswith("SCD")):
+        assert both[m + bench.CLOSED].kl_per_prompt == before[m].kl_per_prompt
+        assert both[m].kl_per_prompt != before[m].kl_per_prompt  # the correction changed what the consumer got
+    assert both["raw KV"].kl_per_prompt == before["raw KV"].kl_per_prompt

@@ -383,4 +383,5 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) ->
         calib.rate = rate.measure(pair, calib, cfg.rate_windows, progress)
         calib.stats["seconds_rate"] = round(calib.rate.seconds, 1)
         calib.stats["seconds_total"] = round(time.perf_counter() - t0, 1)
+    calib.__dict__.pop("tag", None)  # the rate curves' payloads named it before its stats were final
     return calib

@@ -11,6 +11,7 @@ that fitting and the rate curves share. This module fits nothing and runs no mod
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -142,6 +143,16 @@ class Calibration:
     # layer -> the correction trained through the consumer (scdviz.scd.distil): tensors a (D, r), b (r, D),
     # s (D,), sigma (D,) over the refined [K_pre, V] rows (D = 2 d_kv); None: the closed form alone
     corrections: dict[int, dict[str, Tensor]] | None = None
+
+    def closed_form(self) -> Calibration:
+        """This calibration without its trained correction stage: the closed form training started from,
+        under its own tag again (itself when it has no correction)."""
+        if not self.corrections:
+            return self
+        out = copy.copy(self)
+        out.corrections, out.stats = None, {k: v for k, v in self.stats.items() if k != "distil"}
+        out.__dict__.pop("tag", None)
+        return out
 
     def refine(self, layer: int, keys_pre: Tensor, values: Tensor, noise: tuple | None = None) -> tuple[Tensor, Tensor]:
         """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any);

@@ -204,14 +204,18 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
 
 def run_methods(pair, calib, cases, plan_list, group="method", gen_tokens=0, oracle_gen=None,
                 progress: bool | Reporter = True) -> list[MethodResult]:
-    """Each plan on every case, aggregated per plan (a reporter is told each method by name).
+    """Each plan on every case, aggregated per plan (a reporter is told each method by name). ``calib``: the
+    calibration of every plan, or a list of one per plan (a trained one beside its closed form).
 
     Case by case: every plan's cache of one case is held until the greedy generations (gen_tokens > 0,
     token-F1 against ``oracle_gen``) are decoded from all of them in one batch, then dropped."""
+    calibs = list(calib) if isinstance(calib, (list, tuple)) else [calib] * len(plan_list)
+    if len(calibs) != len(plan_list):
+        raise ValueError(f"{len(calibs)} calibrations for {len(plan_list)} plans")
     rows: list[list[dict]] = [[] for _ in plan_list]
     work = [(i, j) for i in range(len(cases)) for j in range(len(plan_list))]
     for i, j in steps(work, f"methods ({group})", progress, name=lambda w: plan_list[w[1]].name):
-        rows[j].append(_measure(pair, cases[i], plan_list[j], calib))
+        rows[j].append(_measure(pair, cases[i], plan_list[j], calibs[j]))
         if j < len(plan_list) - 1:
             continue
         case, these = cases[i], [r[i] for r in rows]
