@@ -961,7 +961,8 @@ def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_f
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
     blobs = [transfer.build_payload(c.state, plan, out) for c in cases]
     with torch.no_grad():
-        kls = [float(distil.continuation_kl(tiny_pair, c, b, out, None, False)) for c, b in zip(cases, blobs)]
+        kls = [float(distil.continuation_kl(tiny_pair, distil.Target.of(c), b, out, None, False))
+               for c, b in zip(cases, blobs)]
     kl = sum(kls) / len(kls)
     assert kl == pytest.approx(min(log["val_kl"]), rel=1e-5)
 
@@ -986,8 +987,9 @@ def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
     for p in at:
         with torch.no_grad():
-            kl = sum(float(distil.continuation_kl(tiny_pair, c, transfer.build_payload(c.state, p, out), out, None,
-                                                   False)) for c in cases) / len(cases)
+            kl = sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c),
+                                                  transfer.build_payload(c.state, p, out), out, None, False))
+                     for c in cases) / len(cases)
         assert kl == pytest.approx(by[p.name][log["best_epoch"]], rel=1e-5)
     assert [p.name for p in distil.trained_plans(tiny_calib, cfg)] == [plans.operating_plan(tiny_calib).name]
     if tiny_calib.rate is None:

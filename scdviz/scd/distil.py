@@ -100,14 +100,29 @@ def initial(rows: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
     return out
 
 
-def continuation_kl(pair: Pair, case: transfer.Case, blob: bytes, calib: Calibration, corrections: dict | None,
+@dataclass
+class Target:
+    """What training needs of a prepared case once its payloads are built: the fed tokens, where they
+    start, and the oracle's logits (a ``transfer.Case`` also holds the producer's state, the oracle's
+    cache and residuals: ~20 MB a window, which hundreds of windows cannot keep)."""
+
+    fed: torch.Tensor  # (1, n)
+    start: int  # prompt tokens before ``fed``
+    oracle_logits: torch.Tensor  # (n, V)
+
+    @classmethod
+    def of(cls, case: transfer.Case) -> Target:
+        return cls(case.fed, case.state.ids.shape[1], case.oracle_logits)
+
+
+def continuation_kl(pair: Pair, target: Target, blob: bytes, calib: Calibration, corrections: dict | None,
                     grad: bool):
-    """Mean KL(oracle ‖ method) of one case's continuation after ``blob`` with ``corrections``."""
+    """Mean KL(oracle ‖ method) of one window's continuation after ``blob`` with ``corrections``."""
     got = transfer.receive(pair.consumer, blob, calib, corrections)
-    start = case.state.ids.shape[1]
-    positions = torch.arange(start, start + case.fed.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0)
-    logits = hf.forward(pair.consumer, case.fed, cache=got.cache, positions=positions, grad=grad).logits[0]
-    return metrics.kl_per_token(case.oracle_logits, logits).mean()
+    positions = torch.arange(target.start, target.start + target.fed.shape[1],
+                             device=hf.device_of(pair.consumer)).unsqueeze(0)
+    logits = hf.forward(pair.consumer, target.fed, cache=got.cache, positions=positions, grad=grad).logits[0]
+    return metrics.kl_per_token(target.oracle_logits, logits).mean()
 
 
 def refined_rows(calib: Calibration, blobs: list[bytes]) -> dict[int, torch.Tensor]:
@@ -136,10 +151,12 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     device = hf.device_of(pair.consumer)
 
     def prepared(ws, what):
-        cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len)
-                 for w in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
-                                progress)]
-        return cases, [[transfer.build_payload(c.state, p, calib) for p in at] for c in cases]
+        targets, blobs = [], []
+        for w in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})", progress):
+            case = transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len)
+            targets.append(Target.of(case))
+            blobs.append([transfer.build_payload(case.state, p, calib) for p in at])
+        return targets, blobs  # the cases themselves are dropped: memory stays ~7 MB a window
 
     train, val = prepared(train_w, "training"), prepared(val_w, "validation")
     start = initial(refined_rows(calib, [b for blobs in train[1] for b in blobs]), cfg.rank, cfg.seed)
