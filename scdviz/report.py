@@ -302,9 +302,10 @@ def scd_rank_claim() -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
-def scd_lodo() -> str:
-    """Leave-one-domain-out: per held-out domain, raw reuse vs SCD (int4 operating point and transform coded)."""
-    rels = [f"scd/{s}/lodo.json" for s in SPECIALISTS]
+def scd_lodo(record: str = "lodo_test.json") -> str:
+    """Leave-one-domain-out (test slice): per held-out domain, raw reuse vs SCD (int4 operating point and
+    transform coded)."""
+    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
     out = []
     for rel, spec in zip(rels, SPECIALISTS, strict=True):
         rows = _scd_rows(rel, "method")
@@ -330,9 +331,9 @@ def _own_domain(spec: str) -> str:
     return spec.split("-")[0]
 
 
-def scd_qa() -> str:
-    """Context-QA token-F1 pooled over the six held-out domains of the leave-one-domain-out runs."""
-    rels = [f"scd/{s}/lodo.json" for s in SPECIALISTS]
+def scd_qa(record: str = "lodo_test.json") -> str:
+    """Context-QA token-F1 pooled over the six held-out domains of the leave-one-domain-out runs (test slice)."""
+    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
     out = []
     for rel, spec in zip(rels, SPECIALISTS, strict=True):
         items: dict[str, list[float]] = {}
@@ -464,9 +465,8 @@ def evict_domains() -> str:
     return _table(head, out) + "\n\n" + _source_line(PROTOCOL)
 
 
-def evict_lodo() -> str:
-    """Leave-one-domain-out: the policy's recipe retrained without the domain it is scored on."""
-    rel = "policy/bench/lodo_tail.json"
+def evict_lodo(rel: str = "policy/bench/lodo_test.json") -> str:
+    """Leave-one-domain-out (test slice): the policy's recipe retrained without the domain it is scored on."""
     rows = _read(rel).rows
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"].startswith("agnostic lodo-")):
@@ -634,12 +634,15 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-patch": scd_patch,
     "scd-rank-claim": scd_rank_claim,
     "scd-lodo": scd_lodo,
+    "scd-lodo-before": functools.partial(scd_lodo, "lodo.json"),
     "scd-qa": scd_qa,
+    "scd-qa-before": functools.partial(scd_qa, "lodo.json"),
     "scd-ttft": scd_ttft,
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
     "evict-domains": evict_domains,
     "evict-lodo": evict_lodo,
+    "evict-lodo-before": functools.partial(evict_lodo, "policy/bench/lodo_tail.json"),
     "evict-qa": evict_qa,
     "evict-decode": evict_decode,
     "evict-gemma": evict_gemma,
