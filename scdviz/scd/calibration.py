@@ -11,11 +11,10 @@ that fitting and the rate curves share. This module fits nothing and runs no mod
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -149,10 +148,7 @@ class Calibration:
         under its own tag again (itself when it has no correction)."""
         if not self.corrections:
             return self
-        out = copy.copy(self)
-        out.corrections, out.stats = None, {k: v for k, v in self.stats.items() if k != "distil"}
-        out.__dict__.pop("tag", None)
-        return out
+        return replace(self, corrections=None, stats={k: v for k, v in self.stats.items() if k != "distil"})
 
     def refine(self, layer: int, keys_pre: Tensor, values: Tensor, noise: tuple | None = None) -> tuple[Tensor, Tensor]:
         """Decoded REUSE rows (N, d_kv) each -> the same after the layer's joint refinement (if any);

@@ -22,10 +22,9 @@ so payloads of the two never mix) and a log; ``save`` / ``load`` are the calibra
 
 from __future__ import annotations
 
-import copy
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -204,8 +203,6 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
             log["best_epoch"] = epoch + 1
             best = {layer: {k: v.detach().cpu().clone() for k, v in p.items()} for layer, p in params.items()}
     log["seconds"] = round(time.perf_counter() - t0, 1)
-    out = copy.copy(calib)
-    out.corrections = best if log["best_epoch"] else None  # no epoch beat the closed form: none kept
-    out.stats = {**calib.stats, "distil": log}  # a new tag: payloads of the two never mix
-    out.__dict__.pop("tag", None)
+    out = replace(calib, corrections=best if log["best_epoch"] else None,  # none beat the closed form
+                   stats={**calib.stats, "distil": log})  # a new tag: payloads of the two never mix
     return out, log
