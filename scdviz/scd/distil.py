@@ -188,12 +188,13 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
         for n, i in enumerate(order):
             j = (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
             loss = continuation_kl(pair, train[0][i], train[1][i][j], calib, params, True)
-            # only the corrections' gradients (the model is shared); a layer this plan patches has none
-            grads = [torch.zeros_like(t) if g is None else g
-                     for t, g in zip(trained, torch.autograd.grad(loss, trained, allow_unused=True), strict=True)]
-            scale = min(1.0, cfg.clip / (float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) + 1e-12))
+            # only the corrections' gradients (the model is shared); a layer this plan patches gets none, and
+            # AdamW leaves a parameter without a gradient alone (no decay, no momentum step)
+            grads = torch.autograd.grad(loss, trained, allow_unused=True)
+            norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+            scale = min(1.0, cfg.clip / (norm + 1e-12))
             for t, g in zip(trained, grads, strict=True):
-                t.grad = g * scale
+                t.grad = None if g is None else g * scale
             opt_.step()
             opt_.zero_grad(set_to_none=True)
             total += float(loss.detach())
