@@ -1025,3 +1025,43 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
         assert both[m + bench.CLOSED].kl_per_prompt == before[m].kl_per_prompt
         assert both[m].kl_per_prompt != before[m].kl_per_prompt  # the correction changed what the consumer got
     assert both["raw KV"].kl_per_prompt == before["raw KV"].kl_per_prompt
+
+
+def test_a_step_leaves_a_correction_its_plan_does_not_reach_exactly_as_it_was():
+    """A parameter the loss does not reach (a layer the step's plan patches) is not decayed or moved by
+    momentum: AdamW sees no gradient, not a zero one; the clip norm is over the gradients that exist."""
+    from scdviz.scd import distil
+
+    g = torch.Generator().manual_seed(0)
+    used, unused = (torch.randn(4, 3, generator=g).requires_grad_() for _ in range(2))
+    before = unused.detach().clone()
+    opt_ = torch.optim.AdamW([used, unused], lr=0.1, weight_decay=0.5)
+    for _ in range(2):
+        first = used.detach().clone()
+        loss = (3 * used).sum()  # gradient 3 everywhere: norm 3 * sqrt(12)
+        assert distil.step(opt_, [used, unused], loss, clip=1.0) == pytest.approx(3 * 12**0.5)
+        assert torch.equal(unused, before) and not torch.equal(used, first)
+
+
+def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pair, tiny_calib):
+    """Trained at a plan that patches layer 1 and one that codes every layer: layer 1's correction is
+    trained by the second alone, the kept corrections cover every layer either plan codes, and each
+    plan's logged validation KL is what they give it."""
+    from scdviz.scd import distil
+    from scdviz.scd import plan as plans
+
+    n = len(tiny_calib.key_codes)
+    at = [plans.scd_plan([2] * n, [2] * n, [1], code_bits=16, name="patch 1"),
+          plans.scd_plan([2] * n, [2] * n, [], code_bits=16, name="all code")]
+    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
+                              budgets=[])
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=at)
+    assert log["best_epoch"] > 0 and sorted(out.corrections) == list(range(n))
+    _, val_w = distil.windows(tiny_pair, tiny_calib, cfg)
+    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
+    for p in at:
+        with torch.no_grad():
+            kl = sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c),
+                                                  transfer.build_payload(c.state, p, out), out, None, False))
+                     for c in cases) / len(cases)
+        assert kl == pytest.approx(log["val_kl_by_plan"][p.name][log["best_epoch"]], rel=1e-5)

@@ -137,6 +137,23 @@ def refined_rows(calib: Calibration, blobs: list[bytes]) -> dict[int, torch.Tens
     return {layer: torch.cat(r) for layer, r in rows.items()}
 
 
+def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.Tensor, clip: float) -> float:
+    """One optimiser step on ``loss`` with the gradient norm clipped to ``clip``; returns the norm before.
+
+    Only the corrections' gradients are taken (``torch.autograd.grad``: the model is shared). A parameter
+    the loss does not reach (the correction of a layer this step's plan patches) gets no gradient, not a
+    zero one, so AdamW leaves it alone (no weight decay, no momentum step); the clip norm counts only the
+    gradients that exist."""
+    grads = torch.autograd.grad(loss, trained, allow_unused=True)
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+    scale = min(1.0, clip / (norm + 1e-12))
+    for t, g in zip(trained, grads, strict=True):
+        t.grad = None if g is None else g * scale
+    opt_.step()
+    opt_.zero_grad(set_to_none=True)
+    return norm
+
+
 def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Reporter = True,
            at: list[plans.Plan] | None = None) -> tuple[Calibration, dict]:
     """Train the correction stage of ``calib`` (see the module docstring) at the plans ``at`` (default:
@@ -188,15 +205,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
         for n, i in enumerate(order):
             j = (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
             loss = continuation_kl(pair, train[0][i], train[1][i][j], calib, params, True)
-            # only the corrections' gradients (the model is shared); a layer this plan patches gets none, and
-            # AdamW leaves a parameter without a gradient alone (no decay, no momentum step)
-            grads = torch.autograd.grad(loss, trained, allow_unused=True)
-            norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
-            scale = min(1.0, cfg.clip / (norm + 1e-12))
-            for t, g in zip(trained, grads, strict=True):
-                t.grad = None if g is None else g * scale
-            opt_.step()
-            opt_.zero_grad(set_to_none=True)
+            step(opt_, trained, loss, cfg.clip)
             total += float(loss.detach())
         log["train_kl"].append(total / len(order))
         record(validation())
