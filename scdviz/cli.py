@@ -174,6 +174,10 @@ def _distil(cmd: Distil) -> None:
           + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
     for name, by in log["val_kl_by_plan"].items():
         print(f"  {name}: {by[0]:.4f} -> {by[best]:.4f}")
+    f = log["footprint"]
+    print(f"the correction stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB (float32), "
+          f"{f['flops_per_token'] / 1e3:.0f} kFLOP per received token ({100 * f['of_prefill']:.2f}% of the "
+          f"consumer's prefill)")
     print(f"saved to {out} in {log['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out}")
 
@@ -289,6 +293,8 @@ def _bench_ttft(cmd: BenchTtft) -> None:
           f"{table['producer_prefill_ms'].iloc[0]} ms")
     with pd.option_context("display.width", 250, "display.max_columns", 40):
         steps = ["method", "bytes_per_token", "encode_ms", "receive_ms", "first_step_ms", "compute_iqr_ms"]
+        if table["receive_vs_closed_form"].notna().any():  # a trained correction stage: its added receive time
+            steps.append("receive_vs_closed_form")
         print(table[steps].iloc[1:].to_string(index=False))
         for label, what in (("", "without the producer's prefill"), ("_with_prefill", "with the producer's prefill"),
                             (f"_shared{c.fan_out}", f"with the producer's prefill shared by {c.fan_out} specialists")):

@@ -863,10 +863,13 @@ def test_ttft_table_counts_every_step_and_break_even_follows_from_it(tiny_pair, 
 
     samples = {("producer prefill", "prefill"): [0.2, 0.4, 0.3], ("oracle", "prefill"): [0.5, 0.5, 0.5],
                ("oracle", "first_step"): [0.1, 0.1, 0.1]}
-    for name, enc in (("fast", 0.01), ("slow", 0.7)):
-        samples |= {(name, "encode"): [enc] * 3, (name, "receive"): [0.05] * 3, (name, "first_step"): [0.04] * 3}
-    table = ttft.timing_table(samples, {"fast": 1000.0, "slow": 10.0}, ["fast", "slow"], 4, 3, 100)
+    for name, enc, rec in (("fast", 0.01, 0.05), ("slow", 0.7, 0.05), ("fast" + plans.CLOSED, 0.01, 0.04)):
+        samples |= {(name, "encode"): [enc] * 3, (name, "receive"): [rec] * 3, (name, "first_step"): [0.04] * 3}
+    names = ["fast", "slow", "fast" + plans.CLOSED]
+    table = ttft.timing_table(samples, {n: b for n, b in zip(names, (1000.0, 10.0, 1000.0))}, names, 4, 3, 100)
     fast, slow = table.iloc[1], table.iloc[2]
+    assert fast["receive_vs_closed_form"] == 1.25  # 50 ms against its closed-form twin's 40 ms
+    assert table["receive_vs_closed_form"].iloc[2:].isna().all()  # no twin: nothing to compare
     assert table["oracle_ms"].iloc[0] == 600.0 and fast["producer_prefill_ms"] == 300.0
     compute = 0.01 + 0.05 + 0.04
     assert fast["ttft_10gbps_ms"] == round(1000 * (compute + 1000 * 100 * 8 / 10e9), 1)
@@ -1020,11 +1023,21 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
     both = {r.method: r for r in bench.bench(tiny_pair, trained, [_window(48, 7)], cfg, progress=False).methods}
     torch.manual_seed(0)
     before = {r.method: r for r in bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False).methods}
-    assert set(both) == set(before) | {m + bench.CLOSED for m in before if m.startswith("SCD")}
+    assert set(both) == set(before) | {m + plans.CLOSED for m in before if m.startswith("SCD")}
     for m in (m for m in before if m.startswith("SCD")):
-        assert both[m + bench.CLOSED].kl_per_prompt == before[m].kl_per_prompt
+        assert both[m + plans.CLOSED].kl_per_prompt == before[m].kl_per_prompt
         assert both[m].kl_per_prompt != before[m].kl_per_prompt  # the correction changed what the consumer got
     assert both["raw KV"].kl_per_prompt == before["raw KV"].kl_per_prompt
+    from scdviz.scd import ttft  # timed the same way: each twin interleaved with its trained plan, its ratio beside
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ttft.data, "load_split", lambda domain, split: ["the quick brown fox " * 30])
+        mp.setattr(ttft.builtin, "training_corpus", lambda name: "jargon")
+        live = ttft.run(ttft.TtftConfig(limit=1, prompt_len=40, reps=1, budget=30.0), tiny_pair, trained, False)
+    timed = live.set_index("method")["receive_vs_closed_form"]
+    scd = [m for m in timed.index if m.startswith("SCD") and not m.endswith(plans.CLOSED)]
+    assert scd and all(m + plans.CLOSED in timed.index and timed[m] > 0 for m in scd)
+    assert pd.isna(timed["raw KV"])
 
 
 def test_a_step_leaves_a_correction_its_plan_does_not_reach_exactly_as_it_was():
@@ -1065,3 +1078,15 @@ def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pa
                                                   transfer.build_payload(c.state, p, out), out, None, False))
                      for c in cases) / len(cases)
         assert kl == pytest.approx(log["val_kl_by_plan"][p.name][log["best_epoch"]], rel=1e-5)
+
+
+def test_a_correction_stage_footprint_is_counted_by_hand():
+    """Two layers of D = 8 at rank 3: 2 x (8*3 + 3*8 + 8 + 8) float32 numbers; per token and layer,
+    2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products)."""
+    from scdviz.scd import distil
+
+    rows = {0: torch.randn(10, 8), 3: torch.randn(10, 8)}
+    got = distil.footprint(distil.initial(rows, 3, 0), consumer_params=1000, layers=4)
+    assert got["layers"] == 2 and got["of_layers"] == 4
+    assert got["mb"] == round(4 * 2 * (24 + 24 + 8 + 8) / 1e6, 3)
+    assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48) and got["of_prefill"] == round(240 / 2000, 5)

@@ -6,7 +6,7 @@ generation for token-F1), optionally the patch-budget sweep (k = 0..patch_k, sel
 drift placement) and a rank (byte-budget) sweep, and an analytic projection of each
 method's TTFT for named large models (scdviz.link). A calibration with a trained correction
 stage (scdviz.scd.distil) has every SCD plan measured again with its closed form, labelled
-``CLOSED``, on the same windows: before and after training side by side. ``rows`` flattens a report into the
+``plans.CLOSED``, on the same windows: before and after training side by side. ``rows`` flattens a report into the
 rows of ``python -m scdviz bench scd`` (written as a scdviz.records.BenchRecord). No argument parsing here.
 """
 
@@ -79,20 +79,6 @@ def budget_plan(calib: calibration.Calibration, curves, budget: float, n_tokens:
     if coder == "rd":
         return plans.rd_plan(curves, budget, n_tokens, sink, name)[0]
     raise ValueError(f"unknown coder {coder!r}; use one of {CODERS}")
-
-
-CLOSED = " (closed form)"  # the label suffix of an SCD plan run without the calibration's trained correction
-
-
-def with_closed_form(lineup: list[Plan], calib: calibration.Calibration
-                     ) -> tuple[list[Plan], list[calibration.Calibration]]:
-    """``lineup`` and the calibration of each plan; with a trained correction stage (scdviz.scd.distil),
-    every plan that sends REUSE codes again with the closed form, labelled ``CLOSED``, so the two
-    are measured side by side on the same prompts."""
-    if not calib.corrections:
-        return lineup, [calib] * len(lineup)
-    twins = [dataclasses.replace(p, name=p.name + CLOSED) for p in lineup if "code" in p.modes]
-    return lineup + twins, [calib] * len(lineup) + [calib.closed_form()] * len(twins)
 
 
 PROJECTION_TOKENS = 4096  # prompt length of the projection
@@ -193,7 +179,7 @@ def bench(
         scd_full = budget_plan(calib, curves, budget, n_tokens, sink, cfg.coder, name="SCD full")
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
     lineup = plans.lineup(calib, scd_full, sink, cfg.kivi_window, cfg.entropy)
-    lineup, calibs = with_closed_form(lineup, calib)
+    lineup, calibs = plans.with_closed_form(lineup, calib)
     results = measure.run_methods(pair, calibs, cases, lineup, "method", gen_tokens, gens, progress)
     report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup},
                          calibrated_on=list(calib.stats.get("domains", [])))
@@ -216,7 +202,7 @@ def bench(
             coded = dataclasses.replace(rd, name=f"SCD RD+entropy @{b:g} B/token", entropy=True)  # the same plan, coded
             swept += [budget_plan(calib, curves, b, n_tokens, sink, "transform"), rd, coded,
                       *plans.rank_sweep(calib, [b])]
-        swept, calibs = with_closed_form(swept, calib)
+        swept, calibs = plans.with_closed_form(swept, calib)
         report.sweeps += measure.run_methods(pair, calibs, cases, swept, "budget sweep", progress=progress)
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
     report.projection = projection(report, calib, d_kv, pair_shape(pair))

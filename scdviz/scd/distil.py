@@ -137,6 +137,16 @@ def refined_rows(calib: Calibration, blobs: list[bytes]) -> dict[int, torch.Tens
     return {layer: torch.cat(r) for layer, r in rows.items()}
 
 
+def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
+    """What a correction stage costs: its size as saved (float32, MB) and the consumer's FLOPs per received
+    prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is 2 D r + 2 r D, with
+    D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its parameters per token)."""
+    numel = sum(t.numel() for p in corrections.values() for t in p.values())
+    flops = sum(2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() for p in corrections.values())
+    return {"layers": len(corrections), "of_layers": layers, "mb": round(4 * numel / 1e6, 3),
+            "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5)}
+
+
 def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.Tensor, clip: float) -> float:
     """One optimiser step on ``loss`` with the gradient norm clipped to ``clip``; returns the norm before.
 
@@ -213,6 +223,8 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
             log["best_epoch"] = epoch + 1
             best = {layer: {k: v.detach().cpu().clone() for k, v in p.items()} for layer, p in params.items()}
     log["seconds"] = round(time.perf_counter() - t0, 1)
+    facts = pair.consumer_facts
+    log["footprint"] = footprint(best or params, facts.params, facts.layers)
     out = replace(calib, corrections=best if log["best_epoch"] else None,  # none beat the closed form
                    stats={**calib.stats, "distil": log})  # a new tag: payloads of the two never mix
     return out, log

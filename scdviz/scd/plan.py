@@ -227,6 +227,20 @@ def tc_plan(calib: Calibration, budget_bytes: float, sink: str = "recompute", na
                 rate_target=float(budget_bytes))
 
 
+CLOSED = " (closed form)"  # the label suffix of an SCD plan run without the calibration's trained correction
+
+
+def with_closed_form(lineup: list[Plan], calib: Calibration
+                     ) -> tuple[list[Plan], list[Calibration]]:
+    """``lineup`` and the calibration of each plan; with a trained correction stage (scdviz.scd.distil),
+    every plan that sends REUSE codes again with the closed form, labelled ``CLOSED``, so the two
+    are measured side by side on the same prompts."""
+    if not calib.corrections:
+        return lineup, [calib] * len(lineup)
+    twins = [dataclasses.replace(p, name=p.name + CLOSED) for p in lineup if "code" in p.modes]
+    return lineup + twins, [calib] * len(lineup) + [calib.closed_form()] * len(twins)
+
+
 def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute", kivi_window: int = 0,
            entropy: bool = False) -> list[Plan]:
     """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.

@@ -7,6 +7,9 @@ kept by the same pass in a real server; here they are captured by an untimed ext
 method's encoding (producer side), receiving (consumer side:
 parse, decode codes, align, regenerate, recompute, token 0) and first decode step, and the
 oracle's prefill + first step. Medians (and interquartile ranges) over rounds and prompts.
+A calibration with a trained correction stage (scdviz.scd.distil) has every code-sending plan
+timed again with its closed form (``plans.with_closed_form``), interleaved in the same rounds:
+``receive_vs_closed_form`` is what the correction adds to receiving.
 
 TTFT at a bandwidth = encoding + payload bytes over the link + receiving + first step,
 counted three ways: without the producer's prefill (the producer's cache already exists),
@@ -77,7 +80,8 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
     sizes: dict[str, float] = {}
     device = hf.device_of(pair.consumer)
     n = cfg.prompt_len
-    plan_list = methods(calib, cfg.budget, n)
+    plan_list, calibs = plans.with_closed_form(methods(calib, cfg.budget, n), calib)
+    by_name = {p.name: (p, c) for p, c in zip(plan_list, calibs, strict=True)}
     for window in tqdm(windows, desc="ttft: interleaved rounds per prompt", disable=not progress):
         prefix = hf.ids_tensor(window[: cfg.prompt_len], device)
         fed = hf.ids_tensor(window[cfg.prompt_len :], device)
@@ -89,9 +93,9 @@ def run(cfg: TtftConfig, pair: Pair, calib: calibration.Calibration, progress: b
             if item == "oracle":
                 seconds, cache = timing.timed(hf.decoder_cache, pair.consumer, prefix, device=device)
                 return {"prefill": seconds, "first_step": transfer.first_step_seconds(pair.consumer, cache, fed, n)}
-            plan = next(p for p in plan_list if p.name == item)
-            seconds, blob = timing.timed(transfer.build_payload, state, plan, calib, device=device)
-            got = transfer.receive(pair.consumer, blob, calib)
+            plan, its = by_name[item]
+            seconds, blob = timing.timed(transfer.build_payload, state, plan, its, device=device)
+            got = transfer.receive(pair.consumer, blob, its)
             sizes[item] = len(blob) / n
             return {"encode": seconds, "receive": got.seconds,
                     "first_step": transfer.first_step_seconds(pair.consumer, got.cache, fed, n)}
@@ -124,6 +128,10 @@ def timing_table(samples, sizes, names, fan_out: int, n: int, prompt_len: int) -
             spare = oracle - compute - extra
             row[f"break_even{label}_gbps"] = round(per_token * prompt_len * 8 / spare / 1e9, 3) if spare > 0 else None
         rows.append(row)
+    receive = {r["method"]: r["receive_ms"] for r in rows[1:]}
+    for row in rows[1:]:  # a trained correction's cost: receiving against its closed-form twin's (same run)
+        twin = receive.get(row["method"] + plans.CLOSED)
+        row["receive_vs_closed_form"] = round(row["receive_ms"] / twin, 3) if twin else None
     df = pd.DataFrame(rows)
     df["producer_prefill_ms"] = round(1000 * producer, 1)
     df["oracle_ms"] = round(1000 * oracle, 1)
