@@ -174,6 +174,8 @@ def _distil(cmd: Distil) -> None:
           + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
     for name, by in log["val_kl_by_plan"].items():
         print(f"  {name}: {by[0]:.4f} -> {by[best]:.4f}")
+    if not best:
+        print("no epoch beat the closed form: what is saved is the closed form, unchanged (its tag too)")
     f = log["footprint"]
     print(f"the correction stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB (float32), "
           f"{f['flops_per_token'] / 1e3:.0f} kFLOP per received token ({100 * f['of_prefill']:.2f}% of the "

@@ -17,6 +17,7 @@ from scdviz import metrics
 from scdviz.models import hf
 
 CUE = 12  # context tokens quoted in the question
+LEAD = '\n\nFrom the text above: "'  # what the question says before the quote
 
 
 @dataclass
@@ -37,7 +38,7 @@ def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3, pe
     third = max(1, t // 3)
     p = third + (index * 37) % third
     p = max(CUE, min(p, t - answer_len))
-    lead = tokenizer('\n\nFrom the text above: "', add_special_tokens=False)["input_ids"]
+    lead = tokenizer(LEAD, add_special_tokens=False)["input_ids"]
     return QAItem(question=list(pending) + lead + context[p - CUE : p], answer=context[p : p + answer_len])
 
 

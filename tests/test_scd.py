@@ -1081,12 +1081,38 @@ def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pa
 
 
 def test_a_correction_stage_footprint_is_counted_by_hand():
-    """Two layers of D = 8 at rank 3: 2 x (8*3 + 3*8 + 8 + 8) float32 numbers; per token and layer,
-    2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products)."""
+    """Two layers of D = 8 at rank 3: 2 x (8*3 + 3*8 + 8 + 8 + 8) float32 numbers (a, b, s, sigma, tau); per
+    token and layer, 2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products) + D (times tau)."""
     from scdviz.scd import distil
 
     rows = {0: torch.randn(10, 8), 3: torch.randn(10, 8)}
     got = distil.footprint(distil.initial(rows, 3, 0), consumer_params=1000, layers=4)
     assert got["layers"] == 2 and got["of_layers"] == 4
-    assert got["mb"] == round(4 * 2 * (24 + 24 + 8 + 8) / 1e6, 3)
-    assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48) and got["of_prefill"] == round(240 / 2000, 5)
+    assert got["mb"] == round(4 * 2 * (24 + 24 + 8 + 8 + 8) / 1e6, 3)
+    assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48 + 8) and got["of_prefill"] == round(256 / 2000, 5)
+
+
+def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tiny_calib):
+    """``recall`` of each domain's windows (spread evenly) continue with the context-QA lead and a span of
+    their own prompt; the others are the plain windows, unchanged; a continuation too short to quote is refused."""
+    from scdviz import qa
+    from scdviz.scd import distil
+
+    lead = tiny_pair.tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]
+    base = dict(train_windows=4, val_windows=2, prompt_len=40, cont_len=len(lead) + 16)
+    plain = distil.windows(tiny_pair, tiny_calib, distil.DistilConfig(**base))
+    mixed = distil.windows(tiny_pair, tiny_calib, distil.DistilConfig(**base, recall=0.5))
+    for per, ws, ref in ((4, mixed[0], plain[0]), (2, mixed[1], plain[1])):
+        assert len(ws) == len(ref)
+        for i, (w, r) in enumerate(zip(ws, ref)):
+            assert len(w) == 40 + base["cont_len"] and w[:40] == r[:40]
+            if i % per % 2 == 0:
+                assert w == r
+            else:
+                assert w[40 : 40 + len(lead)] == lead
+                quote = w[40 + len(lead):]
+                assert any(w[s : s + 16] == quote for s in range(40 - 16 + 1))
+    with pytest.raises(ValueError, match="recall window needs"):
+        distil.windows(tiny_pair, tiny_calib, distil.DistilConfig(**{**base, "cont_len": len(lead) + 5}, recall=1.0))
+    with pytest.raises(ValueError, match="share of the windows"):
+        distil.DistilConfig(recall=1.5)

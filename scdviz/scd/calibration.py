@@ -164,14 +164,16 @@ class Calibration:
     def correct(self, layer: int, keys_pre: Tensor, values: Tensor,
                 corrections: dict[int, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
         """Refined REUSE rows (N, d_kv) each -> the same after the layer's trained correction, if it has one:
-        ``y = x (1 + s) + (x / sigma) a b`` on x = [K_pre, V] (scdviz.scd.distil; the identity when b and s
-        are 0, where its training starts). ``corrections``: use these instead of the calibration's own."""
+        ``y = x (1 + s) + ((x / sigma) a b) tau`` on x = [K_pre, V] (scdviz.scd.distil; the identity when b
+        and s are 0, where its training starts; tau, the output's scale per column, is 1 when absent).
+        ``corrections``: use these instead of the calibration's own."""
         p = ((self.corrections if corrections is None else corrections) or {}).get(layer)
         if p is None:
             return keys_pre, values
         rows = torch.cat([keys_pre, values], 1)
         p = {k: v.to(device=rows.device, dtype=rows.dtype) for k, v in p.items()}
-        rows = rows * (1 + p["s"]) + ((rows / p["sigma"]) @ p["a"]) @ p["b"]
+        low_rank = ((rows / p["sigma"]) @ p["a"]) @ p["b"]
+        rows = rows * (1 + p["s"]) + (low_rank * p["tau"] if "tau" in p else low_rank)
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
     def refine_gain(self, layer: int, noise: tuple[Tensor, Tensor]) -> float:
@@ -352,7 +354,8 @@ def windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], l
 
 # ----------------------------------------------------------------------------- artefact
 
-CORRECTION_FIELDS = ("a", "b", "s", "sigma")  # a trained correction's tensors (Calibration.correct)
+CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau")  # a trained correction's tensors (Calibration.correct;
+# "tau", the output's scale, is absent from the first ones: scale 1)
 FILE = "calibration.safetensors"  # the artefact inside a calibration folder
 KIND = "scd-calibration"
 
@@ -385,7 +388,8 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"], curves,
         [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
-        {i: {name: t[f"c.{i}.{name}"].float() for name in CORRECTION_FIELDS} for i in range(n) if f"c.{i}.a" in t}
+        {i: {name: t[f"c.{i}.{name}"].float() for name in CORRECTION_FIELDS if f"c.{i}.{name}" in t}
+         for i in range(n) if f"c.{i}.a" in t}
         or None,
     )
 

@@ -4,9 +4,11 @@ The closed-form calibration (scdviz.scd.calibrate) fits every REUSE map to squar
 rows, a proxy; the benches score KL(oracle ‖ method) of the consumer's continuation. This stage
 adds, per code layer, a correction of the refined decoded rows x = [K_pre, V] (D = 2 d_kv):
 
-    y = x (1 + s) + (x / sigma) a b        a: (D, r), b: (r, D), s: (D,), sigma: the rows' spread
+    y = x (1 + s) + ((x / sigma) a b) sigma        a: (D, r), b: (r, D), s: (D,), sigma: the rows' spread
 
-with b and s starting at 0, so training starts at the closed form exactly. It is trained by
+with b and s starting at 0, so training starts at the closed form exactly. Input and output are in units
+of each column's spread (sigma, 0.03 to 2.4 on the built-in pair), so one optimiser step moves every
+column by the same relative amount (the stored output scale is ``tau``). It is trained by
 backpropagation through the frozen consumer on KL(oracle ‖ method) of teacher-forced
 continuations, the quantity the benches report. The payloads it trains on are built at every
 operating point it is trained for (quantisation-aware): the calibration's own plan (its code bits)
@@ -28,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from scdviz import config, data, metrics
+from scdviz import config, data, metrics, qa
 from scdviz.config import opt
 from scdviz.models import hf
 from scdviz.models.pair import Pair
@@ -54,12 +56,17 @@ class DistilConfig:
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.05, "AdamW weight decay")
     clip: float = opt(1.0, "gradient norm clip")
+    recall: float = opt(0.0, "share of the training and validation windows whose continuation quotes their own "
+                        "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
+                        "them): a quote-recall term of the objective")
     seed: int = opt(0, "initialisation and window order")
 
     def __post_init__(self) -> None:
         for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.recall <= 1:
+            raise ValueError(f"--recall is a share of the windows, from 0 to 1; got {self.recall}")
         if any(not b > 0 for b in self.budgets):
             raise ValueError(f"--budgets must be positive bytes per token, got {self.budgets}")
 
@@ -75,7 +82,8 @@ def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
 
 def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
     """(training windows from the train splits, validation windows from the calib splits) of the
-    calibration's domains, ``prompt_len + cont_len`` tokens each, spread through each split."""
+    calibration's domains, ``prompt_len + cont_len`` tokens each, spread through each split; ``cfg.recall``
+    of each domain's windows continue with a quote of their own prompt instead (``quoted``)."""
     length, train, val = cfg.prompt_len + cfg.cont_len, [], []
     for name in domains_of(calib.config):
         for split, n, out in (("train", cfg.train_windows, train), ("calib", cfg.val_windows, val)):
@@ -83,19 +91,42 @@ def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[lis
             if len(got) < n:
                 raise ValueError(f"{name!r} gives {len(got)} windows of {length} tokens in its {split} split; "
                                  f"need {n}")
-            out += [got[round(i * len(got) / n)] for i in range(n)]
+            picked = [got[round(i * len(got) / n)] for i in range(n)]
+            out += [quoted(pair.tokenizer, w[: cfg.prompt_len], cfg.cont_len, i) if _is_recall(i, cfg.recall) else w
+                    for i, w in enumerate(picked)]
     return train, val
+
+
+def _is_recall(i: int, share: float) -> bool:
+    """Whether the i-th window of a split is a quote-recall one: ``share`` of them, spread evenly."""
+    return int((i + 1) * share) > int(i * share)
+
+
+def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]:
+    """``prompt`` then a continuation of ``cont_len`` tokens that quotes it, as a context-QA question and its
+    answer do (``qa.make_item``'s lead, CUE prompt tokens, then the prompt tokens after them), from a
+    position that moves with ``index`` through the prompt's middle."""
+    lead = tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]
+    copied = cont_len - len(lead)  # the cue and its answer
+    if copied < qa.CUE + 1 or copied > len(prompt) // 2:
+        raise ValueError(f"--cont-len {cont_len} leaves {copied} quoted tokens; a recall window needs "
+                         f"{qa.CUE + 1} to {len(prompt) // 2}")
+    span = len(prompt) - copied
+    start = span // 4 + (index * 37) % max(1, span // 2)
+    return prompt + lead + prompt[start : start + copied]
 
 
 def initial(rows: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
     """The corrections training starts from (the identity: b = s = 0), for each code layer in ``rows``;
-    sigma: the spread of each column of that layer's refined rows ``rows[layer]`` (N, D)."""
+    sigma (the input's scale) and tau (the output's): the spread of each column of that layer's refined
+    rows ``rows[layer]`` (N, D)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer in sorted(rows):
         d = rows[layer].shape[1]
+        sigma = rows[layer].std(0).clamp_min(1e-6)
         out[layer] = {"a": torch.randn(d, rank, generator=g) / d**0.5, "b": torch.zeros(rank, d),
-                      "s": torch.zeros(d), "sigma": rows[layer].std(0).clamp_min(1e-6)}
+                      "s": torch.zeros(d), "sigma": sigma, "tau": sigma.clone()}
     return out
 
 
@@ -139,10 +170,12 @@ def refined_rows(calib: Calibration, blobs: list[bytes]) -> dict[int, torch.Tens
 
 def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
     """What a correction stage costs: its size as saved (float32, MB) and the consumer's FLOPs per received
-    prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is 2 D r + 2 r D, with
-    D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its parameters per token)."""
+    prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
+    output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
+    parameters per token)."""
     numel = sum(t.numel() for p in corrections.values() for t in p.values())
-    flops = sum(2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() for p in corrections.values())
+    flops = sum(2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
+                for p in corrections.values())
     return {"layers": len(corrections), "of_layers": layers, "mb": round(4 * numel / 1e6, 3),
             "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5)}
 
@@ -168,7 +201,8 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
            at: list[plans.Plan] | None = None) -> tuple[Calibration, dict]:
     """Train the correction stage of ``calib`` (see the module docstring) at the plans ``at`` (default:
     ``trained_plans``), one plan per step in turn. The epoch kept is the one with the lowest validation
-    KL averaged over the plans. Returns (the calibration with that epoch's corrections, the log)."""
+    KL averaged over the plans. Returns (the calibration with that epoch's corrections, the log); when no
+    epoch beats the closed form, the closed form itself (same tag, no corrections; the log says so)."""
     t0 = time.perf_counter()
     at = at or trained_plans(calib, cfg)
     if not any("code" in p.modes for p in at):
@@ -188,7 +222,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     start = initial(refined_rows(calib, [b for blobs in train[1] for b in blobs]), cfg.rank, cfg.seed)
     params = {layer: {k: v.to(device).requires_grad_(k in ("a", "b", "s")) for k, v in p.items()}
               for layer, p in start.items()}
-    trained = [t for p in params.values() for k, t in p.items() if k != "sigma"]
+    trained = [t for p in params.values() for k, t in p.items() if k in ("a", "b", "s")]  # sigma, tau: fixed
     opt_ = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def validation() -> list[float]:
@@ -225,6 +259,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     log["seconds"] = round(time.perf_counter() - t0, 1)
     facts = pair.consumer_facts
     log["footprint"] = footprint(best or params, facts.params, facts.layers)
-    out = replace(calib, corrections=best if log["best_epoch"] else None,  # none beat the closed form
-                   stats={**calib.stats, "distil": log})  # a new tag: payloads of the two never mix
+    if not log["best_epoch"]:  # no epoch beat the closed form: it is the result, under its own tag
+        return calib.closed_form(), log
+    out = replace(calib, corrections=best, stats={**calib.stats, "distil": log})  # a new tag: payloads never mix
     return out, log
