@@ -427,6 +427,27 @@ def training_curve(log: dict | None) -> go.Figure:
     return _layout(fig, "Policy training", "REINFORCE step", "KL(full ‖ pruned)")
 
 
+def distil_curve(log: dict | None) -> go.Figure:
+    """The correction stage's training (scdviz.scd.distil): validation KL per epoch at each plan it was
+    trained at (epoch 0 = the closed form), their mean (which chooses the epoch, marked), training KL."""
+    fig = go.Figure()
+    log = log or {}
+    for name, kl in (log.get("val_kl_by_plan") or {}).items():
+        fig.add_scatter(x=list(range(len(kl))), y=kl, mode="lines+markers", name=f"validation, {name}")
+    if log.get("val_kl"):
+        kl = log["val_kl"]
+        fig.add_scatter(x=list(range(len(kl))), y=kl, mode="lines+markers", name="validation, mean (chooses)",
+                        line=dict(width=3))
+        best = log.get("best_epoch", 0)
+        fig.add_scatter(x=[best], y=[kl[best]], mode="markers", name=f"kept: epoch {best}",
+                        marker=dict(size=14, symbol="star"))
+    if log.get("train_kl"):
+        fig.add_scatter(x=list(range(1, len(log["train_kl"]) + 1)), y=log["train_kl"], mode="lines",
+                        name="training (mean over the epoch)", line=dict(dash="dot"))
+    return _layout(fig, "Correction stage trained through the consumer", "epoch (0 = closed form)",
+                   "KL(oracle ‖ SCD), nats/token")
+
+
 def selection_curve(selection_kl: list[float], order: list[int]) -> go.Figure:
     """Continuation KL after adding each patch layer in selection order (0 = no patch)."""
     labels = ["none"] + [f"+L{layer}" for layer in order[: max(0, len(selection_kl) - 1)]]

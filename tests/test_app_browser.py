@@ -274,6 +274,26 @@ def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
     page.locator("#ev-table").get_by_text("yours:my-policy").wait_for(timeout=300_000)
 
 
+def test_calibrate_tab_trains_the_correction_stage_and_the_scd_tab_shows_it_beside_the_closed_form(
+        page, tmp_path_factory):
+    page.get_by_role("tab", name="Calibrate / train").click()
+    page.get_by_label("Also at 1/6 and 1/10 of fp16").uncheck()  # the operating point only: a shorter run
+    page.locator("#distil-run").click()
+    page.locator("#distil-info").get_by_text("Training the correction stage").wait_for(timeout=120_000)  # progress
+    page.locator("#distil-info").get_by_text("Trained in").wait_for(timeout=600_000)
+    _plots_drawn(page, "distil", ("plot",))
+    info = page.locator("#distil-info").inner_text()
+    assert "closed form" in info and "MB" in info and not LONG_FLOAT.search(info), info
+    _shot(page, "distil", tmp_path_factory)
+    page.get_by_role("tab", name="SCD transfer").click()
+    page.locator("#scd-budget input").fill("0")  # the plan controls again (an earlier test set a budget)
+    page.locator("#scd-run").click()
+    page.locator("#scd-table").get_by_text("SCD full (closed form)").wait_for(timeout=300_000)
+    table = page.locator("#scd-table").inner_text()
+    assert "SCD reuse-only (closed form)" in table and "raw KV (closed form)" not in table
+    _shot(page, "scd-distilled", tmp_path_factory)
+
+
 def test_bad_input_shows_a_message_not_a_traceback(page):
     page.get_by_role("tab", name="Pair").click()
     page.locator("#pair-prompt textarea").fill("   ")

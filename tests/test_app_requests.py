@@ -82,11 +82,11 @@ def test_the_api_names_endpoints_and_parameters_in_words_and_hides_internal_ones
 
     demo = webapp.build_demo()
     info = demo.get_api_info()["named_endpoints"]
-    assert {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/load_calibration",
+    assert {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/load_calibration", "/distil",
             "/train"} <= set(info)
     for endpoint, cls in (("/scd_transfer", requests.ScdRequest), ("/evict", requests.EvictRequest),
                           ("/generate", requests.GenerateRequest), ("/calibrate", requests.CalibrateRequest),
-                          ("/train", requests.TrainRequest)):
+                          ("/distil", requests.DistilRequest), ("/train", requests.TrainRequest)):
         params = info[endpoint]["parameters"]
         assert [p["parameter_name"] for p in params] == [f.name for f in fields(cls)], endpoint
         for p in params:  # integer controls are typed int for a script user

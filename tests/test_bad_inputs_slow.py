@@ -30,6 +30,7 @@ EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model
           method="distillcache-head-lookahead-w512", methods=None)
 CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits="4", name="bad-input-run")
 TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
+DI = dict(train_windows=2, val_windows=1, epochs=2, rank=32, budgets=True, name="bad-input-distil")
 
 
 def scd(**kw):
@@ -46,6 +47,10 @@ def cal(**kw):
 
 def tr(**kw):
     return ("/train", tuple({**TR, **kw}.values()))
+
+
+def di(**kw):
+    return ("/distil", tuple({**DI, **kw}.values()))
 
 
 # (mode, (endpoint, args), expected fragment); mode: "both", "hosted", "local", or "nopair" (a fresh visitor)
@@ -150,6 +155,12 @@ ROWS = [
     ("both", tr(name="."), "is not allowed"),
     ("both", tr(name="my policy"), "is not allowed"),
     ("nopair", tr(), "load a pair first"),
+    ("nopair", di(), "load a pair first"),
+    ("both", di(train_windows=0), "is less than minimum value"),
+    ("both", di(epochs=60), "is greater than maximum value"),
+    ("both", di(rank=1000), "is greater than maximum value"),
+    ("both", di(budgets="x"), "must be true or false"),
+    ("both", di(name="../x"), "is not allowed"),
     ("hosted", ("/load_calibration", ("/etc",)), "does not read local paths"),
     ("hosted", ("/load_calibration", ("{shipped_calib}",)), "does not read local paths"),
     ("both", ("/load_calibration", ("",)), "no calibration folder given"),
@@ -295,7 +306,7 @@ def _ask(client, endpoint, args) -> tuple[str, float]:
 def test_the_catalogue_is_large_and_covers_every_tab():
     assert len(ROWS) >= 60
     endpoints = {endpoint for _, (endpoint, _), _ in ROWS}
-    assert endpoints >= {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/train",
+    assert endpoints >= {"/load_pair", "/generate", "/scd_transfer", "/evict", "/calibrate", "/distil", "/train",
                          "/load_calibration", "/open_upload", "/open_shipped"}
 
 

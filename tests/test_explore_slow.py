@@ -115,3 +115,25 @@ def test_a_loaded_calibration_belongs_to_one_visitor(builtin_pair, tmp_path, mon
     shutil.copytree(tmp_path / "mine", b.folder / "runs" / "mine")
     assert train.load_calibration_for(builtin_pair, b, str(b.folder / "runs" / "mine")) is not shipped
     assert scd.get_calibration(builtin_pair, a) is mine
+
+
+def test_a_visitor_trains_a_correction_stage_that_only_they_then_use(builtin_pair, tmp_path, monkeypatch):
+    """The Calibrate tab's correction stage on the real pair: trained from the shipped calibration (left
+    unchanged, read-only), saved in the visitor's run, their SCD calibration from then on (nobody else's);
+    its log holds one curve per plan it trained at, and the kept stage is what the saved folder loads."""
+    from scdviz.app.requests import DistilRequest
+    from scdviz.app.session import Session
+
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
+    a, b = Session(), Session()
+    shipped = scd.get_calibration(builtin_pair)
+    req = DistilRequest(train_windows=1, val_windows=1, epochs=2, rank=4, budgets=False, name="mine")
+    folder = a.new_run("mine", "calibrations")
+    mine, log = train.distil_for(builtin_pair, a, req, folder, progress=False)
+    assert shipped.corrections is None and scd.get_calibration(builtin_pair) is shipped
+    assert scd.get_calibration(builtin_pair, a) is mine and scd.get_calibration(builtin_pair, b) is shipped
+    assert list(log["val_kl_by_plan"]) == [plans.operating_plan(shipped).name] and len(log["val_kl"]) == 3
+    assert log["train_windows"] == log["val_windows"] == len(calibration.domains_of(shipped.config))
+    kept = log["best_epoch"] > 0  # else the result is the closed form under its own tag, which mixes with it
+    assert (mine.corrections is not None) == kept and (mine.tag != shipped.tag) == kept
+    assert calibration.Calibration.load(folder, builtin_pair).tag == mine.tag

@@ -119,6 +119,23 @@ class CalibrateRequest(Request):
 
 
 @dataclass
+class DistilRequest(Request):
+    """Calibrate / train tab: the correction stage of the visitor's SCD calibration (else the shipped one)
+    trained through the consumer on its continuation KL (scdviz.scd.distil), saved as a new calibration run."""
+
+    train_windows: int = control(2, "Training windows per domain (train split)", "int", lo=1, hi=30, step=1,
+                                 row="distil")
+    val_windows: int = control(1, "Validation windows per domain (calib split; they choose the epoch)", "int", lo=1,
+                               hi=4, step=1, row="distil")
+    epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil")
+    rank: int = control(32, "Correction rank", "int", lo=4, hi=64, step=4, row="distil")
+    budgets: bool = control(True, "Also at 1/6 and 1/10 of fp16 (transform coded; needs the rate curves)", "flag",
+                            name="Also at 1/6 and 1/10 of fp16", row="distil-more")
+    name: str = control("my-distilled", "Save the trained calibration as", "text", hi=200, required=False,
+                        row="distil-more")
+
+
+@dataclass
 class TrainRequest(Request):
     """Calibrate / train tab: a DistillCache policy trained on the producer, saved as a run."""
 

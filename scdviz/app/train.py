@@ -1,4 +1,5 @@
-"""The Calibrate / train tab's work: SCD calibration, loading a saved one, DistillCache training.
+"""The Calibrate / train tab's work: SCD calibration, its trained correction stage, loading a saved one,
+DistillCache training.
 
 What a visitor makes or loads goes into their ``Session`` (and a run folder), never a global.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scdviz.app import hosting
-from scdviz.app.requests import CalibrateRequest, TrainRequest
+from scdviz.app.requests import CalibrateRequest, DistilRequest, TrainRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
@@ -29,6 +30,27 @@ def calibrate_for(pair: Pair, session: Session, request: CalibrateRequest, folde
     calib.save(folder)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
     return calib
+
+
+def distil_for(pair: Pair, session: Session, request: DistilRequest, folder: Path,
+               progress: bool | Reporter = True) -> tuple[object, dict]:
+    """Train the correction stage of the SCD tab's calibration for this visitor (theirs, else the shipped
+    one) through the consumer (``scdviz.scd.distil``), save the result in ``folder`` (a run of ``session``)
+    and make it this session's calibration for the pair; returns (it, the training log). Without rate
+    curves (a calibration made here) it trains at the operating point only, and the log says so."""
+    from scdviz.app import scd
+    from scdviz.scd import distil
+
+    req = request.checked()
+    base = scd.get_calibration(pair, session)  # says what to do when the pair has none
+    budgets = [3840.0, 2304.0] if req.budgets and base.rate is not None else []
+    cfg = distil.DistilConfig(rank=req.rank, epochs=req.epochs, train_windows=req.train_windows,
+                              val_windows=req.val_windows, budgets=budgets)
+    calib, log = distil.distil(pair, base.closed_form(), cfg, progress=progress)
+    log["asked_budgets_without_rate"] = bool(req.budgets and base.rate is None)
+    calib.save(folder)
+    session.calibrations[(pair.producer_source, pair.consumer_source)] = calib
+    return calib, log
 
 
 def load_calibration_for(pair: Pair, session: Session, folder) -> object:

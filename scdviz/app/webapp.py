@@ -30,7 +30,7 @@ from scdviz.app.ui.common import redraw_on_select
 # Seconds of GPU each handler may hold on a ZeroGPU Space (its default is 60; its maximum
 # is about 300). Calibration and training are capped by their controls to fit.
 GPU_SECONDS = {"load": 120, "generate": 60, "scd": 120, "scd_fan_out": 240, "evict": 120, "calibrate": 300,
-               "train": 300}
+               "distil": 300, "train": 300}
 
 try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
     import spaces  # type: ignore
@@ -164,6 +164,44 @@ def calibrate(jobs, key, sess, request, http=None, progress=None):
             md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(item)}`; the SCD "
                   f"tab now uses it for you (other visitors keep theirs). {scd.calibration_summary(calib)}")
             yield md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
+
+
+@gpu("distil")
+def distil(jobs, key, sess, request, http=None, progress=None):
+    """Train the correction stage of this visitor's calibration through the consumer (a heavy job): yields
+    (markdown, figure or gr.skip(), session)."""
+    from scdviz import plots
+
+    sess, req = _session(sess, _page(http)), request.checked()
+    pair = _pair(key)
+    made = {}
+
+    def work(folder, report):
+        made["calib"], made["log"] = training.distil_for(pair, sess, req, folder, report)
+
+    for item in _run_job(jobs, "distil", sess, http, req.name, "calibrations", work, progress):
+        if isinstance(item, Step):
+            yield (f"Training the correction stage: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
+                   gr.skip(), sess)
+        elif isinstance(item, Path):
+            log = made["log"]
+            yield _distil_summary(log, item), plots.distil_curve(log), sess
+
+
+def _distil_summary(log: dict, folder: Path) -> str:
+    """What a visitor reads after the correction stage trained: validation KL before and after per plan."""
+    kl, best, f = log["val_kl"], log["best_epoch"], log["footprint"]
+    rows = "\n".join(f"| {name} | {by[0]:.4f} | {by[best]:.4f} | {by[best] / by[0]:.3f}× |"
+                      for name, by in log["val_kl_by_plan"].items())
+    kept = (f"epoch {best} of {len(kl) - 1} kept" if best else
+            "no epoch beat the closed form, so the calibration is the closed form again")
+    note = ("\n\nYour calibration has no rate curves (`python -m scdviz rate` makes them), so it trained at the "
+            "operating point only." if log.get("asked_budgets_without_rate") else "")
+    return (f"Trained in {log['seconds']:.0f} s on {log['train_windows']} windows; {kept}; saved to "
+            f"`{_shown(folder)}`. The SCD tab now uses it for you and shows each SCD method beside its closed "
+            f"form.\n\n| validation KL ({log['val_windows']} calib windows) | closed form | trained | ratio |\n"
+            f"|---|---|---|---|\n{rows}\n\nThe stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB, "
+            f"{100 * f['of_prefill']:.2f}% of the consumer's prefill FLOPs.{note}")
 
 
 def load_calibration(key, sess, folder):
@@ -300,7 +338,8 @@ def build_demo() -> gr.Blocks:
         with gr.Tab("Calibrate / train") as tab:
             redraw_on_select(tab)
             train_tab.build(functools.partial(calibrate, jobs), load_calibration, functools.partial(train, jobs),
-                            functools.partial(stop_jobs, jobs), pair_state, sess, export=export)
+                            functools.partial(stop_jobs, jobs), pair_state, sess, export=export,
+                            distil=functools.partial(distil, jobs))
         with gr.Tab("Results") as tab:
             redraw_on_select(tab)
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files

@@ -1,4 +1,5 @@
-"""Calibrate / train tab: SCD calibration and DistillCache policy training for the loaded pair.
+"""Calibrate / train tab: SCD calibration, its correction stage trained through the consumer, and
+DistillCache policy training for the loaded pair.
 
 Widgets and wiring only; the work arrives from app.py. Progress bars follow the library's
 tqdm bars; the training plot updates while the policy trains.
@@ -10,17 +11,18 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.app.requests import CalibrateRequest, TrainRequest
+from scdviz.app.requests import CalibrateRequest, DistilRequest, TrainRequest
 from scdviz.app.ui import controls
 from scdviz.app.ui.common import figure_downloads, guard
 
 
 def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop: Callable, pair_state: gr.State,
-          session: gr.State, export: Callable | None = None) -> None:
+          session: gr.State, export: Callable | None = None, distil: Callable | None = None) -> None:
     """Add the tab (its controls built from ``CalibrateRequest`` and ``TrainRequest``): ``calibrate(pair_key,
     session, request, http, progress)`` and ``train(...)`` (the same) yield (markdown, figure, session) as they
     run; ``load_calibration(pair_key, session, folder)`` returns them; ``stop(session, what)`` cancels the
-    visitor's "calibrate" or "train" job (its Stop button) and returns a message;
+    visitor's "calibrate", "distil" or "train" job (its Stop button) and returns a message; ``distil(...)``
+    (as ``calibrate``) trains the correction stage of the visitor's calibration, else the shipped one;
     ``export`` (see ``common.figure_downloads``) offers the tab's two figures as files.
 
     What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
@@ -37,6 +39,21 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
         load_btn = gr.Button("Load calibration", elem_id="cal-load")
     cal_info = gr.Markdown(label="Summary", elem_id="cal-info")
     cal_plot = gr.Plot(label="Greedy patch selection", elem_id="cal-plot")
+
+    if distil is not None:
+        gr.Markdown("### SCD correction stage, trained through the consumer\nStarts at the calibration above "
+                    "(yours, else the shipped one) and trains a low-rank correction of every decoded REUSE layer by "
+                    "backpropagation through the frozen consumer on KL(oracle ‖ SCD) of teacher-forced "
+                    "continuations, on payloads at the operating point (and at 1/6 and 1/10 of fp16 when the "
+                    "calibration has rate curves). Windows come from the *train* splits; the epoch kept is chosen "
+                    "on *calib* windows. The result becomes your calibration; the SCD tab then shows every SCD "
+                    "method beside its closed form. (Same code as `python -m scdviz distil`.)")
+        distilling = controls.build(DistilRequest)
+        with gr.Row():
+            dis_btn = gr.Button("Train correction stage", variant="primary", elem_id="distil-run")
+            dis_stop = gr.Button("Stop", variant="stop", elem_id="distil-stop", scale=0, min_width=80)
+        dis_info = gr.Markdown(label="Summary", elem_id="distil-info")
+        dis_plot = gr.Plot(label="Correction stage training", elem_id="distil-plot")
 
     gr.Markdown("### DistillCache policy training\nREINFORCE with Gumbel top-B sampling and a leave-one-out "
                 "baseline on the producer, after a short warm start. Saved as a run named NAME and added to your "
@@ -76,6 +93,12 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
         for out in train(pair_key, session, TrainRequest(**values), http=request, progress=progress):
             yield with_figure(out, figures, "policy_training")
 
+    def on_distil(pair_key, session, figures, request: gr.Request, progress=gr.Progress(), **values):  # noqa: B008
+        if not pair_key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        for out in distil(pair_key, session, DistilRequest(**values), http=request, progress=progress):
+            yield with_figure(out, figures, "correction_training")
+
     cal_outputs = [cal_info, cal_plot, session, figs, *downloads]
     cal_event = cal_btn.click(guard(on_calibrate), [pair_state, session, figs], cal_outputs,
                               inputs_kwargs=calibration, concurrency_limit=None, api_name="calibrate",
@@ -86,6 +109,12 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                                          [train_info, train_plot, session, figs, *downloads],
                                          inputs_kwargs=training, concurrency_limit=None, api_name="train",
                                          show_progress_on=[train_info])
+    if distil is not None:
+        dis_event = dis_btn.click(guard(on_distil), [pair_state, session, figs],
+                                  [dis_info, dis_plot, session, figs, *downloads], inputs_kwargs=distilling,
+                                  concurrency_limit=None, api_name="distil", show_progress_on=[dis_info])
+        dis_stop.click(lambda sess: stop(sess, "distil"), [session], [dis_info], cancels=[dis_event], api_name=False,
+                       queue=False)
     # Stop: the job is told to end at its next step (its files are removed), and the event is cancelled
     cal_stop.click(lambda sess: stop(sess, "calibrate"), [session], [cal_info], cancels=[cal_event], api_name=False,
                    queue=False)
