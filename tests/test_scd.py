@@ -917,8 +917,7 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     plan = _low_rank_plan(tiny_calib)
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     blob = transfer.build_payload(case.state, plan, tiny_calib)
-    rows = distil.refined_rows(tiny_calib, [blob])
-    start = distil.initial(rows, 3, 0)
+    start = distil.initial(distil.row_spread(tiny_calib, [blob]), 3, 0)
     assert sorted(start) == [i for i, m in enumerate(plan.modes) if m == "code"]
     plain = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib).cache)
     same = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib, start).cache)
@@ -1008,7 +1007,7 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
 
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
     blob = transfer.build_payload(case.state, plans.operating_plan(tiny_calib), tiny_calib)
-    start = distil.initial(distil.refined_rows(tiny_calib, [blob]), 3, 0)
+    start = distil.initial(distil.row_spread(tiny_calib, [blob]), 3, 0)
     g = torch.Generator().manual_seed(2)
     trained = copy.copy(tiny_calib)
     trained.corrections = {layer: p | {"b": 0.2 * torch.randn(p["b"].shape, generator=g)} for layer, p in start.items()}
@@ -1085,8 +1084,7 @@ def test_a_correction_stage_footprint_is_counted_by_hand():
     token and layer, 2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products) + D (times tau)."""
     from scdviz.scd import distil
 
-    rows = {0: torch.randn(10, 8), 3: torch.randn(10, 8)}
-    got = distil.footprint(distil.initial(rows, 3, 0), consumer_params=1000, layers=4)
+    got = distil.footprint(distil.initial({0: torch.ones(8), 3: torch.ones(8)}, 3, 0), consumer_params=1000, layers=4)
     assert got["layers"] == 2 and got["of_layers"] == 4
     assert got["mb"] == round(4 * 2 * (24 + 24 + 8 + 8 + 8) / 1e6, 3)
     assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48 + 8) and got["of_prefill"] == round(256 / 2000, 5)
@@ -1116,3 +1114,21 @@ def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tin
         distil.windows(tiny_pair, tiny_calib, distil.DistilConfig(**{**base, "cont_len": len(lead) + 5}, recall=1.0))
     with pytest.raises(ValueError, match="share of the windows"):
         distil.DistilConfig(recall=1.5)
+
+
+def test_row_spread_accumulated_payload_by_payload_is_the_spread_of_all_rows_at_once(tiny_pair, tiny_calib):
+    from scdviz.scd import distil, payload
+
+    plan = _low_rank_plan(tiny_calib)
+    blobs = [transfer.build_payload(transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, s), 8)
+                                    .state, plan, tiny_calib) for s in (3, 4, 5)]
+    got = distil.row_spread(tiny_calib, iter(blobs))  # one pass over a generator
+    assert sorted(got) == [i for i, m in enumerate(plan.modes) if m == "code"]
+    for layer, spread in got.items():
+        rows = []
+        for blob in blobs:
+            msg = payload.decode(blob)
+            by = {(s.layer, s.kind): s.data for s in msg.sections}
+            noise = {(s.layer, s.kind): s.noise for s in msg.sections}
+            rows.append(torch.cat(transfer.reuse_rows(tiny_calib, layer, by, noise), 1))
+        torch.testing.assert_close(spread, torch.cat(rows).double().std(0).float(), rtol=1e-5, atol=1e-6)

@@ -116,15 +116,15 @@ def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]
     return prompt + lead + prompt[start : start + copied]
 
 
-def initial(rows: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
-    """The corrections training starts from (the identity: b = s = 0), for each code layer in ``rows``;
-    sigma (the input's scale) and tau (the output's): the spread of each column of that layer's refined
-    rows ``rows[layer]`` (N, D)."""
+def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
+    """The corrections training starts from (the identity: b = s = 0), for each code layer in ``spread``;
+    sigma (the input's scale) and tau (the output's): ``spread[layer]``, the spread of each column (D,) of
+    that layer's refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for layer in sorted(rows):
-        d = rows[layer].shape[1]
-        sigma = rows[layer].std(0).clamp_min(1e-6)
+    for layer in sorted(spread):
+        sigma = spread[layer].float().clamp_min(1e-6)
+        d = sigma.shape[0]
         out[layer] = {"a": torch.randn(d, rank, generator=g) / d**0.5, "b": torch.zeros(rank, d),
                       "s": torch.zeros(d), "sigma": sigma, "tau": sigma.clone()}
     return out
@@ -155,17 +155,21 @@ def continuation_kl(pair: Pair, target: Target, blob: bytes, calib: Calibration,
     return metrics.kl_per_token(target.oracle_logits, logits).mean()
 
 
-def refined_rows(calib: Calibration, blobs: list[bytes]) -> dict[int, torch.Tensor]:
-    """Per code layer, the [K_pre, V] rows of every payload as ``transfer.receive`` refines them (no correction)."""
-    rows: dict[int, list[torch.Tensor]] = {}
+def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
+    """Per code layer, the standard deviation of each column of the [K_pre, V] rows of every payload in
+    ``blobs`` as ``transfer.receive`` refines them (no correction). Accumulated payload by payload in
+    float64, so memory does not grow with the payloads (a whole training set's rows are ~35 MB a window)."""
+    acc: dict[int, list] = {}
     for blob in blobs:
         msg = payload.decode(blob)
         by = {(s.layer, s.kind): s.data for s in msg.sections}
         noise_of = {(s.layer, s.kind): s.noise for s in msg.sections}
         for layer, mode in enumerate(msg.layout.modes):
             if mode == "code":
-                rows.setdefault(layer, []).append(torch.cat(transfer.reuse_rows(calib, layer, by, noise_of), 1))
-    return {layer: torch.cat(r) for layer, r in rows.items()}
+                rows = torch.cat(transfer.reuse_rows(calib, layer, by, noise_of), 1).double()
+                n, total, squares = acc.setdefault(layer, [0, 0.0, 0.0])
+                acc[layer] = [n + rows.shape[0], total + rows.sum(0), squares + (rows**2).sum(0)]
+    return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}
 
 
 def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
@@ -219,7 +223,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
         return targets, blobs  # the cases themselves are dropped: memory stays ~7 MB a window
 
     train, val = prepared(train_w, "training"), prepared(val_w, "validation")
-    start = initial(refined_rows(calib, [b for blobs in train[1] for b in blobs]), cfg.rank, cfg.seed)
+    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed)
     params = {layer: {k: v.to(device).requires_grad_(k in ("a", "b", "s")) for k, v in p.items()}
               for layer, p in start.items()}
     trained = [t for p in params.values() for k, t in p.items() if k in ("a", "b", "s")]  # sigma, tau: fixed
