@@ -969,6 +969,18 @@ def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_f
     assert kl == pytest.approx(min(log["val_kl"]), rel=1e-5)
 
 
+def _validation_kl(pair, calib, cfg, plan, trained) -> float:
+    """Mean KL over distil's validation windows of ``plan`` sent with ``trained`` (recomputed from scratch)."""
+    from scdviz.scd import distil
+
+    _, val_w = distil.windows(pair, calib, cfg)
+    cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in val_w]
+    with torch.no_grad():
+        blobs = [transfer.build_payload(c.state, plan, trained) for c in cases]
+        return sum(float(distil.continuation_kl(pair, distil.Target.of(c), b, trained, None, False))
+                   for c, b in zip(cases, blobs)) / len(cases)
+
+
 def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair, tiny_calib):
     """Trained at two plans in turn (two quantisations of the same codes): the log keeps each plan's
     validation KL, the epoch kept minimises their mean, and the kept corrections reproduce each plan's
@@ -985,14 +997,9 @@ def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair
     assert list(by) == [p.name for p in at] and all(len(v) == cfg.epochs + 1 for v in by.values())
     assert log["val_kl"] == pytest.approx([(a + b) / 2 for a, b in zip(*by.values())], rel=1e-12)
     assert log["best_epoch"] > 0 and log["val_kl"][log["best_epoch"]] == min(log["val_kl"])
-    _, val_w = distil.windows(tiny_pair, tiny_calib, cfg)
-    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
     for p in at:
-        with torch.no_grad():
-            kl = sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c),
-                                                  transfer.build_payload(c.state, p, out), out, None, False))
-                     for c in cases) / len(cases)
-        assert kl == pytest.approx(by[p.name][log["best_epoch"]], rel=1e-5)
+        assert _validation_kl(tiny_pair, tiny_calib, cfg, p, out) == pytest.approx(by[p.name][log["best_epoch"]],
+                                                                                  rel=1e-5)
     assert [p.name for p in distil.trained_plans(tiny_calib, cfg)] == [plans.operating_plan(tiny_calib).name]
     if tiny_calib.rate is None:
         with pytest.raises(ValueError, match="rate curves"):
@@ -1069,14 +1076,9 @@ def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pa
                               budgets=[])
     out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=at)
     assert log["best_epoch"] > 0 and sorted(out.corrections) == list(range(n))
-    _, val_w = distil.windows(tiny_pair, tiny_calib, cfg)
-    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
     for p in at:
-        with torch.no_grad():
-            kl = sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c),
-                                                  transfer.build_payload(c.state, p, out), out, None, False))
-                     for c in cases) / len(cases)
-        assert kl == pytest.approx(log["val_kl_by_plan"][p.name][log["best_epoch"]], rel=1e-5)
+        assert _validation_kl(tiny_pair, tiny_calib, cfg, p, out) == pytest.approx(
+            log["val_kl_by_plan"][p.name][log["best_epoch"]], rel=1e-5)
 
 
 def test_a_correction_stage_footprint_is_counted_by_hand():

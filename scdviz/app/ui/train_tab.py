@@ -33,12 +33,10 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                 "`python -m scdviz calibrate`; minutes on a CPU.)")
     calibration = controls.build(CalibrateRequest)
     with gr.Row():
-        cal_btn = gr.Button("Calibrate", variant="primary", elem_id="cal-run")
-        cal_stop = gr.Button("Stop", variant="stop", elem_id="cal-stop", scale=0, min_width=80)
+        cal_btn, cal_stop = _job_buttons("Calibrate", "cal")
         folder = gr.Textbox(label="…or load a saved calibration folder", elem_id="cal-folder")
         load_btn = gr.Button("Load calibration", elem_id="cal-load")
-    cal_info = gr.Markdown(label="Summary", elem_id="cal-info")
-    cal_plot = gr.Plot(label="Greedy patch selection", elem_id="cal-plot")
+    cal_info, cal_plot = _summary_and_plot("cal", "Greedy patch selection")
 
     if distil is not None:
         gr.Markdown("### SCD correction stage, trained through the consumer\nStarts at the calibration above "
@@ -50,10 +48,8 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                     "method beside its closed form. (Same code as `python -m scdviz distil`.)")
         distilling = controls.build(DistilRequest)
         with gr.Row():
-            dis_btn = gr.Button("Train correction stage", variant="primary", elem_id="distil-run")
-            dis_stop = gr.Button("Stop", variant="stop", elem_id="distil-stop", scale=0, min_width=80)
-        dis_info = gr.Markdown(label="Summary", elem_id="distil-info")
-        dis_plot = gr.Plot(label="Correction stage training", elem_id="distil-plot")
+            dis_btn, dis_stop = _job_buttons("Train correction stage", "distil")
+        dis_info, dis_plot = _summary_and_plot("distil", "Correction stage training")
 
     gr.Markdown("### DistillCache policy training\nREINFORCE with Gumbel top-B sampling and a leave-one-out "
                 "baseline on the producer, after a short warm start. Saved as a run named NAME and added to your "
@@ -62,12 +58,10 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
     buttons = {}
 
     def add_button(_):
-        buttons["train"] = gr.Button("Train", variant="primary", elem_id="train-run")
-        buttons["stop"] = gr.Button("Stop", variant="stop", elem_id="train-stop", scale=0, min_width=80)
+        buttons["train"], buttons["stop"] = _job_buttons("Train", "train")
 
     training = controls.build(TrainRequest, after={"name": add_button})
-    train_info = gr.Markdown(label="Summary", elem_id="train-info")
-    train_plot = gr.Plot(label="Policy training", elem_id="train-plot")
+    train_info, train_plot = _summary_and_plot("train", "Policy training")
     figs = gr.State({})  # this visitor's figures of the tab, for the download button
     downloads = [figure_downloads("train", figs, session, export)] if export is not None else []
 
@@ -120,3 +114,14 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                    queue=False)
     buttons["stop"].click(lambda sess: stop(sess, "train"), [session], [train_info], cancels=[train_event],
                           api_name=False, queue=False)
+
+
+def _job_buttons(label: str, prefix: str) -> tuple[gr.Button, gr.Button]:
+    """A heavy job's run and Stop buttons (``#<prefix>-run``, ``#<prefix>-stop``), in the current row."""
+    return (gr.Button(label, variant="primary", elem_id=f"{prefix}-run"),
+            gr.Button("Stop", variant="stop", elem_id=f"{prefix}-stop", scale=0, min_width=80))
+
+
+def _summary_and_plot(prefix: str, title: str) -> tuple[gr.Markdown, gr.Plot]:
+    """A job's summary and its figure (``#<prefix>-info``, ``#<prefix>-plot``)."""
+    return gr.Markdown(label="Summary", elem_id=f"{prefix}-info"), gr.Plot(label=title, elem_id=f"{prefix}-plot")
