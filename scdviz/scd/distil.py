@@ -247,14 +247,18 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     best: dict = {}
     order = list(range(len(train_w)))
     rng = random.Random(cfg.seed)
-    for epoch in steps(range(cfg.epochs), "distil: epochs through the consumer", progress):
-        rng.shuffle(order)
-        total = 0.0
-        for n, i in enumerate(order):
-            j = (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
-            loss = continuation_kl(pair, train[0][i], train[1][i][j], calib, params, True)
-            step(opt_, trained, loss, cfg.clip)
-            total += float(loss.detach())
+    schedule = [(epoch, n) for epoch in range(cfg.epochs) for n in range(len(order))]  # one bar, every step
+    for epoch, n in steps(schedule, f"distil: steps through the consumer ({cfg.epochs} epochs, validation after "
+                          "each)", progress):
+        if n == 0:
+            rng.shuffle(order)
+            total = 0.0
+        i, j = order[n], (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
+        loss = continuation_kl(pair, train[0][i], train[1][i][j], calib, params, True)
+        step(opt_, trained, loss, cfg.clip)
+        total += float(loss.detach())
+        if n < len(order) - 1:
+            continue
         log["train_kl"].append(total / len(order))
         record(validation())
         if log["val_kl"][-1] < min(log["val_kl"][:-1]):
