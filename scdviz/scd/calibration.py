@@ -172,8 +172,9 @@ class Calibration:
             return keys_pre, values
         rows = torch.cat([keys_pre, values], 1)
         p = {k: v.to(device=rows.device, dtype=rows.dtype) for k, v in p.items()}
-        low_rank = ((rows / p["sigma"]) @ p["a"]) @ p["b"]
-        rows = rows * (1 + p["s"]) + (low_rank * p["tau"] if "tau" in p else low_rank)
+        a = p["a"] / p["sigma"][:, None]  # the scales folded into the (D, r) and (r, D) factors, not the N rows
+        b = p["b"] * p["tau"] if "tau" in p else p["b"]
+        rows = torch.addmm(rows * (1 + p["s"]), rows @ a, b)
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
     def refine_gain(self, layer: int, noise: tuple[Tensor, Tensor]) -> float:
