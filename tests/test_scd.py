@@ -1106,12 +1106,14 @@ def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tin
         assert len(ws) == len(ref)
         for i, (w, r) in enumerate(zip(ws, ref)):
             assert len(w) == 40 + base["cont_len"] and w[:40] == r[:40]
-            if i % per % 2 == 0:
+            if i % per % 2 == 1:  # at 0.5: the first of each pair is quoted (round(n / 2) of n windows)
                 assert w == r
             else:
                 assert w[40 : 40 + len(lead)] == lead
                 quote = w[40 + len(lead):]
                 assert any(w[s : s + 16] == quote for s in range(40 - 16 + 1))
+    assert [distil.is_recall(i, 0.25) for i in range(3)] == [False, True, False]  # 3 windows at 1/4: one
+    assert sum(distil.is_recall(i, 0.25) for i in range(30)) == round(30 * 0.25)
     with pytest.raises(ValueError, match="recall window needs"):
         distil.windows(tiny_pair, tiny_calib, distil.DistilConfig(**{**base, "cont_len": len(lead) + 5}, recall=1.0))
     with pytest.raises(ValueError, match="share of the windows"):

@@ -92,14 +92,15 @@ def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[lis
                 raise ValueError(f"{name!r} gives {len(got)} windows of {length} tokens in its {split} split; "
                                  f"need {n}")
             picked = [got[round(i * len(got) / n)] for i in range(n)]
-            out += [quoted(pair.tokenizer, w[: cfg.prompt_len], cfg.cont_len, i) if _is_recall(i, cfg.recall) else w
+            out += [quoted(pair.tokenizer, w[: cfg.prompt_len], cfg.cont_len, i) if is_recall(i, cfg.recall) else w
                     for i, w in enumerate(picked)]
     return train, val
 
 
-def _is_recall(i: int, share: float) -> bool:
-    """Whether the i-th window of a split is a quote-recall one: ``share`` of them, spread evenly."""
-    return int((i + 1) * share) > int(i * share)
+def is_recall(i: int, share: float) -> bool:
+    """Whether the i-th window of a split is a quote-recall one: ``share`` of them, spread evenly and
+    rounded, so a split of n windows has round(n * share) of them (3 validation windows at 0.25: one)."""
+    return int((i + 1) * share + 0.5) > int(i * share + 0.5)
 
 
 def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]:
