@@ -444,6 +444,7 @@ def distil_curve(log: dict | None) -> go.Figure:
     if log.get("train_kl"):
         fig.add_scatter(x=list(range(1, len(log["train_kl"]) + 1)), y=log["train_kl"], mode="lines",
                         name="training (mean over the epoch)", line=dict(dash="dot"))
+    fig.update_xaxes(dtick=1)  # whole epochs
     return _layout(fig, "Correction stage trained through the consumer", "epoch (0 = closed form)",
                    "KL(oracle ‖ SCD), nats/token")
 

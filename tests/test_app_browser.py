@@ -281,10 +281,9 @@ def test_calibrate_tab_trains_the_correction_stage_and_the_scd_tab_shows_it_besi
     page = browser.new_page(viewport={"width": 1400, "height": 1800})
     page.goto(app_url)
     page.locator("#pair-summary").get_by_text("Compatible").wait_for(timeout=240_000)
-    page.locator("#consumer input").fill("builtin:austen-qkv")
-    page.locator("#consumer input").press("Enter")
+    _choose(page, "#consumer", "builtin:austen-qkv")
     page.locator("#load-pair").click()
-    page.locator("#pair-summary").get_by_text("austen-qkv").wait_for(timeout=240_000)
+    page.locator("#pair-summary").get_by_text("builtin:smollm2-135m → builtin:austen-qkv").wait_for(timeout=240_000)
     page.get_by_role("tab", name="Calibrate / train").click()
     page.get_by_label("Also at 1/6 and 1/10 of fp16").uncheck()  # the operating point only: a shorter run
     page.locator("#distil-run").click()
@@ -293,6 +292,7 @@ def test_calibrate_tab_trains_the_correction_stage_and_the_scd_tab_shows_it_besi
     _plots_drawn(page, "distil", ("plot",))
     info = page.locator("#distil-info").inner_text()
     assert "closed form" in info and "MB" in info and not LONG_FLOAT.search(info), info
+    assert "epoch 1 of 2 kept" in info or "epoch 2 of 2 kept" in info, info  # austen-qkv: 0.0661 -> 0.0605 offline
     _shot(page, "distil", tmp_path_factory)
     page.get_by_role("tab", name="SCD transfer").click()
     page.locator("#scd-run").click()
