@@ -92,7 +92,25 @@ def _scd_paths(pair, calib, dtype):
         assert {k.dtype for k in hf.Trace(None, got.cache, None).keys} == {dtype}, plan.name
     results = measure.run_methods(pair, calib, cases, lineup, gen_tokens=3, oracle_gen=gens, progress=False)
     assert all(math.isfinite(r.kl) and r.kl >= 0 for r in results)
+    _distil_paths(pair, calib, cases[0], dtype)
     return results
+
+
+def _distil_paths(pair, calib, case, dtype) -> None:
+    """The correction stage: trained through the consumer (backprop in the model's dtype, float32
+    parameters), and a calibration carrying one received into the consumer's dtype and device."""
+    from scdviz.scd import distil
+
+    plan = plans.operating_plan(calib)
+    cfg = distil.DistilConfig(rank=2, epochs=1, train_windows=1, val_windows=1, prompt_len=32, cont_len=8, budgets=[])
+    _, log = distil.distil(pair, calib, cfg, progress=False, at=[plan])
+    assert all(math.isfinite(x) for x in log["val_kl"] + log["train_kl"])
+    blob = transfer.build_payload(case.state, plan, calib)
+    start = distil.initial(distil.row_spread(calib, [blob]), 2, 0)
+    trained = dataclasses.replace(calib, corrections={i: p | {"b": torch.full_like(p["b"], 0.01)}
+                                                      for i, p in start.items()})
+    got = transfer.receive(pair.consumer, transfer.build_payload(case.state, plan, trained), trained)
+    assert {(k.dtype, k.device) for k in hf.Trace(None, got.cache, None).keys} == {(dtype, DEVICE)}
 
 
 @pytest.fixture(scope="module")

@@ -124,10 +124,11 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer in sorted(spread):
-        sigma = spread[layer].float().clamp_min(1e-6)
+        sigma = spread[layer].float().cpu().clamp_min(1e-6)  # artefacts live on the host, as the calibration
         d = sigma.shape[0]
-        out[layer] = {"a": torch.randn(d, rank, generator=g) / d**0.5, "b": torch.zeros(rank, d),
-                      "s": torch.zeros(d), "sigma": sigma, "tau": sigma.clone()}
+        out[layer] = {"a": torch.randn(d, rank, generator=g, device="cpu") / d**0.5,
+                      "b": torch.zeros(rank, d, device="cpu"), "s": torch.zeros(d, device="cpu"), "sigma": sigma,
+                      "tau": sigma.clone()}
     return out
 
 
