@@ -1121,7 +1121,7 @@ def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tin
 
 
 def test_row_spread_accumulated_payload_by_payload_is_the_spread_of_all_rows_at_once(tiny_pair, tiny_calib):
-    from scdviz.scd import distil, payload
+    from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
     blobs = [transfer.build_payload(transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, s), 8)
@@ -1129,10 +1129,5 @@ def test_row_spread_accumulated_payload_by_payload_is_the_spread_of_all_rows_at_
     got = distil.row_spread(tiny_calib, iter(blobs))  # one pass over a generator
     assert sorted(got) == [i for i, m in enumerate(plan.modes) if m == "code"]
     for layer, spread in got.items():
-        rows = []
-        for blob in blobs:
-            msg = payload.decode(blob)
-            by = {(s.layer, s.kind): s.data for s in msg.sections}
-            noise = {(s.layer, s.kind): s.noise for s in msg.sections}
-            rows.append(torch.cat(transfer.reuse_rows(tiny_calib, layer, by, noise), 1))
+        rows = [torch.cat(kv, 1) for blob in blobs for i, kv in transfer.code_rows(tiny_calib, blob) if i == layer]
         torch.testing.assert_close(spread, torch.cat(rows).double().std(0).float(), rtol=1e-5, atol=1e-6)

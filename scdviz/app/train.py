@@ -43,9 +43,10 @@ def distil_for(pair: Pair, session: Session, request: DistilRequest, folder: Pat
 
     req = request.checked()
     base = scd.get_calibration(pair, session)  # says what to do when the pair has none
-    budgets = [3840.0, 2304.0] if req.budgets and base.rate is not None else []
     cfg = distil.DistilConfig(rank=req.rank, epochs=req.epochs, train_windows=req.train_windows,
-                              val_windows=req.val_windows, budgets=budgets)
+                              val_windows=req.val_windows)  # budgets: the CLI's (1/6 and 1/10 of fp16)
+    if not (req.budgets and base.rate is not None):
+        cfg.budgets = []  # the operating point only
     calib, log = distil.distil(pair, base.closed_form(), cfg, progress=progress)
     log["asked_budgets_without_rate"] = bool(req.budgets and base.rate is None)
     calib.save(folder)

@@ -35,8 +35,8 @@ from scdviz.config import opt
 from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
-from scdviz.scd import payload, transfer
 from scdviz.scd import plan as plans
+from scdviz.scd import transfer
 from scdviz.scd.calibration import Calibration, domains_of
 
 
@@ -163,14 +163,10 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
     float64, so memory does not grow with the payloads (a whole training set's rows are ~35 MB a window)."""
     acc: dict[int, list] = {}
     for blob in blobs:
-        msg = payload.decode(blob)
-        by = {(s.layer, s.kind): s.data for s in msg.sections}
-        noise_of = {(s.layer, s.kind): s.noise for s in msg.sections}
-        for layer, mode in enumerate(msg.layout.modes):
-            if mode == "code":
-                rows = torch.cat(transfer.reuse_rows(calib, layer, by, noise_of), 1).double()
-                n, total, squares = acc.setdefault(layer, [0, 0.0, 0.0])
-                acc[layer] = [n + rows.shape[0], total + rows.sum(0), squares + (rows**2).sum(0)]
+        for layer, kv in transfer.code_rows(calib, blob):
+            rows = torch.cat(kv, 1).double()
+            n, total, squares = acc.setdefault(layer, [0, 0.0, 0.0])
+            acc[layer] = [n + rows.shape[0], total + rows.sum(0), squares + (rows**2).sum(0)]
     return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}
 
 

@@ -188,8 +188,7 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
     modes = head.modes
     n_kv = hf.attn_heads(model)[1]
     param = next(model.parameters())
-    by = {(s.layer, s.kind): s.data for s in msg.sections}  # float32, CPU
-    noise_of = {(s.layer, s.kind): s.noise for s in msg.sections}  # quantisation error variance per column
+    by, noise_of = sections_of(msg)
 
     def dev(t: Tensor) -> Tensor:
         return t.to(device=param.device, dtype=param.dtype)
@@ -221,6 +220,22 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
         _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
     cache = hf.make_cache(model, keys, values)
     return Received(cache, timing.clock(hf.device_of(model)) - t0)
+
+
+def sections_of(msg) -> tuple[dict, dict]:
+    """A decoded payload's sections by (layer, kind): their data (float32, CPU) and their quantisation
+    error variance per column (None where not quantised)."""
+    return ({(s.layer, s.kind): s.data for s in msg.sections}, {(s.layer, s.kind): s.noise for s in msg.sections})
+
+
+def code_rows(calib, blob: bytes):
+    """(layer, (K_pre, V)) for each code layer of a payload: its rows as ``receive`` decodes and refines
+    them, before any trained correction (``reuse_rows``)."""
+    msg = payload.decode(blob)
+    by, noise_of = sections_of(msg)
+    for layer, mode in enumerate(msg.layout.modes):
+        if mode == "code":
+            yield layer, reuse_rows(calib, layer, by, noise_of)
 
 
 def reuse_rows(calib, layer: int, by: dict, noise_of: dict) -> tuple[Tensor, Tensor]:
