@@ -7,7 +7,7 @@ adds, per code layer, a correction of the refined decoded rows x = [K_pre, V] (D
     y = x (1 + s) + ((x / sigma) a b) sigma        a: (D, r), b: (r, D), s: (D,), sigma: the rows' spread
 
 with b and s starting at 0, so training starts at the closed form exactly. Input and output are in units
-of each column's spread (sigma, 0.03 to 2.4 on the built-in pair), so one optimiser step moves every
+of each column's spread (sigma, which differs widely across columns), so one optimiser step moves every
 column by the same relative amount (the stored output scale is ``tau``). It is trained by
 backpropagation through the frozen consumer on KL(oracle ‖ method) of teacher-forced
 continuations, the quantity the benches report. The payloads it trains on are built at every
