@@ -31,6 +31,7 @@ from scdviz.commands import (
     PrepareText,
     Rate,
     Report,
+    Span,
     TrainPolicy,
 )
 
@@ -152,6 +153,28 @@ def _rate(cmd: Rate) -> None:
     print(f"rate curves of {len(calib.rate.bits)} code precisions x ranks 0..{calib.rate.err_k.shape[2] - 1}, "
           f"{len(calib.rate.patch_layers)} patch layers, measured on {calib.rate.n_windows} windows in "
           f"{calib.rate.seconds:.0f} s; saved into {out}")
+
+
+def _span(cmd: Span) -> None:
+    from scdviz.models.pair import choose_threads, load_pair
+    from scdviz.scd import calibration, span
+
+    folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
+    print(f"torch threads: {choose_threads()}")
+    pair = load_pair(cmd.producer, cmd.consumer)
+    calib = calibration.Calibration.load(folder, pair)
+    out = _out_folder(cmd.out, "calibrations", cmd.name or runs.auto_name(f"{folder.name}-span"), cmd.maintainer,
+                      None)
+    t0 = time.perf_counter()
+    fitted, info = span.fit(pair, calib, cmd.span)
+    fitted.save(out)
+    _save_run(cmd, out, "span", 0, str(pair.device), time.perf_counter() - t0)
+    for start, row in info["by_start"].items():
+        held = row["lodo_error"][str(row["shrink"])]
+        print(f"  span from layer {start}: shrinkage {row['shrink']}, held-out error {held} (the producer's "
+              f"residual as it is: {row['lodo_error_identity']})")
+    print(f"saved to {out} in {info['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
+          f"{cmd.consumer} --calibs {out} --spans")
 
 
 def _distil(cmd: Distil) -> None:
@@ -423,6 +446,8 @@ COMMANDS = [
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
     ("distil", "train an SCD calibration's correction stage through the consumer on its continuation KL",
      Distil, _distil),
+    ("span", "fit span codes: the consumer runs its last layers itself, fed the producer's residual aligned to its "
+             "own", Span, _span),
     ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),
     ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
     ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill "

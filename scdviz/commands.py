@@ -18,6 +18,7 @@ from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
 from scdviz.scd.calibration import CalibConfig
 from scdviz.scd.distil import DistilConfig
+from scdviz.scd.span import SpanConfig
 from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
@@ -96,6 +97,18 @@ class Distil:
     out: str | None = opt(None, "output folder instead of the runs folder")
     maintainer: bool = opt(False, MAINTAINER_HELP + ": --out may then write into assets/")
     distil: DistilConfig = field(default_factory=DistilConfig)
+
+
+@dataclass
+class Span:
+    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
+    consumer: str = opt("builtin:austen-qkv", f"consumer {SOURCE_HELP}")
+    calib: str | None = opt(None, "calibration folder to add span codes to (default: yours in the runs folder, else "
+                            "the shipped one)")
+    name: str | None = opt(None, NAME_HELP.format(kind="calibrations") + " (default: <calibration>-span)")
+    out: str | None = opt(None, "output folder instead of the runs folder")
+    maintainer: bool = opt(False, MAINTAINER_HELP + ": --out may then write into assets/")
+    span: SpanConfig = field(default_factory=SpanConfig)
 
 
 @dataclass

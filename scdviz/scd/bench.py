@@ -53,6 +53,10 @@ class ScdBenchConfig:
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
     budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (transform-coded and "
                                      "rate-distortion plans, and rank-only allocation beside them)")
+    spans: bool = opt(False, "also the span sweep: at each span start the calibration has codes for (`python -m "
+                      "scdviz span`), the consumer running its layers from there fed the aligned span code, and fed "
+                      "the producer's residual (DroidSpeak's way); KL against bytes and against the consumer's "
+                      "compute (prefill_share)")
     rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the "
                            "other way round (reuse-only)")
     budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
@@ -192,6 +196,12 @@ def bench(
                                              progress=progress)
         report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep",
                                              progress=progress)
+    if cfg.spans:
+        if not calib.spans:
+            raise ValueError("--spans needs a calibration with span codes: fit them with `python -m scdviz span` and "
+                             "pass that calibration with --calibs")
+        swept, calibs = plans.with_closed_form(plans.span_sweep(calib), calib)
+        report.sweeps += measure.run_methods(pair, calibs, cases, swept, "span sweep", progress=progress)
     if cfg.rank_claim:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim",
                                              progress=progress)

@@ -93,7 +93,7 @@ def summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> R
     return functools.reduce(operator.add, [f[layer] for i, f in enumerate(stats) if keep(i)])
 
 
-def _lodo_error(stats: list[list[RRRStats]], layer: int, ridge: float, shrink: float) -> float:
+def lodo_error(stats: list[list[RRRStats]], layer: int, ridge: float, shrink: float) -> float:
     """Mean over folds of the relative error of the full-rank map fitted on the other folds."""
     errs = [stats[f][layer].heldout_error(*summed(stats, layer, lambda i, f=f: i != f).full_map(ridge, shrink))
             for f in range(len(stats))]
@@ -109,7 +109,7 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
     n = len(fits.k_stats[0])
     grid = [cfg.shrink] if cfg.shrink is not None else list(cfg.shrink_grid)
     kinds = {"k": fits.k_stats, "v": fits.v_stats}
-    per_layer = {alpha: {name: [_lodo_error(st, layer, cfg.ridge, alpha) for layer in range(n)]
+    per_layer = {alpha: {name: [lodo_error(st, layer, cfg.ridge, alpha) for layer in range(n)]
                          for name, st in kinds.items()}
                  for alpha in grid}  # alpha -> K/V -> (L,) held-out error
     table = {alpha: sum(sum(errs) for errs in e.values()) / (2 * n) for alpha, e in per_layer.items()}
@@ -119,7 +119,7 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
         chosen = []
         for layer in range(n):
             use_identity = cfg.identity_fallback and (
-                _lodo_error(st, layer, cfg.ridge, float("inf")) < per_layer[best][name][layer])
+                lodo_error(st, layer, cfg.ridge, float("inf")) < per_layer[best][name][layer])
             chosen.append(float("inf") if use_identity else best)
         out[f"shrink_{name}"] = chosen
     return out

@@ -139,9 +139,13 @@ class Calibration:
     rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
     # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
     joint: list[LinearCode | None] | None = None
-    # layer -> the correction trained through the consumer (scdviz.scd.distil): tensors a (D, r), b (r, D),
-    # s (D,), sigma (D,) over the refined [K_pre, V] rows (D = 2 d_kv); None: the closed form alone
-    corrections: dict[int, dict[str, Tensor]] | None = None
+    # the correction trained through the consumer (scdviz.scd.distil), by key: a code layer (int) for its
+    # refined [K_pre, V] rows (D = 2 d_kv), ``span_key(start)`` for a span's aligned residual (D = d);
+    # tensors a (D, r), b (r, D), s (D,), sigma (D,), tau (D,); None: the closed form alone
+    corrections: dict[int | str, dict[str, Tensor]] | None = None
+    # layer -> the span code of the residual stream entering a span the consumer runs itself starting there
+    # (scdviz.scd.span: producer residual -> the consumer's own, reduced-rank regression); None: none fitted
+    spans: dict[int, LinearCode] | None = None
 
     def closed_form(self) -> Calibration:
         """This calibration without its trained correction stage: the closed form training started from,
@@ -162,20 +166,37 @@ class Calibration:
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
     def correct(self, layer: int, keys_pre: Tensor, values: Tensor,
-                corrections: dict[int, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
-        """Refined REUSE rows (N, d_kv) each -> the same after the layer's trained correction, if it has one:
-        ``y = x (1 + s) + ((x / sigma) a b) tau`` on x = [K_pre, V] (scdviz.scd.distil; the identity when b
-        and s are 0, where its training starts; tau, the output's scale per column, is 1 when absent).
-        ``corrections``: use these instead of the calibration's own."""
-        p = ((self.corrections if corrections is None else corrections) or {}).get(layer)
+                corrections: dict[int | str, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+        """Refined REUSE rows (N, d_kv) each -> the same after the layer's trained correction, if it has one
+        (``corrected`` on x = [K_pre, V]). ``corrections``: use these instead of the calibration's own."""
+        rows = self.corrected(layer, torch.cat([keys_pre, values], 1), corrections)
+        return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
+
+    def corrected(self, key: int | str, rows: Tensor,
+                  corrections: dict[int | str, dict[str, Tensor]] | None = None) -> Tensor:
+        """Rows x (N, D) -> ``y = x (1 + s) + ((x / sigma) a b) tau`` with the trained correction of ``key``
+        (scdviz.scd.distil; the identity when b and s are 0, where its training starts; tau, the output's
+        scale per column, is 1 when absent), or x itself when there is none. ``corrections``: use these
+        instead of the calibration's own."""
+        p = ((self.corrections if corrections is None else corrections) or {}).get(key)
         if p is None:
-            return keys_pre, values
-        rows = torch.cat([keys_pre, values], 1)
+            return rows
         p = {k: v.to(device=rows.device, dtype=rows.dtype) for k, v in p.items()}
         a = p["a"] / p["sigma"][:, None]  # the scales folded into the (D, r) and (r, D) factors, not the N rows
         b = p["b"] * p["tau"] if "tau" in p else p["b"]
-        rows = torch.addmm(rows * (1 + p["s"]), rows @ a, b)
-        return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
+        return torch.addmm(rows * (1 + p["s"]), rows @ a, b)
+
+    def span_for(self, layer: int) -> LinearCode:
+        """The span code of the residual entering ``layer``; ValueError when this calibration has none there."""
+        if not self.spans or layer not in self.spans:
+            raise ValueError(f"this calibration has no span code for a span starting at layer {layer}; it has "
+                             f"{sorted(self.spans or [])} (fit them with `python -m scdviz span`)")
+        return self.spans[layer]
+
+    def aligned_resid(self, layer: int, z: Tensor, corrections: dict | None = None) -> Tensor:
+        """A span code (N, r) -> the residual (N, d) it stands for in the consumer's own space: the span code
+        decoded, then the span's trained correction if any (``corrected``)."""
+        return self.corrected(span_key(layer), self.span_for(layer).decode(z), corrections)
 
     def refine_gain(self, layer: int, noise: tuple[Tensor, Tensor]) -> float:
         """The refinement's weight γ = S / (S + E‖eM‖²) when its input is decoded codes, not clean ones.
@@ -260,11 +281,16 @@ class Calibration:
                     tensors[f"p.{layer}.aligner.{name}"] = t.half()
         if self.rate is not None:
             tensors.update({f"rd.{name}": getattr(self.rate, name) for name in RATE_TENSORS})
+        for layer, code in (self.spans or {}).items():
+            for name in CODE_FIELDS:
+                t = getattr(code, name)
+                tensors[f"r.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
         for layer, params in (self.corrections or {}).items():
             tensors.update({f"c.{layer}.{name}": t.detach().float().contiguous() for name, t in params.items()})
         meta = {
             "rate": None if self.rate is None else {name: getattr(self.rate, name) for name in RATE_META},
             "patch_layers": sorted(self.patches),
+            "span_layers": sorted(self.spans or []),
             "patch_fit_err": {str(k): p.fit_err for k, p in self.patches.items()},
             "patch_order": self.patch_order,
             "drift_order": self.drift_order,
@@ -355,6 +381,11 @@ def windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], l
 
 # ----------------------------------------------------------------------------- artefact
 
+def span_key(layer: int) -> str:
+    """The key of a span's trained correction in ``Calibration.corrections`` (code layers' keys are ints)."""
+    return f"span{layer}"
+
+
 CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau")  # a trained correction's tensors (Calibration.correct;
 # "tau", the output's scale, is absent from the first ones: scale 1)
 FILE = "calibration.safetensors"  # the artefact inside a calibration folder
@@ -368,6 +399,7 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         return LinearCode(*(t[f"{kind}.{layer}.{name}"].float() for name in CODE_FIELDS))
 
     cfg, _ = config.from_dict(CalibConfig, art.config, str(art.path))
+    spans = meta.get("span_layers", [])  # older files have none
     patches = {}
     for layer in meta["patch_layers"]:
         prefix = f"p.{layer}.aligner."
@@ -390,8 +422,9 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         meta["selection_kl"], meta["stats"], curves,
         [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
         {i: {name: t[f"c.{i}.{name}"].float() for name in CORRECTION_FIELDS if f"c.{i}.{name}" in t}
-         for i in range(n) if f"c.{i}.a" in t}
+         for i in [*range(n), *map(span_key, spans)] if f"c.{i}.a" in t}
         or None,
+        {layer: code("r", layer) for layer in spans} or None,
     )
 
 def specialist_name(source: str) -> str:

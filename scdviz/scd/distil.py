@@ -56,6 +56,9 @@ class DistilConfig:
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.05, "AdamW weight decay")
     clip: float = opt(1.0, "gradient norm clip")
+    spans: bool = opt(False, "also train at the aligned span plan of each of the calibration's span codes "
+                      "(`python -m scdviz span`): each span's aligner (a correction of its decoded residual, same "
+                      "form) trained through the consumer's own layers")
     recall: float = opt(0.0, "share of the training and validation windows whose continuation quotes their own "
                         "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
                         "them): a quote-recall term of the objective")
@@ -73,11 +76,15 @@ class DistilConfig:
 
 def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
     """The operating points the correction is trained at: the calibration's own plan, then the
-    transform-coded plan at each of ``cfg.budgets``."""
+    transform-coded plan at each of ``cfg.budgets``, then (``cfg.spans``) the aligned span plans."""
     if cfg.budgets and calib.rate is None:
         raise ValueError("--budgets trains at transform-coded plans, which need the calibration's rate curves: run "
                          "`python -m scdviz rate` on it first, or pass --budgets with no value")
-    return [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets]
+    if cfg.spans and not calib.spans:
+        raise ValueError("--spans trains the span aligners of the calibration's span codes, and it has none: fit them "
+                         "with `python -m scdviz span` first")
+    spans = [plans.span_plan(calib, s) for s in sorted(calib.spans)] if cfg.spans else []
+    return [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets] + spans
 
 
 def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
@@ -123,7 +130,7 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
     that layer's refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for layer in sorted(spread):
+    for layer in sorted(spread, key=lambda k: (isinstance(k, str), str(k) if isinstance(k, str) else k)):
         sigma = spread[layer].float().cpu().clamp_min(1e-6)  # artefacts live on the host, as the calibration
         d = sigma.shape[0]
         out[layer] = {"a": torch.randn(d, rank, generator=g, device="cpu") / d**0.5,
@@ -163,8 +170,8 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
     float64, so memory does not grow with the payloads (a whole training set's rows are ~35 MB a window)."""
     acc: dict[int, list] = {}
     for blob in blobs:
-        for layer, kv in transfer.code_rows(calib, blob):
-            rows = torch.cat(kv, 1).double()
+        for layer, rows in transfer.code_rows(calib, blob):
+            rows = rows.double()
             n, total, squares = acc.setdefault(layer, [0, 0.0, 0.0])
             acc[layer] = [n + rows.shape[0], total + rows.sum(0), squares + (rows**2).sum(0)]
     return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}

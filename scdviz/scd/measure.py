@@ -23,6 +23,7 @@ from scdviz.models import hf
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
 from scdviz.scd import calibration, transfer
+from scdviz.scd import plan as plans
 
 
 @dataclass
@@ -55,6 +56,11 @@ class MethodResult:
     kl_per_prompt: list[float] = field(default_factory=list)  # mean KL of each prompt (for paired comparisons)
     # what the payloads carried per layer (``sent_per_layer``)
     sent: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def prefill_share(self) -> float:
+        """The consumer's own compute as a share of its prefill's (``plan.prefill_share``)."""
+        return plans.prefill_share(self.modes)
 
     @property
     def speedup_10gbps(self) -> float:
@@ -155,7 +161,7 @@ def _aggregate(plan, group: str, rows: list[dict], fp16: float) -> MethodResult:
 
 
 SENT_KINDS = {"k": "k", "k_code": "k", "k_recent": "k", "v": "v", "v_code": "v", "v_recent": "v", "h_code": "h",
-              "resid": "h"}
+              "resid": "h", "r_code": "h"}
 
 
 def sent_per_layer(spans, n_layers: int, n_tokens: int) -> dict[str, list[float]]:
@@ -240,6 +246,7 @@ def table(results: list[MethodResult]) -> pd.DataFrame:
             "top1": round(r.top1, 3), "ppl": round(r.ppl, 2), "ppl_oracle": round(r.ppl_oracle, 2),
             "f1": None if r.f1 is None else round(r.f1, 3), "consumer_ms": round(1000 * r.consumer_seconds, 1),
             "ttft_10gbps_ms": round(1000 * r.ttft["10gbps"], 1), "speedup_10gbps": round(r.speedup_10gbps, 2),
+            "prefill_share": round(r.prefill_share, 3),
         } | ({"qa_f1": round(sum(r.qa_f1) / len(r.qa_f1), 3)} if r.qa_f1 else {}))
     return pd.DataFrame(rows)
 

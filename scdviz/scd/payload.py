@@ -21,9 +21,10 @@ The header makes a message decodable alone: ``sink`` says how token 0 is handled
 ``calibration`` names the calibration whose codes it holds (``Calibration.tag``, 0 for a
 message without codes), and the mode bytes say what the consumer does at each layer
 (MODES: raw, code, patch, recompute; a run of recompute layers starts at its "resid"
-section). ``payload_len`` is this formula for sections that are not entropy coded (a coded section is
-never longer; a transform-coded one has no formula: its length is the data's); tests check it
-against real messages. ``spans`` walks the section headers alone. Kinds say what a section
+section, or at its "r_code" section: the residual as a span code). ``payload_len`` is this
+formula for sections that are not entropy coded (a coded section is never longer; a
+transform-coded one has no formula: its length is the data's); tests check it against real
+messages. ``spans`` walks the section headers alone. Kinds say what a section
 holds (KINDS); which rows (with or without token 0) and what the receiver does with them is
 the plan's business (scdviz.scd.plan). This module only (de)serialises.
 """
@@ -52,6 +53,7 @@ KINDS = {
     "resid": 5,  # residual stream entering a recomputed run of layers (cols = d)
     "k_recent": 6,  # KIVI's full-precision window: the last rows of post-RoPE keys of a quantised raw layer
     "v_recent": 7,  # the same for values
+    "r_code": 8,  # span code of the residual entering a recomputed run (scdviz.scd.span; cols = rank)
 }
 AXIS_CODES = {"token": 0, "channel": 1}
 CODED = 0x80  # flag in the axis byte: entropy-coded integers

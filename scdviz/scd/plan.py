@@ -8,8 +8,10 @@ Layer modes:
              rank follows from the step, see scdviz.scd.entropy)
   patch      PATCH: a code of the normalised H_in; the consumer aligns it to its own H_in
              and regenerates K, V with its own projections (scdviz.scd.patch)
-  recompute  DroidSpeak-style: the producer sends the residual stream entering each run
-             of consecutive recompute layers; the consumer runs those layers itself
+  recompute  the consumer runs each run of consecutive recompute layers itself, from the
+             residual stream entering it: the producer's as it is (DroidSpeak-style, fp16), or
+             with ``resid_code`` a span code of it (scdviz.scd.span, at ``code_bits``) that the
+             consumer decodes into its own residual space (an aligned span)
 Token 0 (the attention sink): ``sink="send"`` transfers it like any token;
 ``sink="recompute"`` leaves it out of every K/V/code section and the consumer
 recomputes its own K, V for it with a 1-token forward.
@@ -60,6 +62,8 @@ class Plan:
     steps_k: list[float] = field(default_factory=list)  # (L,) step of transform-coded key codes (bits 0)
     steps_v: list[float] = field(default_factory=list)  # (L,) step of transform-coded value codes
     rate_target: float = 0.0  # > 0: steps are relative; the producer scales them to this many payload bytes/token
+    resid_code: bool = False  # a recompute run's entering residual travels as the calibration's span code
+    span_rank: int = 0  # rank of those span codes (0: the full stored rank)
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.modes) - set(MODES))
@@ -95,6 +99,14 @@ class Plan:
         return payload.recompute_runs(self.modes)
 
 
+def prefill_share(modes: list[str]) -> float:
+    """The consumer's own compute for a plan of these layer modes as a share of its prefill's: the decoder
+    layers it runs itself (recompute layers; "own": the oracle's) over all of them. Every layer costs the
+    same; decoding codes, patches' projections and the 1-token sink are left out (each well under 1% of a
+    layer's compute on the built-in pair: see ``distil.footprint``)."""
+    return sum(m in ("recompute", "own") for m in modes) / len(modes)
+
+
 SENT = " (token 0 sent)"  # label suffix of a plan that sends the producer's token 0
 
 
@@ -111,6 +123,35 @@ def droidspeak_plan(n_layers: int, recompute: list[int], sink: str = "recompute"
     """Raw KV everywhere except ``recompute`` layers, which the consumer recomputes."""
     modes = ["recompute" if i in set(recompute) else "raw" for i in range(n_layers)]
     return Plan(name + (SENT if sink == "send" else ""), modes, sink=sink)
+
+
+def span_plan(calib: Calibration, start: int, stop: int | None = None, aligned: bool = True, rank: int = 0,
+              sink: str = "recompute", name: str | None = None) -> Plan:
+    """SCD reuse-only (the operating point's codes) except layers ``start``..``stop``-1 (default: to the
+    last), which the consumer runs itself from the residual entering ``start``: the calibration's span code
+    of it (``aligned``: decoded into the consumer's residual space, scdviz.scd.span) or the producer's own
+    residual in fp16 (DroidSpeak-style: it carries the producer's drift into the consumer's layers)."""
+    base = operating_plan(calib, patch_k=0)
+    stop = calib.n_layers if stop is None else stop
+    if not 0 < start < stop <= calib.n_layers:
+        raise ValueError(f"a span runs layers start..stop-1 with 0 < start < stop <= {calib.n_layers}; got "
+                         f"{start}..{stop - 1}")
+    if aligned:
+        code = calib.span_for(start)
+        if rank and not 1 <= rank <= code.max_rank:
+            raise ValueError(f"span rank {rank} is out of range: this span code stores ranks 1..{code.max_rank}")
+    modes = ["recompute" if start <= i < stop else "code" for i in range(calib.n_layers)]
+    label = name or (f"SCD span {start}-{stop - 1}" + (" (aligned)" if aligned else " (producer residual)"))
+    return dataclasses.replace(base, name=label, modes=modes, sink=sink, resid_code=aligned, span_rank=rank)
+
+
+def span_sweep(calib: Calibration, starts: list[int] | None = None) -> list[Plan]:
+    """For each span start the calibration has a code for (or ``starts``), the span to the last layer fed
+    the aligned span code, then fed the producer's residual (DroidSpeak's way, the curve beside it)."""
+    out = []
+    for start in sorted(starts if starts is not None else (calib.spans or [])):
+        out += [span_plan(calib, start), span_plan(calib, start, aligned=False)]
+    return out
 
 
 def scd_plan(

@@ -55,6 +55,14 @@ class LinearCode:
         """Codes (N, rank) -> consumer rows (N, d_out)."""
         return z.float() @ self.dec[: z.shape[1]] + self.mu_out
 
+    def rescaled(self, sigma: Tensor) -> LinearCode:
+        """A code fitted on rows divided by ``sigma`` (``RRRStats.scaled``) as a code of the rows themselves:
+        the same codes, encoder and decoder absorbing the scale (its decoder rows are then no longer
+        orthonormal; spectrum and fit errors stay those of the scaled rows)."""
+        s = sigma.float()
+        return LinearCode(self.mu_in * s, self.mu_out * s, self.enc / s[:, None], self.dec * s[None, :], self.spectrum,
+                          self.fit_err)
+
     def truncated(self, rank: int) -> LinearCode:
         """The same code keeping only ranks ≤ ``rank`` (smaller to store)."""
         return LinearCode(self.mu_in, self.mu_out, self.enc[:, :rank], self.dec[:rank], self.spectrum[:rank],
@@ -98,6 +106,17 @@ class RRRStats:
         out = RRRStats(0, 0)
         out.n, out.sx, out.sy, out.syy = self.n, self.sx[rows], self.sy[cols], self.syy[cols]
         out.sxx, out.sxy = self.sxx[rows, rows], self.sxy[rows, cols]
+        return out
+
+    def scaled(self, sigma: Tensor) -> RRRStats:
+        """The statistics of the pairs (x / sigma, y / sigma), sigma (d,) per column, in closed form (exact;
+        d_in = d_out). Fitting there weighs every column alike, as the scale-free ridge and shrinkage assume:
+        a stream with a few huge columns (a residual's massive activations) would otherwise have them set
+        the scale and shrink every other direction to nothing. ``LinearCode.rescaled`` maps the code back."""
+        inv = 1 / sigma.double()
+        out = RRRStats(0, 0)
+        out.n, out.sx, out.sy, out.syy = self.n, self.sx * inv, self.sy * inv, self.syy * inv**2
+        out.sxx, out.sxy = self.sxx * torch.outer(inv, inv), self.sxy * torch.outer(inv, inv)
         return out
 
     def residual_of(self, mu_x: Tensor, b: Tensor, mu_y: Tensor) -> RRRStats:
