@@ -72,15 +72,16 @@ def texts(tmp_path_factory):
 
 
 def _scd_paths(pair, calib, dtype):
-    """Every SCD plan of the line-up and the budget planner's (its curves measured here, entropy
-    coded too): payload, receive, teacher-forced scoring and generation."""
-    from scdviz.scd import rate
+    """Every SCD plan of the line-up, the budget planner's (its curves measured here, entropy coded
+    too) and the span sweep (its codes fitted here): payload, receive, teacher-forced scoring and
+    generation."""
+    from scdviz.scd import rate, span
 
     cases = measure.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
     curves = rate.measure(pair, calib, 1, progress=False)
     rd = plans.rd_plan(curves, 30.0, cases[0].state.ids.shape[1])[0]
-    calib = dataclasses.replace(calib, rate=curves)
-    lineup = [*plans.lineup(calib, entropy=True), rd, plans.tc_plan(calib, 30.0)]
+    calib = span.fit(pair, dataclasses.replace(calib, rate=curves), span.SpanConfig(starts=[1, 2]), False)[0]
+    lineup = [*plans.lineup(calib, entropy=True), rd, plans.tc_plan(calib, 30.0), *plans.span_sweep(calib)]
     oracle, gens = measure.oracle_result(pair, cases, 3)
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, calib)
@@ -98,12 +99,13 @@ def _scd_paths(pair, calib, dtype):
 
 def _distil_paths(pair, calib, case, dtype) -> None:
     """The correction stage: trained through the consumer (backprop in the model's dtype, float32
-    parameters), and a calibration carrying one received into the consumer's dtype and device."""
+    parameters; a span's aligner through the consumer's own layers too), and a calibration carrying one
+    received into the consumer's dtype and device."""
     from scdviz.scd import distil
 
     plan = plans.operating_plan(calib)
-    cfg = distil.DistilConfig(rank=2, epochs=1, train_windows=1, val_windows=1, prompt_len=32, cont_len=8, budgets=[])
-    _, log = distil.distil(pair, calib, cfg, progress=False, at=[plan])
+    cfg = distil.DistilConfig(rank=2, epochs=1, train_windows=2, val_windows=1, prompt_len=32, cont_len=8, budgets=[])
+    _, log = distil.distil(pair, calib, cfg, progress=False, at=[plan, plans.span_plan(calib, 1)])
     assert all(math.isfinite(x) for x in log["val_kl"] + log["train_kl"])
     blob = transfer.build_payload(case.state, plan, calib)
     start = distil.initial(distil.row_spread(calib, [blob]), 2, 0)
