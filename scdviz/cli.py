@@ -172,7 +172,9 @@ def _span(cmd: Span) -> None:
     for start, row in info["by_start"].items():
         held = row["lodo_error"][str(row["shrink"])]
         print(f"  span from layer {start}: shrinkage {row['shrink']}, held-out error {held} (the producer's "
-              f"residual as it is: {row['lodo_error_identity']})")
+              f"residual as it is: {row['lodo_error_identity']})"
+              + (f"; selection KL fit {row['selection_kl']['fit']}, identity {row['selection_kl']['identity']}: "
+                 f"{row['chosen']} kept" if "chosen" in row else ""))
     print(f"saved to {out} in {info['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out} --spans")
 
@@ -202,7 +204,8 @@ def _distil(cmd: Distil) -> None:
     f = log["footprint"]
     print(f"the correction stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB (float32), "
           f"{f['flops_per_token'] / 1e3:.0f} kFLOP per received token ({100 * f['of_prefill']:.2f}% of the "
-          f"consumer's prefill)")
+          f"consumer's prefill)" + (f"; {f['spans']} span aligners, the dearest "
+                                    f"{f['span_flops_per_token'] / 1e3:.0f} kFLOP per token" if f.get("spans") else ""))
     print(f"saved to {out} in {log['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out}")
 

@@ -1090,6 +1090,10 @@ def test_a_correction_stage_footprint_is_counted_by_hand():
     assert got["layers"] == 2 and got["of_layers"] == 4
     assert got["mb"] == round(4 * 2 * (24 + 24 + 8 + 8 + 8) / 1e6, 3)
     assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48 + 8) and got["of_prefill"] == round(256 / 2000, 5)
+    spans = distil.initial({0: torch.ones(8), "span2": torch.ones(6), "span1": torch.ones(4)}, 3, 0)
+    got = distil.footprint(spans, consumer_params=1000, layers=4)  # spans counted apart, the dearest one's FLOPs
+    assert got["layers"] == 1 and got["spans"] == 2 and got["flops_per_token"] == 128
+    assert got["span_flops_per_token"] == 2 * 6 + 6 + 2 * 6 * 3 + 2 * 3 * 6 + 6
 
 
 def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tiny_calib):

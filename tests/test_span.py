@@ -194,3 +194,20 @@ def test_the_bench_runs_the_span_sweep_with_its_compute_axis(tiny_pair, spanned)
     assert aligned["bytes_per_token"] < fp16["bytes_per_token"]  # int4 code vs the fp16 residual
     with pytest.raises(ValueError, match="python -m scdviz span"):
         bench.bench(tiny_pair, _without_spans(spanned), [_window(48, 7)], cfg, progress=False)
+
+
+def test_each_start_keeps_the_fit_or_the_identity_whichever_has_the_lowerselection_kl(tiny_pair, spanned):
+    """The kept code's selection KL is the lower of the two logged, and measured again on the same
+    selection windows it is that number; without ``select`` the squared-error fit is kept, unmeasured."""
+    info = spanned.stats["spans"]
+    assert info["selection_windows"] > 0
+    _, _, select = calibration.windows(tiny_pair, spanned.config)
+    cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, spanned.config.cont_len)
+             for w in select]
+    for start in (1, 2):
+        row = info["by_start"][str(start)]
+        assert row["selection_kl"][row["chosen"]] == min(row["selection_kl"].values())
+        again = span.selection_kl(tiny_pair, spanned, start, spanned.spans[start], cases, False)
+        assert again == pytest.approx(row["selection_kl"][row["chosen"]], abs=1e-5)
+    plain = span.fit(tiny_pair, spanned, span.SpanConfig(starts=[2], select=False), progress=False)[1]
+    assert "chosen" not in plain["by_start"]["2"] and plain["selection_windows"] == 0

@@ -177,16 +177,23 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
     return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}
 
 
-def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
+def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
     """What a correction stage costs: its size as saved (float32, MB) and the consumer's FLOPs per received
     prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
     output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
-    parameters per token)."""
+    parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
+    ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
     numel = sum(t.numel() for p in corrections.values() for t in p.values())
-    flops = sum(2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
-                for p in corrections.values())
-    return {"layers": len(corrections), "of_layers": layers, "mb": round(4 * numel / 1e6, 3),
-            "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5)}
+
+    def cost(p) -> int:
+        return 2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
+
+    codes = [p for k, p in corrections.items() if isinstance(k, int)]
+    spans = [p for k, p in corrections.items() if isinstance(k, str)]
+    flops = sum(cost(p) for p in codes)
+    return {"layers": len(codes), "of_layers": layers, "mb": round(4 * numel / 1e6, 3),
+            "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5),
+            "spans": len(spans), "span_flops_per_token": max((cost(p) for p in spans), default=0)}
 
 
 def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.Tensor, clip: float) -> float:
