@@ -324,6 +324,20 @@ def pareto(table: pd.DataFrame) -> go.Figure:
                    "KL(oracle ‖ method), nats/token", log_y=True)
 
 
+def compute_axis(table: pd.DataFrame) -> go.Figure:
+    """The consumer's own compute (the share of its prefill it runs itself: recomputed layers, spans) vs
+    KL, one point per method (lower left is better; the oracle, all compute and no error, left out)."""
+    rows = table[table["method"] != "oracle"]
+    fig = go.Figure()
+    _overlay(fig, rows.assign(series=rows["method"]), "prefill_share", "kl", "series",
+             hover=[("method", "method"), ("share of the prefill", "prefill_share"), ("payload (B/token)",
+                                                                                      "bytes_per_token"),
+                    ("KL", "kl"), ("top-1", "top1")])
+    paint(fig)
+    return _layout(fig, "Consumer compute vs quality (lower left is better)",
+                   "share of its own prefill the consumer computes", "KL(oracle ‖ method), nats/token", log_y=True)
+
+
 def ttft_vs_bandwidth(results, gbps: list[float] | None = None, latency_s: float = 0.0005) -> go.Figure:
     """Modelled TTFT of every method across link bandwidths; the oracle is flat."""
     gbps = gbps or [0.5, 1, 2, 5, 10, 25, 50, 100]
@@ -465,6 +479,7 @@ FIGURE_LABELS = {
     "drift_k": "Per-layer key drift", "drift_v": "Per-layer value drift", "accumulation": "Error accumulation",
     "amplification": "Error amplification per layer", "placement": "Where a patch helps",
     "spectra_k": "Key rank spectra", "spectra_v": "Value rank spectra", "pareto": "Payload vs quality",
+    "compute": "Consumer compute vs quality",
     "ttft": "Time to first token vs link", "plan": "The transfer plan per layer",
     "kl_steps": "KL per decode step", "sweep": "Budget sweep", "heatmap": "Kept tokens per layer",
     "features": "Token features, kept vs evicted",
@@ -476,7 +491,7 @@ HEADERS = {
     "ttft_10gbps_ms": "TTFT at 10 Gbit/s (ms)", "speedup_10gbps": "speed-up vs oracle at 10 Gbit/s (×)",
     "qa_f1": "QA F1", "ttft_your_link_ms": "TTFT on your link (ms)", "tokens_kept": "tokens kept per head",
     "jaccard_vs_h2o": "overlap with H2O's kept slots (Jaccard)", "kept_not_by_h2o": "share of kept slots H2O drops",
-    "specialist": "specialist",
+    "specialist": "specialist", "prefill_share": "consumer compute (share of its prefill)",
 }
 
 

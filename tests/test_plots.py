@@ -227,6 +227,18 @@ def test_scd_tab_pareto_has_no_text_and_groups_specialists():
     assert "method: SCD full" in single.data[1].hovertext[0]
 
 
+def test_the_compute_axis_puts_each_method_at_its_share_of_the_prefill():
+    """One point per method at (prefill_share, KL); the oracle (all compute, no error) is left out."""
+    table = pd.DataFrame({"method": ["oracle", "raw KV", "DroidSpeak recompute", "SCD span 23-29 (aligned)"],
+                          "prefill_share": [1.0, 0.0, 0.067, 0.233], "kl": [0.0, 0.23, 0.2, 0.078],
+                          "bytes_per_token": [0, 22953, 21423, 5574], "top1": [1, 0.75, 0.76, 0.83]})
+    fig = plots.compute_axis(table)
+    points = {t.name: (t.x[0], t.y[0]) for t in fig.data}
+    assert points == {"raw KV": (0.0, 0.23), "DroidSpeak recompute": (0.067, 0.2),
+                      "SCD span 23-29 (aligned)": (0.233, 0.078)}
+    assert "share of the prefill: 0.233" in fig.data[2].hovertext[0]
+
+
 def test_many_methods_get_distinct_colours():
     sweep = {f"method {i}": {0.25: 0.1 * (i + 1), 0.5: 0.05 * (i + 1)} for i in range(13)}
     fig = plots.budget_sweep(sweep)

@@ -211,3 +211,14 @@ def test_each_start_keeps_the_fit_or_the_identity_whichever_has_the_lowerselecti
         assert again == pytest.approx(row["selection_kl"][row["chosen"]], abs=1e-5)
     plain = span.fit(tiny_pair, spanned, span.SpanConfig(starts=[2], select=False), progress=False)[1]
     assert "chosen" not in plain["by_start"]["2"] and plain["selection_windows"] == 0
+
+
+def test_the_scd_tab_view_shows_the_span_sweep_of_a_calibration_that_has_span_codes(tiny_pair, spanned):
+    """The app's one-text view runs the span sweep when (and only when) the calibration has span codes."""
+    from scdviz.scd import view
+
+    text = "the quick brown fox jumps over the lazy dog " * 2
+    shown = view.transfer_view(tiny_pair, spanned, text, cont_len=8, gen_tokens=0).table()
+    assert list(shown[shown["group"] == "span sweep"]["method"]) == [p.name for p in plans.span_sweep(spanned)]
+    plain = view.transfer_view(tiny_pair, _without_spans(spanned), text, cont_len=8, gen_tokens=0).table()
+    assert "span sweep" not in set(plain["group"])

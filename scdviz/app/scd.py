@@ -118,7 +118,8 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
         "accumulation": plots.error_accumulation(res), "amplification": plots.amplification(res[1:]),
         "placement": plots.patch_placement(calib.ideal_gain, plan.layers_in("patch")),
         "spectra_k": plots.rank_spectra(spectra, "K", sent_k), "spectra_v": plots.rank_spectra(spectra, "V", sent_v),
-        "pareto": plots.pareto(table), "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
+        "pareto": plots.pareto(table), "compute": plots.compute_axis(table),
+        "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
         "plan": plots.plan_layers(plan, full.sent if plan.rate_target else None),
     }
     kls = {r.method: float(r.kl) for r in res}

@@ -4,7 +4,7 @@
 ``transfer_view(pair, codec, text)`` makes one benchmark window of the text (its last
 ``cont_len`` tokens the teacher-forced continuation) and runs ``scdviz.scd.bench.bench`` on
 it, so its numbers equal ``python -m scdviz bench scd`` on that window. No sweeps over
-held-out text here (``bench.run``).
+held-out text here (``bench.run``), except the span sweep when the calibration has span codes.
 """
 
 from __future__ import annotations
@@ -45,5 +45,5 @@ def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str,
         calib, plan = calib.calibration, calib.plan
     window = window_of(pair, text, cont_len, max_tokens)
     cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=False, budget=budget, coder=coder,
-                         sent_rows=False, qa_answer_len=0)
+                               sent_rows=False, qa_answer_len=0, spans=bool(calib.spans))
     return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=progress, scd_full=plan)

@@ -17,9 +17,9 @@ from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on
 from scdviz.plots import FIGURE_LABELS, rounded, worded
 
 FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
-           "ttft", "plan")
+           "compute", "ttft", "plan")
 # the plots' sub-tabs (every figure in one), so the text, table and controls stay in view
-GROUPS = {"Quality": ("pareto",), "Drift and error": ("drift_k", "drift_v", "accumulation", "amplification"),
+GROUPS = {"Quality": ("pareto", "compute"), "Drift and error": ("drift_k", "drift_v", "accumulation", "amplification"),
           "Compression": ("plan", "placement", "spectra_k", "spectra_v"), "Timing": ("ttft",)}
 
 
