@@ -155,16 +155,24 @@ def _rate(cmd: Rate) -> None:
           f"{calib.rate.seconds:.0f} s; saved into {out}")
 
 
-def _span(cmd: Span) -> None:
+def _calibration_stage(cmd: Span | Distil, stage: str):
+    """(pair, calibration, output folder) of a stage added to a calibration (``span``, ``distil``): the given
+    calibration or the consumer's own, and a new run named ``<calibration>-<stage>`` unless told otherwise."""
     from scdviz.models.pair import choose_threads, load_pair
-    from scdviz.scd import calibration, span
+    from scdviz.scd import calibration
 
     folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
     print(f"torch threads: {choose_threads()}")
     pair = load_pair(cmd.producer, cmd.consumer)
     calib = calibration.Calibration.load(folder, pair)
-    out = _out_folder(cmd.out, "calibrations", cmd.name or runs.auto_name(f"{folder.name}-span"), cmd.maintainer,
-                      None)
+    name = cmd.name or runs.auto_name(f"{folder.name}-{stage}")
+    return pair, calib, _out_folder(cmd.out, "calibrations", name, cmd.maintainer, None)
+
+
+def _span(cmd: Span) -> None:
+    from scdviz.scd import span
+
+    pair, calib, out = _calibration_stage(cmd, "span")
     t0 = time.perf_counter()
     fitted, info = span.fit(pair, calib, cmd.span)
     fitted.save(out)
@@ -180,15 +188,9 @@ def _span(cmd: Span) -> None:
 
 
 def _distil(cmd: Distil) -> None:
-    from scdviz.models.pair import choose_threads, load_pair
-    from scdviz.scd import calibration, distil
+    from scdviz.scd import distil
 
-    folder = Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer)
-    print(f"torch threads: {choose_threads()}")
-    pair = load_pair(cmd.producer, cmd.consumer)
-    calib = calibration.Calibration.load(folder, pair)
-    out = _out_folder(cmd.out, "calibrations", cmd.name or runs.auto_name(f"{folder.name}-distil"), cmd.maintainer,
-                      None)
+    pair, calib, out = _calibration_stage(cmd, "distil")
     t0 = time.perf_counter()
     trained, log = distil.distil(pair, calib, cmd.distil)
     trained.save(out)

@@ -70,6 +70,15 @@ def tiny(request):
     return tiny_model(request.param)
 
 
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A calibration text file of 60 short passages (the tiny SCD tests' calib, train and eval text)."""
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4
+                                for i in range(60)))
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def builtin_pair():
     """The built-in producer with the jargon specialist (slow tier)."""

@@ -12,7 +12,7 @@ from scdviz.models import hf
 from scdviz.scd import payload, transfer
 from scdviz.scd import plan as plans
 from tests.conftest import tiny_model
-from tests.test_scd import make_pair, perturbed, small_cfg, texts  # noqa: F401  (texts: the fixture)
+from tests.test_scd import make_pair, perturbed, small_cfg
 
 
 @pytest.fixture(scope="module")

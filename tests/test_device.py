@@ -63,14 +63,6 @@ def _window(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4
-                                for i in range(60)))
-    return str(path)
-
-
 def _scd_paths(pair, calib, dtype):
     """Every SCD plan of the line-up, the budget planner's (its curves measured here, entropy coded
     too) and the span sweep (its codes fitted here): payload, receive, teacher-forced scoring and

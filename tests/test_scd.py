@@ -49,14 +49,6 @@ def make_pair(producer, consumer, name: str = "tiny:c") -> Pair:
                 torch.device("cpu"), torch.float32)
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4
-                                for i in range(60)))
-    return str(path)
-
-
 def small_cfg(texts: str, **kw) -> calibration.CalibConfig:
     base = dict(texts=texts, n_fit=6, n_select=2, prompt_len=40, cont_len=8, aligner_steps=20, n_candidates=2,
                 patch_k=2, op_patch_k=1)

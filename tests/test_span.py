@@ -20,14 +20,6 @@ from scdviz.scd import plan as plans
 
 
 @pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("\n\n".join(f"passage {i}: " + "the quick brown fox jumps over the lazy dog " * 4
-                                for i in range(60)))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def tiny_pair():
     return make_pair(tiny_model("llama"), perturbed(1))
 
