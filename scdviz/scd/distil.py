@@ -14,7 +14,10 @@ continuations, the quantity the benches report. The payloads it trains on are bu
 operating point it is trained for (quantisation-aware): the calibration's own plan (its code bits)
 and the transform-coded plans at ``budgets`` bytes per token (by default 1/6 and 1/10 of the fp16
 cache of the built-in producer), one plan per step in turn, so one correction serves them all. It
-reads what a consumer receives (decoded codes), never the producer's raw state. Training windows come from
+reads what a consumer receives (decoded codes), never the producer's raw state. With ``spans`` it is also
+trained at each aligned span plan (scdviz.scd.span): the span's aligner is a correction of the same form
+of the decoded residual (D = d, key ``calibration.span_key(start)``), trained through the consumer's own
+layers of the span. Training windows come from
 the ``train`` splits, the validation windows that choose the epoch from the ``calib`` splits
 (never eval). Gradients are taken with ``torch.autograd.grad``: nothing lands on the shared model.
 
