@@ -124,9 +124,10 @@ def test_a_span_fed_the_producer_residual_is_droidspeak_and_sends_it_in_fp16(tin
 def test_prefill_share_counts_the_layers_the_consumer_runs_itself(spanned):
     assert plans.prefill_share(["code", "recompute", "recompute"]) == pytest.approx(2 / 3)
     assert plans.prefill_share(["own"] * 4) == 1.0 and plans.prefill_share(["raw", "patch", "code"]) == 0.0
-    assert [p.name for p in plans.span_sweep(spanned)] == [
-        "SCD span 1-2 (aligned)", "SCD span 1-2 (producer residual)", "SCD span 2-2 (aligned)",
-        "SCD span 2-2 (producer residual)"]
+    assert [p.name for p in plans.span_sweep(spanned)] == [  # from the first start to each later one, then to the end
+        "SCD span 1-1 (aligned)", "SCD span 1-1 (producer residual)", "SCD span 1-2 (aligned)",
+        "SCD span 1-2 (producer residual)", "SCD span 2-2 (aligned)", "SCD span 2-2 (producer residual)"]
+    assert plans.span_sweep(spanned)[0].modes == ["code", "recompute", "code"]
     with pytest.raises(ValueError, match="0 < start < stop"):
         plans.span_plan(spanned, 0)
     with pytest.raises(ValueError, match="span starts must be layers 1..2"):

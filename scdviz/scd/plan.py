@@ -146,12 +146,14 @@ def span_plan(calib: Calibration, start: int, stop: int | None = None, aligned: 
 
 
 def span_sweep(calib: Calibration, starts: list[int] | None = None) -> list[Plan]:
-    """For each span start the calibration has a code for (or ``starts``), the span to the last layer fed
-    the aligned span code, then fed the producer's residual (DroidSpeak's way, the curve beside it)."""
-    out = []
-    for start in sorted(starts if starts is not None else (calib.spans or [])):
-        out += [span_plan(calib, start), span_plan(calib, start, aligned=False)]
-    return out
+    """Spans of the calibration's span codes (or ``starts``), each fed the aligned span code, then fed the
+    producer's residual (DroidSpeak's way, the curve beside it): from the first start to each later start
+    and to the last layer (the consumer's compute growing from one entry point), then from every later
+    start to the last layer."""
+    starts = sorted(starts if starts is not None else (calib.spans or []))
+    spans = [(starts[0], stop) for stop in [*starts[1:], calib.n_layers]] if starts else []
+    spans += [(start, calib.n_layers) for start in starts[1:]]
+    return [span_plan(calib, start, stop, aligned) for start, stop in spans for aligned in (True, False)]
 
 
 def scd_plan(
