@@ -181,8 +181,8 @@ def _span(cmd: Span) -> None:
         held = row["lodo_error"][str(row["shrink"])]
         print(f"  span from layer {start}: shrinkage {row['shrink']}, held-out error {held} (the producer's "
               f"residual as it is: {row['lodo_error_identity']})"
-              + (f"; selection KL fit {row['selection_kl']['fit']}, identity {row['selection_kl']['identity']}: "
-                 f"{row['chosen']} kept" if "chosen" in row else ""))
+              + ("; selection KL " + ", ".join(f"{k} {v}" for k, v in row["selection_kl"].items())
+                 + f": {row['chosen']} kept" if "chosen" in row else ""))
     print(f"saved to {out} in {info['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out} --spans")
 
