@@ -87,14 +87,16 @@ def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: Calib
     return _Fits(kv_stats, rows, (err[:, 0] / err[:, 1]).tolist(), (err[:, 2] / err[:, 3]).tolist())
 
 
-def summed(stats: list[list[RRRStats]], layer: int, keep=lambda fold: True) -> RRRStats:
-    """``stats[fold][layer]`` -> the statistics of the folds passing ``keep`` (fold index -> bool) at
-    ``layer``, added up (one ``RRRStats`` of the same input and output dimensions)."""
+def summed(stats: list, layer: int, keep=lambda fold: True) -> RRRStats:
+    """``stats[fold][layer]`` (per fold a list over layers, or a dict of some layers) -> the statistics of
+    the folds passing ``keep`` (fold index -> bool) at ``layer``, added up (one ``RRRStats`` of the same
+    input and output dimensions)."""
     return functools.reduce(operator.add, [f[layer] for i, f in enumerate(stats) if keep(i)])
 
 
-def lodo_error(stats: list[list[RRRStats]], layer: int, ridge: float, shrink: float) -> float:
-    """Mean over folds of the relative error of the full-rank map fitted on the other folds."""
+def lodo_error(stats: list, layer: int, ridge: float, shrink: float) -> float:
+    """Mean over folds of the relative error of the full-rank map fitted on the other folds (``stats`` as
+    ``summed`` takes them)."""
     errs = [stats[f][layer].heldout_error(*summed(stats, layer, lambda i, f=f: i != f).full_map(ridge, shrink))
             for f in range(len(stats))]
     return sum(errs) / len(errs)

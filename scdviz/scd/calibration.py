@@ -265,6 +265,7 @@ class Calibration:
         codes = [("k", i, c.truncated(store_rank) if store_rank else c) for i, c in enumerate(self.key_codes)]
         codes += [("v", i, c.truncated(store_rank) if store_rank else c) for i, c in enumerate(self.value_codes)]
         codes += [("j", i, c) for i, c in enumerate(self.joint or []) if c is not None]  # refinements: never truncated
+        codes += [("r", i, c) for i, c in (self.spans or {}).items()]  # span codes: never truncated
         for kind, layer, code in codes:
             for name in CODE_FIELDS:
                 t = getattr(code, name)
@@ -281,10 +282,6 @@ class Calibration:
                     tensors[f"p.{layer}.aligner.{name}"] = t.half()
         if self.rate is not None:
             tensors.update({f"rd.{name}": getattr(self.rate, name) for name in RATE_TENSORS})
-        for layer, code in (self.spans or {}).items():
-            for name in CODE_FIELDS:
-                t = getattr(code, name)
-                tensors[f"r.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
         for layer, params in (self.corrections or {}).items():
             tensors.update({f"c.{layer}.{name}": t.detach().float().contiguous() for name, t in params.items()})
         meta = {

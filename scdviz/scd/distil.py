@@ -133,7 +133,8 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
     that layer's refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for layer in sorted(spread, key=lambda k: (isinstance(k, str), str(k) if isinstance(k, str) else k)):
+    keys = [*sorted(k for k in spread if isinstance(k, int)), *sorted(k for k in spread if isinstance(k, str))]
+    for layer in keys:  # code layers in order, then span aligners
         sigma = spread[layer].float().cpu().clamp_min(1e-6)  # artefacts live on the host, as the calibration
         d = sigma.shape[0]
         out[layer] = {"a": torch.randn(d, rank, generator=g, device="cpu") / d**0.5,
