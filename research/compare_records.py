@@ -3,10 +3,12 @@ KL of the second relative to the first with a paired-bootstrap interval over pro
 
     python -m research.compare_records OLD.json NEW.json [--methods NAME ...]
     python -m research.compare_records RECORD.json --twins
+    python -m research.compare_records RECORD.json --spans
 
 ``--twins``: one record of a calibration with a trained correction stage; each SCD method against its
 "(closed form)" twin on the same prompts (interval over passages, the cluster bootstrap), with both
-methods' KL over raw KV's, top-1 and QA F1.
+methods' KL over raw KV's, top-1 and QA F1. ``--spans``: the same for each aligned span of a
+``bench scd --spans`` record against the span fed the producer's residual (its closed-form twins too).
 
 A record from an earlier commit: `git show REV:assets/scd/NAME/bench.json > old.json`.
 Rows are matched by (specialist, domain, method); rows without per-prompt KL are skipped.
@@ -27,23 +29,27 @@ def per_prompt(path: str) -> dict[tuple, list[float]]:
             if r.get("kl_per_prompt")}
 
 
-def twins(path: str) -> None:
-    """Each trained SCD method of one record against its closed-form twin (see the module docstring)."""
+def twins(path: str, spans: bool = False) -> None:
+    """Each trained SCD method of one record against its closed-form twin, or (``spans``) each aligned span
+    against the same span fed the producer's residual (see the module docstring)."""
     from scdviz.scd.plan import CLOSED
 
+    base, mine_suffix = (" (producer residual)", " (aligned)") if spans else (CLOSED, "")
     rows = [r for r in records.read(path).rows if r.get("row") == "measured" and r.get("kl_per_prompt")]
     by = {(r["specialist"], r["domain"], r["method"]): r for r in rows}
-    print("specialist domain method: trained / closed KL [95%, passages] | KL/raw closed -> trained | "
-          "top-1 closed -> trained | QA F1 raw, closed -> trained | B/token")
+    ratio, arrow = ("aligned / producer residual", "producer residual -> aligned") if spans else (
+        "trained / closed", "closed -> trained")
+    print(f"specialist domain method: {ratio} KL [95%, passages] | KL/raw {arrow} | top-1 {arrow} | "
+          f"QA F1 raw, {arrow} | B/token")
     for (spec, dom, method), closed in by.items():
-        if not method.endswith(CLOSED):
+        if not method.endswith(base):
             continue
-        mine, raw = by.get((spec, dom, method[: -len(CLOSED)])), by.get((spec, dom, "raw KV"))
+        mine, raw = by.get((spec, dom, method[: -len(base)] + mine_suffix)), by.get((spec, dom, "raw KV"))
         if mine is None or raw is None:
             continue
         r = metrics.paired_bootstrap(closed["kl_per_prompt"], mine["kl_per_prompt"], clusters=mine.get("passages"))
         qa = lambda row: "-" if row.get("qa_f1") is None else f"{row['qa_f1']:.3f}"  # noqa: E731
-        print(f"{spec} {dom} {method[: -len(CLOSED)]}: {r['ratio']:.3f} [{r['ratio_ci'][0]:.3f}, "
+        print(f"{spec} {dom} {method[: -len(base)] + mine_suffix}: {r['ratio']:.3f} [{r['ratio_ci'][0]:.3f}, "
               f"{r['ratio_ci'][1]:.3f}] | {closed['kl'] / raw['kl']:.3f} -> {mine['kl'] / raw['kl']:.3f} | "
               f"{closed['top1']:.3f} -> {mine['top1']:.3f} | {qa(raw)}, {qa(closed)} -> {qa(mine)} | "
               f"{mine['payload_bytes_per_token']:.0f}")
@@ -55,9 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("new", nargs="?")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (default: every shared one)")
     ap.add_argument("--twins", action="store_true", help="one record: each trained method against its closed form")
+    ap.add_argument("--spans", action="store_true", help="one record (bench scd --spans): each aligned span against "
+                    "the same span fed the producer's residual")
     args = ap.parse_args(argv)
-    if args.twins:
-        return twins(args.old)
+    if args.twins or args.spans:
+        return twins(args.old, spans=args.spans)
     if args.new is None:
         sys.exit("two records to compare, or one with --twins")
     old, new = per_prompt(args.old), per_prompt(args.new)
