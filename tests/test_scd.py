@@ -1116,6 +1116,45 @@ def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tin
         distil.DistilConfig(recall=1.5)
 
 
+def test_a_recall_window_scored_against_its_quote_counts_quoted_tokens_by_excess_nll(tiny_pair, tiny_calib):
+    """With ``recall_target='quote'`` a recall window's objective is, hand-computed, the mean over its
+    continuation of KL(oracle ‖ method) before the quoted answer and NLL(method) − NLL(oracle) of the true
+    tokens from it on; the plain windows keep the KL alone; labelled windows mark exactly the quoted ones;
+    and the oracle's own cache scores 0 (sent raw, the consumer's own K, V)."""
+    from scdviz import metrics, qa
+    from scdviz.scd import distil
+
+    lead = tiny_pair.tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]
+    cfg = distil.DistilConfig(train_windows=2, val_windows=2, prompt_len=40, cont_len=len(lead) + 16, recall=0.5,
+                              recall_target="quote")
+    train, _ = distil.labelled_windows(tiny_pair, tiny_calib, cfg)
+    assert [r for _, r in train] == [distil.is_recall(i, 0.5) for i in range(2)] * (len(train) // 2)
+    window = next(w for w, r in train if r)
+    q = distil.quote_from(tiny_pair.tokenizer)
+    assert q == len(lead) + qa.CUE and window[40 + q :] == window[40 + len(lead) :][qa.CUE :]
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window, cfg.cont_len)
+    plan = _low_rank_plan(tiny_calib)
+    blob = transfer.build_payload(case.state, plan, tiny_calib)
+    with torch.no_grad():
+        got = distil.continuation_kl(tiny_pair, distil.Target.of(case, q), blob, tiny_calib, None, False)
+        plain = distil.continuation_kl(tiny_pair, distil.Target.of(case), blob, tiny_calib, None, False)
+        logits = transfer.continuation(tiny_pair.consumer, transfer.receive(tiny_pair.consumer, blob, tiny_calib).cache,
+                                       case.fed, case.state.ids.shape[1])[0]
+    truth, ref = case.targets[0], case.oracle_logits
+    kl = metrics.kl_per_token(ref, logits)
+    excess = metrics.nll_per_token(logits, truth) - metrics.nll_per_token(ref, truth)
+    assert float(got) == pytest.approx(float(torch.cat([kl[:q], excess[q:]]).mean()), rel=1e-5, abs=1e-7)
+    assert float(plain) == pytest.approx(float(kl.mean()), rel=1e-5)
+    assert float(got) != pytest.approx(float(plain), rel=1e-3)
+    with torch.no_grad():  # the oracle's own cache: the consumer's own K, V sent raw
+        own = transfer.build_payload(transfer.producer_state(tiny_pair.consumer, case.state.ids),
+                                     plans.raw_plan(len(plan.modes)), None)
+        zero = distil.continuation_kl(tiny_pair, distil.Target.of(case, q), own, None, None, False)
+    assert abs(float(zero)) < 1e-4
+    with pytest.raises(ValueError, match="recall-target"):
+        distil.DistilConfig(recall_target="truth")
+
+
 def test_row_spread_accumulated_payload_by_payload_is_the_spread_of_all_rows_at_once(tiny_pair, tiny_calib):
     from scdviz.scd import distil
 

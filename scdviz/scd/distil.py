@@ -65,6 +65,11 @@ class DistilConfig:
     recall: float = opt(0.0, "share of the training and validation windows whose continuation quotes their own "
                         "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
                         "them): a quote-recall term of the objective")
+    recall_target: str = opt("oracle", "what a recall window's quoted tokens are scored against: 'oracle' (KL to "
+                             "the consumer with its own cache, as every other token) or 'quote' (their negative "
+                             "log-likelihood, less the oracle's: the quote itself is the truth, and the oracle's "
+                             "own recall is below raw reuse's on both built-in specialists)",
+                             choices=("oracle", "quote"))
     seed: int = opt(0, "initialisation and window order")
 
     def __post_init__(self) -> None:
@@ -73,6 +78,8 @@ class DistilConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.recall <= 1:
             raise ValueError(f"--recall is a share of the windows, from 0 to 1; got {self.recall}")
+        if self.recall_target not in ("oracle", "quote"):
+            raise ValueError(f"--recall-target is 'oracle' or 'quote', got {self.recall_target!r}")
         if any(not b > 0 for b in self.budgets):
             raise ValueError(f"--budgets must be positive bytes per token, got {self.budgets}")
 
@@ -94,6 +101,11 @@ def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[lis
     """(training windows from the train splits, validation windows from the calib splits) of the
     calibration's domains, ``prompt_len + cont_len`` tokens each, spread through each split; ``cfg.recall``
     of each domain's windows continue with a quote of their own prompt instead (``quoted``)."""
+    return tuple([w for w, _ in split] for split in labelled_windows(pair, calib, cfg))
+
+
+def labelled_windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list, list]:
+    """``windows``, each as (window, whether it is a quote-recall one)."""
     length, train, val = cfg.prompt_len + cfg.cont_len, [], []
     for name in domains_of(calib.config):
         for split, n, out in (("train", cfg.train_windows, train), ("calib", cfg.val_windows, val)):
@@ -102,9 +114,14 @@ def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[lis
                 raise ValueError(f"{name!r} gives {len(got)} windows of {length} tokens in its {split} split; "
                                  f"need {n}")
             picked = [got[round(i * len(got) / n)] for i in range(n)]
-            out += [quoted(pair.tokenizer, w[: cfg.prompt_len], cfg.cont_len, i) if is_recall(i, cfg.recall) else w
-                    for i, w in enumerate(picked)]
+            out += [(quoted(pair.tokenizer, w[: cfg.prompt_len], cfg.cont_len, i), True) if is_recall(i, cfg.recall)
+                    else (w, False) for i, w in enumerate(picked)]
     return train, val
+
+
+def quote_from(tokenizer) -> int:
+    """Where a recall window's quoted answer starts in its continuation: after the lead and the CUE tokens."""
+    return len(tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]) + qa.CUE
 
 
 def is_recall(i: int, share: float) -> bool:
@@ -146,26 +163,39 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
 @dataclass
 class Target:
     """What training needs of a prepared case once its payloads are built: the fed tokens, where they
-    start, and the oracle's logits (a ``transfer.Case`` also holds the producer's state, the oracle's
-    cache and residuals: ~20 MB a window, which hundreds of windows cannot keep)."""
+    start, the oracle's logits (a ``transfer.Case`` also holds the producer's state, the oracle's
+    cache and residuals: ~20 MB a window, which hundreds of windows cannot keep), and, for a recall window
+    scored against its quote, the true continuation and the position its quoted answer starts at."""
 
     fed: torch.Tensor  # (1, n)
     start: int  # prompt tokens before ``fed``
     oracle_logits: torch.Tensor  # (n, V)
+    truth: torch.Tensor | None = None  # (n,) the continuation's tokens, when ``quote`` is set
+    quote: int | None = None  # continuation positions from here on are scored by their NLL, not by KL
 
     @classmethod
-    def of(cls, case: transfer.Case) -> Target:
-        return cls(case.fed, case.state.ids.shape[1], case.oracle_logits)
+    def of(cls, case: transfer.Case, quote: int | None = None) -> Target:
+        return cls(case.fed, case.state.ids.shape[1], case.oracle_logits,
+                   None if quote is None else case.targets[0], quote)
 
 
 def continuation_kl(pair: Pair, target: Target, blob: bytes, calib: Calibration, corrections: dict | None,
                     grad: bool):
-    """Mean KL(oracle ‖ method) of one window's continuation after ``blob`` with ``corrections``."""
+    """The objective on one window's continuation after ``blob`` with ``corrections``: the mean over its
+    tokens of KL(oracle ‖ method), except that a recall window scored against its quote (``Target.quote``)
+    counts each quoted token by its NLL less the oracle's (the gradient of the NLL; 0 where the method
+    recalls as well as the oracle, below 0 where better)."""
     got = transfer.receive(pair.consumer, blob, calib, corrections)
     positions = torch.arange(target.start, target.start + target.fed.shape[1],
                              device=hf.device_of(pair.consumer)).unsqueeze(0)
     logits = hf.forward(pair.consumer, target.fed, cache=got.cache, positions=positions, grad=grad).logits[0]
-    return metrics.kl_per_token(target.oracle_logits, logits).mean()
+    per_token = metrics.kl_per_token(target.oracle_logits, logits)
+    if target.quote is not None:
+        q = target.quote
+        excess = (metrics.nll_per_token(logits[q:], target.truth[q:])
+                  - metrics.nll_per_token(target.oracle_logits[q:], target.truth[q:]).to(logits.device))
+        per_token = torch.cat([per_token[:q], excess])
+    return per_token.mean()
 
 
 def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
@@ -227,14 +257,16 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     at = at or trained_plans(calib, cfg)
     if not any("code" in p.modes for p in at):
         raise ValueError(f"plans {[p.name for p in at]} send no REUSE codes: there is nothing to correct")
-    train_w, val_w = windows(pair, calib, cfg)
+    train_w, val_w = labelled_windows(pair, calib, cfg)
     device = hf.device_of(pair.consumer)
+    answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
 
     def prepared(ws, what):
         targets, blobs = [], []
-        for w in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})", progress):
+        for w, recall in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
+                               progress):
             case = transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len)
-            targets.append(Target.of(case))
+            targets.append(Target.of(case, answer if recall else None))
             blobs.append([transfer.build_payload(case.state, p, calib) for p in at])
         return targets, blobs  # the cases themselves are dropped: memory stays ~7 MB a window
 
