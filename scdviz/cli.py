@@ -196,8 +196,10 @@ def _distil(cmd: Distil) -> None:
     trained.save(out)
     _save_run(cmd, out, "distil", cmd.distil.seed, str(pair.device), time.perf_counter() - t0)
     kl, best = log["val_kl"], log["best_epoch"]
-    print(f"validation KL (calib split, {log['val_windows']} windows), mean of {len(log['plans'])} plans: closed "
-          f"form {kl[0]:.4f}, best {kl[best]:.4f} after epoch {best} of {len(kl) - 1}; training KL per epoch "
+    what = ("objective (KL; quoted tokens: NLL less the oracle's)" if cmd.distil.recall and
+            cmd.distil.recall_target == "quote" else "KL")
+    print(f"validation {what} (calib split, {log['val_windows']} windows), mean of {len(log['plans'])} plans: "
+          f"closed form {kl[0]:.4f}, best {kl[best]:.4f} after epoch {best} of {len(kl) - 1}; training per epoch "
           + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
     for name, by in log["val_kl_by_plan"].items():
         print(f"  {name}: {by[0]:.4f} -> {by[best]:.4f}")
