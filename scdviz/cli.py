@@ -206,7 +206,7 @@ def _distil(cmd: Distil) -> None:
     if not best:
         print("no epoch beat the closed form: what is saved is the closed form, unchanged (its tag too)")
     f = log["footprint"]
-    print(f"the correction stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB (float32), "
+    print(f"the correction stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB (int8 factors), "
           f"{f['flops_per_token'] / 1e3:.0f} kFLOP per received token ({100 * f['of_prefill']:.2f}% of the "
           f"consumer's prefill)" + (f"; {f['spans']} span aligners, the dearest "
                                     f"{f['span_flops_per_token'] / 1e3:.0f} kFLOP per token" if f.get("spans") else ""))

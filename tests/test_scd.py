@@ -929,7 +929,14 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     with_it.save(tmp_path)
     back = calibration.Calibration.load(tmp_path)
     assert back.tag == with_it.tag != tiny_calib.tag
-    assert all(torch.equal(back.corrections[i][n], trained[i][n]) for i in trained for n in trained[i])  # float32
+    kept = calibration.stored(trained)  # the factors a, b go through int8 rows, the rest is float32
+    assert all(torch.equal(back.corrections[i][n], kept[i][n]) for i in trained for n in trained[i])
+    assert all(torch.equal(kept[i][n], trained[i][n]) for i in trained for n in ("s", "sigma", "tau"))
+    for i in trained:  # int8 rows: each entry within half a step (absmax / 127) of the trained one, plus the
+        for n in calibration.CORRECTION_FACTORS:  # fp16 scale's rounding (2^-11 of it) times up to 127 steps
+            step = trained[i][n].abs().amax(1, keepdim=True) / 127
+            assert ((kept[i][n] - trained[i][n]).abs() <= (0.5 + 127 / 2048) * step + 1e-8).all()
+    assert all(torch.equal(calibration.stored(kept)[i][n], kept[i][n]) for i in kept for n in kept[i])  # a fixed point
     again = hf.cache_kv(transfer.receive(tiny_pair.consumer, mine, back).cache)  # the codes are stored in fp16
     for x, y in zip(moved, again):
         for a, b in zip(x, y):
@@ -1074,13 +1081,14 @@ def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pa
 
 
 def test_a_correction_stage_footprint_is_counted_by_hand():
-    """Two layers of D = 8 at rank 3: 2 x (8*3 + 3*8 + 8 + 8 + 8) float32 numbers (a, b, s, sigma, tau); per
-    token and layer, 2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products) + D (times tau)."""
+    """Two layers of D = 8 at rank 3, per layer: a (8 x 3) and b (3 x 8) as int8 with an fp16 scale per row
+    (24 + 2*8, 24 + 2*3 bytes), s, sigma, tau float32 (3 x 8 x 4 bytes); per token and layer,
+    2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products) + D (times tau)."""
     from scdviz.scd import distil
 
     got = distil.footprint(distil.initial({0: torch.ones(8), 3: torch.ones(8)}, 3, 0), consumer_params=1000, layers=4)
     assert got["layers"] == 2 and got["of_layers"] == 4
-    assert got["mb"] == round(4 * 2 * (24 + 24 + 8 + 8 + 8) / 1e6, 3)
+    assert got["mb"] == round(2 * (24 + 16 + 24 + 6 + 3 * 8 * 4) / 1e6, 3)
     assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48 + 8) and got["of_prefill"] == round(256 / 2000, 5)
     spans = distil.initial({0: torch.ones(8), "span2": torch.ones(6), "span1": torch.ones(4)}, 3, 0)
     got = distil.footprint(spans, consumer_params=1000, layers=4)  # spans counted apart, the dearest one's FLOPs

@@ -47,7 +47,7 @@ def distil_for(pair: Pair, session: Session, request: DistilRequest, folder: Pat
                               val_windows=req.val_windows)  # budgets: the CLI's (1/6 and 1/10 of fp16)
     if not (req.budgets and base.rate is not None):
         cfg.budgets = []  # the operating point only
-    calib, log = distil.distil(pair, base.closed_form(), cfg, progress=progress)
+    calib, log = distil.distil(pair, base, cfg, progress=progress)
     log["asked_budgets_without_rate"] = bool(req.budgets and base.rate is None)
     calib.save(folder)
     session.calibrations[(pair.producer_source, pair.consumer_source)] = calib

@@ -256,7 +256,8 @@ class Calibration:
         return self.patches[layer]
 
     def save(self, folder: str | Path, store_rank: int | None = None) -> Path:
-        """Write ``folder/calibration.safetensors`` (fp16 code matrices, int8 rows for aligner corrections;
+        """Write ``folder/calibration.safetensors`` (fp16 code matrices, int8 rows for aligner corrections
+        and for the trained correction stage's factors;
         header: identity, config, fits).
 
         store_rank: keep codes only up to this rank (smaller files); default all.
@@ -282,8 +283,12 @@ class Calibration:
                     tensors[f"p.{layer}.aligner.{name}"] = t.half()
         if self.rate is not None:
             tensors.update({f"rd.{name}": getattr(self.rate, name) for name in RATE_TENSORS})
-        for layer, params in (self.corrections or {}).items():
-            tensors.update({f"c.{layer}.{name}": t.detach().float().contiguous() for name, t in params.items()})
+        for layer, params in (self.corrections or {}).items():  # the factors a, b: int8 rows; the scales: fp32
+            for name, t in params.items():
+                if name in CORRECTION_FACTORS:
+                    tensors[f"c.{layer}.{name}"], tensors[f"c.{layer}.{name}_scale"] = artefact.int8_rows(t.detach())
+                else:
+                    tensors[f"c.{layer}.{name}"] = t.detach().float().contiguous()
         meta = {
             "rate": None if self.rate is None else {name: getattr(self.rate, name) for name in RATE_META},
             "patch_layers": sorted(self.patches),
@@ -385,6 +390,20 @@ def span_key(layer: int) -> str:
 
 CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau")  # a trained correction's tensors (Calibration.correct;
 # "tau", the output's scale, is absent from the first ones: scale 1)
+CORRECTION_FACTORS = ("a", "b")  # saved as int8 rows with an fp16 scale each (``{name}_scale``); fp32 before
+
+
+def stored(corrections: dict[int | str, dict[str, Tensor]]) -> dict[int | str, dict[str, Tensor]]:
+    """``corrections`` as ``Calibration.save`` writes them and ``load`` reads them back (float32, the factors
+    through their int8 rows), on their own device: what distil validates and keeps."""
+    return {key: {name: artefact.from_int8_rows(*artefact.int8_rows(t.detach())) if name in CORRECTION_FACTORS
+                  else t.detach().float().clone() for name, t in p.items()} for key, p in corrections.items()}
+
+
+def correction_tensor(t: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """A saved correction tensor as float32: int8 rows times their scale when ``key_scale`` is stored."""
+    return artefact.from_int8_rows(t[key], t[key + "_scale"]) if key + "_scale" in t else t[key].float()
+
 FILE = "calibration.safetensors"  # the artefact inside a calibration folder
 KIND = "scd-calibration"
 
@@ -418,7 +437,7 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"], curves,
         [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
-        {i: {name: t[f"c.{i}.{name}"].float() for name in CORRECTION_FIELDS if f"c.{i}.{name}" in t}
+        {i: {name: correction_tensor(t, f"c.{i}.{name}") for name in CORRECTION_FIELDS if f"c.{i}.{name}" in t}
          for i in [*range(n), *map(span_key, spans)] if f"c.{i}.a" in t}
         or None,
         {layer: code("r", layer) for layer in spans} or None,

@@ -40,7 +40,7 @@ from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
-from scdviz.scd.calibration import Calibration, domains_of
+from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, domains_of, stored
 
 
 @dataclass
@@ -212,12 +212,14 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
 
 
 def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
-    """What a correction stage costs: its size as saved (float32, MB) and the consumer's FLOPs per received
+    """What a correction stage costs: its size as saved (MB: the factors a, b as int8 rows with an fp16 scale
+    each, the rest float32) and the consumer's FLOPs per received
     prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
     output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
     parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
     ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
-    numel = sum(t.numel() for p in corrections.values() for t in p.values())
+    size = sum(t.numel() + 2 * t.shape[0] if name in CORRECTION_FACTORS else 4 * t.numel()  # int8 rows + fp16 scale
+               for p in corrections.values() for name, t in p.items())
 
     def cost(p) -> int:
         return 2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
@@ -225,7 +227,7 @@ def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_pa
     codes = [p for k, p in corrections.items() if isinstance(k, int)]
     spans = [p for k, p in corrections.items() if isinstance(k, str)]
     flops = sum(cost(p) for p in codes)
-    return {"layers": len(codes), "of_layers": layers, "mb": round(4 * numel / 1e6, 3),
+    return {"layers": len(codes), "of_layers": layers, "mb": round(size / 1e6, 3),
             "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5),
             "spans": len(spans), "span_flops_per_token": max((cost(p) for p in spans), default=0)}
 
@@ -249,11 +251,13 @@ def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.T
 
 def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Reporter = True,
            at: list[plans.Plan] | None = None) -> tuple[Calibration, dict]:
-    """Train the correction stage of ``calib`` (see the module docstring) at the plans ``at`` (default:
+    """Train the correction stage of ``calib``'s closed form (see the module docstring; a stage ``calib``
+    already has is replaced) at the plans ``at`` (default:
     ``trained_plans``), one plan per step in turn. The epoch kept is the one with the lowest validation
     KL averaged over the plans. Returns (the calibration with that epoch's corrections, the log); when no
     epoch beats the closed form, the closed form itself (same tag, no corrections; the log says so)."""
     t0 = time.perf_counter()
+    calib = calib.closed_form()  # a calibration trained before starts again from its closed form
     at = at or trained_plans(calib, cfg)
     if not any("code" in p.modes for p in at):
         raise ValueError(f"plans {[p.name for p in at]} send no REUSE codes: there is nothing to correct")
@@ -280,7 +284,8 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     def validation() -> list[float]:
         """Mean validation KL at each plan."""
         with torch.no_grad():
-            return [sum(float(continuation_kl(pair, c, blobs[j], calib, params, False))
+            kept = stored(params)  # as they would be saved: the factors through int8 rows
+            return [sum(float(continuation_kl(pair, c, blobs[j], calib, kept, False))
                         for c, blobs in zip(*val, strict=True)) / len(val[0]) for j in range(len(at))]
 
     def record(by_plan: list[float]) -> None:
@@ -311,7 +316,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
         record(validation())
         if log["val_kl"][-1] < min(log["val_kl"][:-1]):
             log["best_epoch"] = epoch + 1
-            best = {layer: {k: v.detach().cpu().clone() for k, v in p.items()} for layer, p in params.items()}
+            best = {layer: {k: v.cpu() for k, v in p.items()} for layer, p in stored(params).items()}
     log["seconds"] = round(time.perf_counter() - t0, 1)
     facts = pair.consumer_facts
     log["footprint"] = footprint(best or params, facts.params, facts.layers)
