@@ -23,7 +23,10 @@ from scdviz import __version__
 from scdviz.models import hf
 from scdviz.models.pair import PairError
 
-VERSIONS = {"scd-calibration": 3, "distillcache-policy": 2}  # kind -> the version this code writes and reads
+VERSIONS = {"scd-calibration": 4, "distillcache-policy": 2}  # kind -> the version this code writes
+# kind -> the versions it reads (scd-calibration 4: a trained correction stage's factors as int8 rows; 3 had
+# them in float32, which 4's reader reads as they are: an older reader would take int8 rows for floats)
+READS = {"scd-calibration": (3, 4), "distillcache-policy": (2,)}
 _KEY = "scdviz"  # the safetensors metadata key holding the header
 
 
@@ -98,8 +101,9 @@ def load(path: str | Path, kind: str) -> Artefact:
         raise ValueError(f"{path}: damaged scdviz header ({type(err).__name__}: {err})") from None
     if got_kind != kind:
         raise ValueError(f"{path} holds a {got_kind.replace('-', ' ')}, not a {what}")
-    if version != VERSIONS[kind]:
-        raise ValueError(f"{path} is a {what} of format {version}; this scdviz reads format {VERSIONS[kind]} "
+    if version not in READS[kind]:
+        reads = " or ".join(map(str, READS[kind]))
+        raise ValueError(f"{path} is a {what} of format {version}; this scdviz reads format {reads} "
                          f"(written by scdviz {header.get('scdviz', '?')}); make it again")
     return Artefact(kind, version, tensors, header.get("identity") or {}, header.get("config") or {},
                     header.get("meta") or {}, path)

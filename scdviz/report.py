@@ -591,7 +591,8 @@ def _headline(scd_record: str, protocol: list[str]) -> str:
         by = {r["method"]: r for r in _scd_rows(rel, "method")}
         raw = by["raw KV"]
         tc = next(r for r in _scd_rows(rel, "budget sweep") if r["method"] == "SCD transform-coded @3840 B/token")
-        for r, what in ((by["SCD full"], "SCD, int4 codes + 2 patches"), (tc, "SCD, transform coded @3,840")):
+        scd = "SCD (trained)" if "SCD full (closed form)" in by else "SCD"  # a record of a trained stage has twins
+        for r, what in ((by["SCD full"], f"{scd}, int4 codes + 2 patches"), (tc, f"{scd}, transform coded @3,840")):
             out.append([f"{what}, {_b(r['payload_bytes_per_token'])} B/token", f"{spec}, own domain, "
                         f"{r['n_prompts']} prompts", f"raw KV reuse, {_b(raw['payload_bytes_per_token'])} B/token",
                         _ratio(raw, r), f"{r['top1']:.3f} vs {raw['top1']:.3f}",
@@ -634,9 +635,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-patch": scd_patch,
     "scd-rank-claim": scd_rank_claim,
     "scd-lodo": scd_lodo,
-    "scd-lodo-before": functools.partial(scd_lodo, "lodo.json"),
     "scd-qa": scd_qa,
-    "scd-qa-before": functools.partial(scd_qa, "lodo.json"),
     "scd-ttft": scd_ttft,
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,

@@ -106,3 +106,12 @@ def test_code_bits_accept_what_the_api_documents():
     assert bits.check("4") == 4 and bits.check(8) == 8 and bits.check(16.0) == 16
     with pytest.raises(UserError, match="must be one of 4, 8, 16"):
         bits.check("5")
+
+
+def test_the_distil_request_offers_exactly_distils_recall_targets():
+    """The Calibrate tab's recall-target choice sends the values DistilConfig accepts, no other."""
+    from scdviz.scd import distil
+
+    assert tuple(value for _, value in requests.RECALL_TARGETS) == distil.RECALL_TARGETS
+    assert requests.DistilRequest().recall_target in distil.RECALL_TARGETS
+    assert requests.DistilRequest().recall == distil.DistilConfig().recall  # the shipped recipe's share

@@ -30,7 +30,8 @@ EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model
           method="distillcache-head-lookahead-w512", methods=None)
 CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits="4", name="bad-input-run")
 TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
-DI = dict(train_windows=2, val_windows=1, epochs=2, rank=32, budgets=True, name="bad-input-distil")
+DI = dict(train_windows=2, val_windows=1, epochs=2, rank=32, recall=0.1, recall_target="quote", budgets=True,
+          name="bad-input-distil")
 
 
 def scd(**kw):
@@ -160,6 +161,8 @@ ROWS = [
     ("both", di(epochs=60), "is greater than maximum value"),
     ("both", di(rank=1000), "is greater than maximum value"),
     ("both", di(budgets="x"), "must be true or false"),
+    ("both", di(recall=0.9), "is greater than maximum value"),
+    ("both", di(recall_target="truth"), "quote"),
     ("both", di(name="../x"), "is not allowed"),
     ("hosted", ("/load_calibration", ("/etc",)), "does not read local paths"),
     ("hosted", ("/load_calibration", ("{shipped_calib}",)), "does not read local paths"),

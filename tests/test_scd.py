@@ -901,7 +901,8 @@ def _low_rank_plan(calib):
     return plans.scd_plan([2] * n, [2] * n, [], code_bits=16, name="rank 2")
 
 
-def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pair, tiny_calib, tmp_path):
+def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pair, tiny_calib, tmp_path,
+                                                                         monkeypatch):
     """b = s = 0 leaves every received cache bit for bit as the closed form's; a trained one changes it,
     is written with the calibration and read back exactly, and gives the calibration another tag."""
     from scdviz.scd import distil
@@ -937,6 +938,23 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
             step = trained[i][n].abs().amax(1, keepdim=True) / 127
             assert ((kept[i][n] - trained[i][n]).abs() <= (0.5 + 127 / 2048) * step + 1e-8).all()
     assert all(torch.equal(calibration.stored(kept)[i][n], kept[i][n]) for i in kept for n in kept[i])  # a fixed point
+    old = tmp_path / "format3"  # format 3 held the factors in float32: its files read as they were written
+    art = artefact.load(tmp_path / calibration.FILE, calibration.KIND)
+    assert art.version == 4 and art.tensors[f"c.{layer}.a"].dtype == torch.int8
+    assert f"c.{layer}.tau" not in art.tensors  # equal to sigma (as distil makes it): not stored twice
+    tensors = {k: v for k, v in art.tensors.items() if not (k.startswith("c.") and k.endswith("_scale"))}
+    tensors |= {f"c.{i}.{n}": trained[i][n] for i in trained for n in (*calibration.CORRECTION_FACTORS, "tau")}
+    monkeypatch.setitem(artefact.VERSIONS, calibration.KIND, 3)
+    artefact.save(old / calibration.FILE, calibration.KIND, tensors, art.identity, art.config, art.meta)
+    monkeypatch.undo()
+    from_3 = calibration.Calibration.load(old)
+    assert from_3.tag == with_it.tag
+    assert all(torch.equal(from_3.corrections[i][n], trained[i][n]) for i in trained for n in trained[i])
+    untimed = copy.copy(with_it)  # a stage from before tau (scale 1), saved again: its tau of 1 is kept
+    untimed.corrections = {i: {n: t for n, t in p.items() if n != "tau"} for i, p in trained.items()}
+    untimed.save(tmp_path / "no-tau")
+    ones = calibration.Calibration.load(tmp_path / "no-tau").corrections
+    assert all(torch.equal(ones[i]["tau"], torch.ones_like(trained[i]["sigma"])) for i in trained)
     again = hf.cache_kv(transfer.receive(tiny_pair.consumer, mine, back).cache)  # the codes are stored in fp16
     for x, y in zip(moved, again):
         for a, b in zip(x, y):
@@ -1082,13 +1100,13 @@ def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pa
 
 def test_a_correction_stage_footprint_is_counted_by_hand():
     """Two layers of D = 8 at rank 3, per layer: a (8 x 3) and b (3 x 8) as int8 with an fp16 scale per row
-    (24 + 2*8, 24 + 2*3 bytes), s, sigma, tau float32 (3 x 8 x 4 bytes); per token and layer,
+    (24 + 2*8, 24 + 2*3 bytes), s, sigma float32 (2 x 8 x 4 bytes; tau = sigma is not stored); per token and layer,
     2D (scale) + D (divide by sigma) + 2*D*r + 2*r*D (the two products) + D (times tau)."""
     from scdviz.scd import distil
 
     got = distil.footprint(distil.initial({0: torch.ones(8), 3: torch.ones(8)}, 3, 0), consumer_params=1000, layers=4)
     assert got["layers"] == 2 and got["of_layers"] == 4
-    assert got["mb"] == round(2 * (24 + 16 + 24 + 6 + 3 * 8 * 4) / 1e6, 3)
+    assert got["mb"] == round(2 * (24 + 16 + 24 + 6 + 2 * 8 * 4) / 1e6, 3)
     assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48 + 8) and got["of_prefill"] == round(256 / 2000, 5)
     spans = distil.initial({0: torch.ones(8), "span2": torch.ones(6), "span1": torch.ones(4)}, 3, 0)
     got = distil.footprint(spans, consumer_params=1000, layers=4)  # spans counted apart, the dearest one's FLOPs

@@ -42,6 +42,8 @@ CODERS = (("transform coding: one step per section, entropy coded", "transform")
           ("rate-distortion plan: ranks, bits and patches", "rd"))
 EVICT_UNITS = ("% kept", "tokens kept")
 EVICT_MODELS = ("producer", "consumer")
+RECALL_TARGETS = (("the oracle's distribution (KL)", "oracle"),  # scdviz.scd.distil.RECALL_TARGETS, labelled
+                  ("the quote itself (NLL less the oracle's)", "quote"))
 
 
 @dataclass
@@ -129,6 +131,10 @@ class DistilRequest(Request):
                                hi=4, step=1, row="distil")
     epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil")
     rank: int = control(32, "Correction rank", "int", lo=4, hi=64, step=4, row="distil")
+    recall: float = control(0.1, "Share of windows that quote their own prompt (a quote-recall term)", "number",
+                            lo=0, hi=0.5, step=0.05, widget="slider", row="distil-recall")
+    recall_target: str = control("quote", "Quoted tokens scored by", "choice", choices=RECALL_TARGETS,
+                                 row="distil-recall")
     budgets: bool = control(True, "Also at 1/6 and 1/10 of fp16 (transform coded; needs the rate curves)", "flag",
                             name="Also at 1/6 and 1/10 of fp16", row="distil-more")
     name: str = control("my-distilled", "Save the trained calibration as", "text", hi=200, required=False,

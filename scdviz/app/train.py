@@ -44,7 +44,8 @@ def distil_for(pair: Pair, session: Session, request: DistilRequest, folder: Pat
     req = request.checked()
     base = scd.get_calibration(pair, session)  # says what to do when the pair has none
     cfg = distil.DistilConfig(rank=req.rank, epochs=req.epochs, train_windows=req.train_windows,
-                              val_windows=req.val_windows)  # budgets: the CLI's (1/6 and 1/10 of fp16)
+                              val_windows=req.val_windows, recall=req.recall,
+                              recall_target=req.recall_target)  # budgets: the CLI's (1/6 and 1/10 of fp16)
     if not (req.budgets and base.rate is not None):
         cfg.budgets = []  # the operating point only
     calib, log = distil.distil(pair, base, cfg, progress=progress)

@@ -197,9 +197,13 @@ def _distil_summary(log: dict, folder: Path) -> str:
             "no epoch beat the closed form, so the calibration is the closed form again")
     note = ("\n\nYour calibration has no rate curves (`python -m scdviz rate` makes them), so it trained at the "
             "operating point only." if log.get("asked_budgets_without_rate") else "")
-    return (f"Trained in {log['seconds']:.0f} s on {log['train_windows']} windows; {kept}; saved to "
+    recall = log.get("recall_windows", [0, 0])
+    what = ("objective (KL; quoted tokens: NLL less the oracle's)" if any(recall)
+            and log["config"].get("recall_target") == "quote" else "KL")
+    return (f"Trained in {log['seconds']:.0f} s on {log['train_windows']} windows ({recall[0]} of them and "
+            f"{recall[1]} of the validation ones quote their prompt); {kept}; saved to "
             f"`{_shown(folder)}`. The SCD tab now uses it for you and shows each SCD method beside its closed "
-            f"form.\n\n| validation KL ({log['val_windows']} calib windows) | closed form | trained | ratio |\n"
+            f"form.\n\n| validation {what} ({log['val_windows']} calib windows) | closed form | trained | ratio |\n"
             f"|---|---|---|---|\n{rows}\n\nThe stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB, "
             f"{100 * f['of_prefill']:.2f}% of the consumer's prefill FLOPs.{note}")
 

@@ -284,6 +284,11 @@ class Calibration:
         if self.rate is not None:
             tensors.update({f"rd.{name}": getattr(self.rate, name) for name in RATE_TENSORS})
         for layer, params in (self.corrections or {}).items():  # the factors a, b: int8 rows; the scales: fp32
+            params = dict(params)
+            if "tau" not in params:  # a stage from before tau (scale 1): format 4 reads an absent tau as sigma
+                params["tau"] = torch.ones_like(params["sigma"])
+            elif torch.equal(params["tau"], params["sigma"]):  # as distil makes it: not stored twice
+                del params["tau"]
             for name, t in params.items():
                 if name in CORRECTION_FACTORS:
                     tensors[f"c.{layer}.{name}"], tensors[f"c.{layer}.{name}_scale"] = artefact.int8_rows(t.detach())
@@ -400,6 +405,15 @@ def stored(corrections: dict[int | str, dict[str, Tensor]]) -> dict[int | str, d
                   else t.detach().float().clone() for name, t in p.items()} for key, p in corrections.items()}
 
 
+def correction_of(t: dict[str, torch.Tensor], prefix: str, version: int) -> dict[str, torch.Tensor]:
+    """One saved correction (keys ``prefix + name``) as float32 tensors. Format 4 leaves out a tau equal to
+    sigma (distil's) and stores any other; format 3 left out only a tau of 1 (the first stages had none)."""
+    got = {name: correction_tensor(t, prefix + name) for name in CORRECTION_FIELDS if prefix + name in t}
+    if "tau" not in got and version >= 4:
+        got["tau"] = got["sigma"].clone()
+    return got
+
+
 def correction_tensor(t: dict[str, torch.Tensor], key: str) -> torch.Tensor:
     """A saved correction tensor as float32: int8 rows times their scale when ``key_scale`` is stored."""
     return artefact.from_int8_rows(t[key], t[key + "_scale"]) if key + "_scale" in t else t[key].float()
@@ -437,8 +451,7 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"], curves,
         [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
-        {i: {name: correction_tensor(t, f"c.{i}.{name}") for name in CORRECTION_FIELDS if f"c.{i}.{name}" in t}
-         for i in [*range(n), *map(span_key, spans)] if f"c.{i}.a" in t}
+        {i: correction_of(t, f"c.{i}.", art.version) for i in [*range(n), *map(span_key, spans)] if f"c.{i}.a" in t}
         or None,
         {layer: code("r", layer) for layer in spans} or None,
     )

@@ -42,11 +42,14 @@ from scdviz.scd import plan as plans
 from scdviz.scd import transfer
 from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, domains_of, stored
 
+RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
+
 
 @dataclass
 class DistilConfig:
-    """One training of the correction stage. Defaults: of three runs on austen-qkv (10 windows per domain at
-    lr 3e-4, 30 at 3e-4, 30 at 1e-4), the one with the lowest calib-split validation KL."""
+    """One training of the correction stage. Defaults: the shipped calibrations' recipe (docs/design.md): of
+    three runs on austen-qkv (10 windows per domain at lr 3e-4, 30 at 3e-4, 30 at 1e-4), the one with the
+    lowest calib-split validation KL; the recall share and target chosen on the austen-qkv dev slice."""
 
     rank: int = opt(32, "rank r of each layer's correction")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
@@ -62,14 +65,14 @@ class DistilConfig:
     spans: bool = opt(False, "also train at the aligned span plan of each of the calibration's span codes "
                       "(`python -m scdviz span`): each span's aligner (a correction of its decoded residual, same "
                       "form) trained through the consumer's own layers")
-    recall: float = opt(0.0, "share of the training and validation windows whose continuation quotes their own "
+    recall: float = opt(0.1, "share of the training and validation windows whose continuation quotes their own "
                         "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
                         "them): a quote-recall term of the objective")
-    recall_target: str = opt("oracle", "what a recall window's quoted tokens are scored against: 'oracle' (KL to "
+    recall_target: str = opt("quote", "what a recall window's quoted tokens are scored against: 'oracle' (KL to "
                              "the consumer with its own cache, as every other token) or 'quote' (their negative "
                              "log-likelihood, less the oracle's: the quote itself is the truth, and the oracle's "
                              "own recall is below raw reuse's on both built-in specialists)",
-                             choices=("oracle", "quote"))
+                             choices=RECALL_TARGETS)
     seed: int = opt(0, "initialisation and window order")
 
     def __post_init__(self) -> None:
@@ -78,7 +81,7 @@ class DistilConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.recall <= 1:
             raise ValueError(f"--recall is a share of the windows, from 0 to 1; got {self.recall}")
-        if self.recall_target not in ("oracle", "quote"):
+        if self.recall_target not in RECALL_TARGETS:
             raise ValueError(f"--recall-target is 'oracle' or 'quote', got {self.recall_target!r}")
         if any(not b > 0 for b in self.budgets):
             raise ValueError(f"--budgets must be positive bytes per token, got {self.budgets}")
@@ -213,13 +216,14 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
 
 def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
     """What a correction stage costs: its size as saved (MB: the factors a, b as int8 rows with an fp16 scale
-    each, the rest float32) and the consumer's FLOPs per received
+    each, the rest float32, tau only where it differs from sigma) and the consumer's FLOPs per received
     prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
     output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
     parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
     ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
     size = sum(t.numel() + 2 * t.shape[0] if name in CORRECTION_FACTORS else 4 * t.numel()  # int8 rows + fp16 scale
-               for p in corrections.values() for name, t in p.items())
+               for p in corrections.values() for name, t in p.items()
+               if not (name == "tau" and torch.equal(t, p["sigma"])))  # a tau equal to sigma is not stored
 
     def cost(p) -> int:
         return 2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
@@ -294,7 +298,8 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
         log["val_kl"].append(sum(by_plan) / len(by_plan))
 
     log = {"config": config.to_dict(cfg), "plans": [p.name for p in at], "train_windows": len(train_w),
-           "val_windows": len(val_w), "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "train_kl": [],
+           "val_windows": len(val_w), "recall_windows": [sum(r for _, r in train_w), sum(r for _, r in val_w)],
+           "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "train_kl": [],
            "best_epoch": 0}
     record(validation())
     best: dict = {}
