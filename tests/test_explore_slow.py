@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scdviz.app import evict, scd, train
 from scdviz.app.inputs import UserError
@@ -91,7 +92,7 @@ def test_scd_fan_out_covers_every_specialist(builtin_pair):
             >= {"builtin:jargon", "builtin:austen-qkv"})
     for _, rows in table.groupby("specialist"):
         assert list(rows["method"]) == ["oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only",
-                                        "SCD full"]
+                                        "SCD full", "SCD reuse-only (closed form)", "SCD full (closed form)"]
     assert (table[table["method"] == "oracle"]["kl"] == 0).all()
 
 
@@ -127,13 +128,16 @@ def test_a_visitor_trains_a_correction_stage_that_only_they_then_use(builtin_pai
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
     a, b = Session(), Session()
     shipped = scd.get_calibration(builtin_pair)
+    tag, stage = shipped.tag, {k: {n: t.clone() for n, t in p.items()} for k, p in shipped.corrections.items()}
     req = DistilRequest(train_windows=1, val_windows=1, epochs=2, rank=4, budgets=False, name="mine")
     folder = a.new_run("mine", "calibrations")
     mine, log = train.distil_for(builtin_pair, a, req, folder, progress=False)
-    assert shipped.corrections is None and scd.get_calibration(builtin_pair) is shipped
+    assert shipped.tag == tag and scd.get_calibration(builtin_pair) is shipped  # the shipped stage, untouched
+    assert all(torch.equal(shipped.corrections[k][n], t) for k, p in stage.items() for n, t in p.items())
     assert scd.get_calibration(builtin_pair, a) is mine and scd.get_calibration(builtin_pair, b) is shipped
     assert list(log["val_kl_by_plan"]) == [plans.operating_plan(shipped).name] and len(log["val_kl"]) == 3
     assert log["train_windows"] == log["val_windows"] == len(calibration.domains_of(shipped.config))
     kept = log["best_epoch"] > 0  # else the result is the closed form under its own tag, which mixes with it
-    assert (mine.corrections is not None) == kept and (mine.tag != shipped.tag) == kept
+    assert (mine.corrections is not None) == kept and (mine.tag != shipped.closed_form().tag) == kept
+    assert mine.tag != shipped.tag  # trained again from the closed form: the shipped stage is not the visitor's
     assert calibration.Calibration.load(folder, builtin_pair).tag == mine.tag

@@ -766,6 +766,11 @@ def test_every_candidate_patch_records_its_held_out_choice_and_only_kept_patches
         assert g["mlp"] == (tiny_calib.patches[int(layer)].aligner.hidden > 0)
     assert set(tiny_calib.patch_order) <= {int(k) for k, g in gates.items() if g["kept"]}
     assert "Aligners: identity + a linear correction" in scd.calibration_summary(tiny_calib)
+    assert "Correction stage" not in scd.calibration_summary(tiny_calib)  # the closed form says nothing of one
+    log = {"val_kl": [0.2, 0.15, 0.12], "best_epoch": 2, "train_windows": 6, "config": {"rank": 4}}
+    trained = dataclasses.replace(tiny_calib, corrections={0: {}, 1: {}}, stats={**tiny_calib.stats, "distil": log})
+    line = scd.calibration_summary(trained)
+    assert "trained through the consumer on 2 layers (rank 4, 6 training windows; validation 0.2000 → 0.1200)" in line
 
 
 def test_greedy_selection_kl_equals_running_the_selected_plans_end_to_end(tiny_pair, texts):

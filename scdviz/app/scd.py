@@ -36,6 +36,12 @@ def calibration_summary(calib) -> str:
         parts.append("Aligners: identity + a linear correction shrunk toward identity (chosen on held-out domains)"
                      + (f"; the MLP helped off-domain on layers {mlp} only." if mlp
                         else "; the MLP helped on no layer off-domain."))
+    trained = st.get("distil")
+    if calib.corrections and trained:
+        kl = trained["val_kl"]
+        parts.append(f"Correction stage trained through the consumer on {len(calib.corrections)} layers (rank "
+                     f"{trained['config']['rank']}, {trained['train_windows']} training windows; validation "
+                     f"{kl[0]:.4f} → {kl[trained['best_epoch']]:.4f}); the \"(closed form)\" rows are without it.")
     return " ".join(parts)
 
 
