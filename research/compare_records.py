@@ -4,6 +4,7 @@ KL of the second relative to the first with a paired-bootstrap interval over pro
     python -m research.compare_records OLD.json NEW.json [--methods NAME ...]
     python -m research.compare_records RECORD.json --twins
     python -m research.compare_records RECORD.json --spans
+    python -m research.compare_records RECORD.json --vs-raw
 
 ``--twins``: one record of a calibration with a trained correction stage; each SCD method against its
 "(closed form)" twin on the same prompts (interval over passages, the cluster bootstrap), with both
@@ -55,6 +56,23 @@ def twins(path: str, spans: bool = False) -> None:
               f"{mine['payload_bytes_per_token']:.0f}")
 
 
+def vs_raw(path: str) -> None:
+    """Each SCD method of one record (trained and closed form) against raw KV reuse on the same prompts: QA
+    token-F1 minus raw reuse's and KL over raw reuse's, with the passage-cluster bootstrap's 95% intervals."""
+    rows = [r for r in records.read(path).rows if r.get("row") == "measured" and r.get("kl_per_prompt")]
+    by = {(r["specialist"], r["domain"], r["method"]): r for r in rows}
+    print("specialist domain method: items | QA F1 (raw) | QA - raw [95%, passages] | KL / raw [95%] | top-1")
+    for (spec, dom, method), r in by.items():
+        raw = by.get((spec, dom, "raw KV"))
+        if not method.startswith("SCD") or raw is None or not r.get("qa_f1_items"):
+            continue
+        qa = metrics.paired_bootstrap(raw["qa_f1_items"], r["qa_f1_items"], clusters=r.get("passages"))
+        kl = metrics.paired_bootstrap(raw["kl_per_prompt"], r["kl_per_prompt"], clusters=r.get("passages"))
+        print(f"{spec} {dom} {method}: {len(r['qa_f1_items'])} | {r['qa_f1']:.3f} ({raw['qa_f1']:.3f}) | "
+              f"{qa['diff']:+.3f} [{qa['diff_ci'][0]:+.3f}, {qa['diff_ci'][1]:+.3f}] | "
+              f"{r['kl'] / raw['kl']:.3f} [{kl['ratio_ci'][0]:.3f}, {kl['ratio_ci'][1]:.3f}] | {r['top1']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m research.compare_records", description=__doc__.splitlines()[0])
     ap.add_argument("old")
@@ -63,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--twins", action="store_true", help="one record: each trained method against its closed form")
     ap.add_argument("--spans", action="store_true", help="one record (bench scd --spans): each aligned span against "
                     "the same span fed the producer's residual")
+    ap.add_argument("--vs-raw", action="store_true", help="one record: each SCD method's QA and KL against raw "
+                    "KV reuse on the same prompts")
     args = ap.parse_args(argv)
+    if args.vs_raw:
+        return vs_raw(args.old)
     if args.twins or args.spans:
         return twins(args.old, spans=args.spans)
     if args.new is None:

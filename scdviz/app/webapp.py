@@ -197,7 +197,7 @@ def _distil_summary(log: dict, folder: Path) -> str:
             "no epoch beat the closed form, so the calibration is the closed form again")
     note = ("\n\nYour calibration has no rate curves (`python -m scdviz rate` makes them), so it trained at the "
             "operating point only." if log.get("asked_budgets_without_rate") else "")
-    recall = log.get("recall_windows", [0, 0])
+    recall = log["recall_windows"]
     what = ("objective (KL; quoted tokens: NLL less the oracle's)" if any(recall)
             and log["config"].get("recall_target") == "quote" else "KL")
     return (f"Trained in {log['seconds']:.0f} s on {log['train_windows']} windows ({recall[0]} of them and "

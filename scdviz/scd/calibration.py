@@ -283,17 +283,8 @@ class Calibration:
                     tensors[f"p.{layer}.aligner.{name}"] = t.half()
         if self.rate is not None:
             tensors.update({f"rd.{name}": getattr(self.rate, name) for name in RATE_TENSORS})
-        for layer, params in (self.corrections or {}).items():  # the factors a, b: int8 rows; the scales: fp32
-            params = dict(params)
-            if "tau" not in params:  # a stage from before tau (scale 1): format 4 reads an absent tau as sigma
-                params["tau"] = torch.ones_like(params["sigma"])
-            elif torch.equal(params["tau"], params["sigma"]):  # as distil makes it: not stored twice
-                del params["tau"]
-            for name, t in params.items():
-                if name in CORRECTION_FACTORS:
-                    tensors[f"c.{layer}.{name}"], tensors[f"c.{layer}.{name}_scale"] = artefact.int8_rows(t.detach())
-                else:
-                    tensors[f"c.{layer}.{name}"] = t.detach().float().contiguous()
+        for layer, params in (self.corrections or {}).items():
+            tensors.update({f"c.{layer}.{name}": t for name, t in correction_tensors(params).items()})
         meta = {
             "rate": None if self.rate is None else {name: getattr(self.rate, name) for name in RATE_META},
             "patch_layers": sorted(self.patches),
@@ -398,11 +389,28 @@ CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau")  # a trained correction's te
 CORRECTION_FACTORS = ("a", "b")  # saved as int8 rows with an fp16 scale each (``{name}_scale``); fp32 before
 
 
+def correction_tensors(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """One correction's tensors as ``Calibration.save`` writes them (format 4): the factors a, b as int8 rows
+    with an fp16 scale each (``{name}_scale``), the rest float32, tau left out when it equals sigma (as distil
+    makes it) and written as 1 when absent (the first stages had none)."""
+    params = dict(params)
+    if "tau" not in params:
+        params["tau"] = torch.ones_like(params["sigma"])
+    elif torch.equal(params["tau"], params["sigma"]):
+        del params["tau"]
+    out = {}
+    for name, t in params.items():
+        if name in CORRECTION_FACTORS:
+            out[name], out[name + "_scale"] = artefact.int8_rows(t.detach())
+        else:
+            out[name] = t.detach().float().clone()  # a copy: never the trained tensor itself
+    return out
+
+
 def stored(corrections: dict[int | str, dict[str, Tensor]]) -> dict[int | str, dict[str, Tensor]]:
     """``corrections`` as ``Calibration.save`` writes them and ``load`` reads them back (float32, the factors
     through their int8 rows), on their own device: what distil validates and keeps."""
-    return {key: {name: artefact.from_int8_rows(*artefact.int8_rows(t.detach())) if name in CORRECTION_FACTORS
-                  else t.detach().float().clone() for name, t in p.items()} for key, p in corrections.items()}
+    return {key: correction_of(correction_tensors(p), "", VERSION) for key, p in corrections.items()}
 
 
 def correction_of(t: dict[str, torch.Tensor], prefix: str, version: int) -> dict[str, torch.Tensor]:
@@ -420,6 +428,7 @@ def correction_tensor(t: dict[str, torch.Tensor], key: str) -> torch.Tensor:
 
 FILE = "calibration.safetensors"  # the artefact inside a calibration folder
 KIND = "scd-calibration"
+VERSION = artefact.VERSIONS[KIND]  # the format ``save`` writes
 
 def _from_artefact(art: artefact.Artefact) -> Calibration:
     t, meta = art.tensors, art.meta

@@ -40,7 +40,7 @@ from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
-from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, domains_of, stored
+from scdviz.scd.calibration import Calibration, correction_tensors, domains_of, stored
 
 RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
 
@@ -221,9 +221,7 @@ def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_pa
     output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
     parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
     ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
-    size = sum(t.numel() + 2 * t.shape[0] if name in CORRECTION_FACTORS else 4 * t.numel()  # int8 rows + fp16 scale
-               for p in corrections.values() for name, t in p.items()
-               if not (name == "tau" and torch.equal(t, p["sigma"])))  # a tau equal to sigma is not stored
+    size = sum(t.nbytes for p in corrections.values() for t in correction_tensors(p).values())  # as saved
 
     def cost(p) -> int:
         return 2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
