@@ -23,6 +23,7 @@ so intervals can resample whole passages (``scdviz.metrics``, ``clusters``).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass
@@ -44,21 +45,32 @@ def corpora() -> list[str]:
 
 
 def split_path(corpus: str, split: str) -> Path:
-    """Path of a shipped split; ValueError names what exists."""
+    """Path of a shipped split (``<split>.txt``, or ``<split>.txt.gz``: the train splits are stored
+    compressed); ValueError names what exists."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    path = TEXT_DIR / corpus / f"{split}.txt"
-    if not path.is_file():
-        raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(corpora())}")
-    return path
+    for name in (f"{split}.txt", f"{split}.txt.gz"):
+        path = TEXT_DIR / corpus / name
+        if path.is_file():
+            return path
+    raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(corpora())}")
+
+
+def read_text(path: str | Path) -> str:
+    """A text file's contents (UTF-8), gunzipped when its name ends in .gz."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            return fh.read()
+    return path.read_text(encoding="utf-8")
 
 
 def read_passages(path: str | Path) -> list[str]:
-    """Passages of a .txt (blank-line separated) or .jsonl ("text" field) file."""
+    """Passages of a .txt (blank-line separated; .txt.gz compressed) or .jsonl ("text" field) file."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"text file not found: {path}")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_text(path)
     if path.suffix == ".jsonl":
         passages = []
         for n, line in enumerate(raw.splitlines(), 1):

@@ -492,7 +492,11 @@ def write_splits(name: str, passages: list[str]) -> dict[str, int]:
     sizes = {}
     for split, items in splits.items():
         body = "\n\n".join(items) + "\n"
-        (folder / f"{split}.txt").write_text(body, encoding="utf-8")
+        if split == "train":  # the largest split, stored compressed (byte-for-byte reproducible: no name, no time)
+            (folder / "train.txt.gz").write_bytes(gzip.compress(body.encode("utf-8"), compresslevel=9, mtime=0))
+            (folder / "train.txt").unlink(missing_ok=True)
+        else:
+            (folder / f"{split}.txt").write_text(body, encoding="utf-8")
         sizes[split] = len(body)
     return sizes
 

@@ -35,8 +35,8 @@ def split_problems(folder) -> list[str]:
     """What is wrong with the train/calib/eval files in ``folder`` (empty when nothing is)."""
     problems, passages = [], {}
     for split in data.SPLITS:
-        path = folder / f"{split}.txt"
-        text = path.read_text(encoding="utf-8")
+        path = next(folder / n for n in (f"{split}.txt", f"{split}.txt.gz") if (folder / n).is_file())
+        text = data.read_text(path)
         if len(text) < MIN_CHARS[split]:
             problems.append(f"{split}: {len(text)} characters < {MIN_CHARS[split]}")
         passages[split] = data.read_passages(path)
