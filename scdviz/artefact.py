@@ -23,10 +23,11 @@ from scdviz import __version__
 from scdviz.models import hf
 from scdviz.models.pair import PairError
 
-VERSIONS = {"scd-calibration": 4, "distillcache-policy": 2}  # kind -> the version this code writes
+# kind -> the version this code writes
+VERSIONS = {"scd-calibration": 4, "distillcache-policy": 2, "distillcache-student": 1}
 # kind -> the versions it reads (scd-calibration 4: a trained correction stage's factors as int8 rows; 3 had
 # them in float32, which 4's reader reads as they are: an older reader would take int8 rows for floats)
-READS = {"scd-calibration": (3, 4), "distillcache-policy": (2,)}
+READS = {"scd-calibration": (3, 4), "distillcache-policy": (2,), "distillcache-student": (1,)}
 _KEY = "scdviz"  # the safetensors metadata key holding the header
 
 
@@ -75,6 +76,16 @@ def int8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def from_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 matrix of ``int8_rows``."""
     return q.float() * scale.float()
+
+
+def kind_of(path: str | Path) -> str | None:
+    """The kind a safetensors file's scdviz header names (None without one), its tensors unread."""
+    with safe_open(str(path), "pt") as fh:
+        raw = (fh.metadata() or {}).get(_KEY)
+    try:
+        return None if raw is None else json.loads(raw).get("kind")
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def load(path: str | Path, kind: str) -> Artefact:

@@ -26,6 +26,7 @@ from scdviz.commands import (
     Calibrate,
     Distil,
     Finetune,
+    FitStudent,
     ModelCard,
     PairInfo,
     PrepareText,
@@ -292,6 +293,28 @@ def _train_policy(cmd: TrainPolicy) -> None:
           f"python -m scdviz bench evict --policies {folder / 'best.safetensors'}")
 
 
+def _fit_student(cmd: FitStudent) -> None:
+    from scdviz.evict import student_fit
+    from scdviz.models.pair import choose_threads, load_model
+
+    folder = _out_folder(cmd.fit.out, "policies", cmd.name or runs.auto_name("student"), cmd.maintainer, None)
+    print(f"torch threads: {choose_threads()}")
+    model, tokenizer = load_model(cmd.model)
+    t0 = time.perf_counter()
+    fitted = student_fit.fit(dataclasses.replace(cmd.fit, out=str(folder)), (model, tokenizer, cmd.model))
+    fitted.save(folder)
+    _save_run(cmd, folder, "fit-student", cmd.fit.seed, str(next(model.parameters()).device), time.perf_counter() - t0)
+    log = fitted.log
+    print(f"validation KL ({cmd.fit.val_contexts} calib contexts, kept {', '.join(map(str, cmd.fit.keeps))}): "
+          f"H2O {log['val_heuristic']}")
+    for row in log["val"]:
+        print(f"  ridge {row['ridge']:g}: {row['kl']} ({row['kl']/log['val_heuristic']:.3f}x H2O) "
+              + ("<- chosen" if row["ridge"] == fitted.config.ridge else ""))
+    print(f"done in {log['seconds']} s; {fitted.meta['flops_per_token_layer']} FLOPs per token per layer")
+    print(f"student saved to {folder}; bench it with: "
+          f"python -m scdviz bench evict --policies {folder / 'best.safetensors'}")
+
+
 def _bench_evict(cmd: BenchEvict) -> None:
     from scdviz.evict import bench
     from scdviz.models.pair import choose_threads, load_model
@@ -451,6 +474,8 @@ COMMANDS = [
     ("prepare-text", "rebuild assets/text from Debian's text packages (maintainers)", PrepareText, _prepare_text),
     ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
+    ("fit-student", "fit the DistillCache student (linear on each layer's input) to the future's attention",
+     FitStudent, _fit_student),
     ("distil", "train an SCD calibration's correction stage through the consumer on its continuation KL",
      Distil, _distil),
     ("span", "fit span codes: the consumer runs its last layers itself, fed the producer's residual aligned to its "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from scdviz.config import opt
 from scdviz.evict.bench import EvalConfig
 from scdviz.evict.cost import CostConfig
+from scdviz.evict.student_fit import FitConfig
 from scdviz.evict.train import TrainConfig
 from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
@@ -143,6 +144,14 @@ class TrainPolicy:
     maintainer: bool = opt(False, MAINTAINER_HELP + " (with --out under assets/policy)")
     resume: bool = opt(False, "continue the run named by --name or --out")
     train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass
+class FitStudent:
+    model: str = opt(PRODUCER, f"{SOURCE_HELP}: the model whose caches are pruned")
+    name: str | None = opt(None, NAME_HELP.format(kind="policies") + " (default: student-<UTC time>)")
+    maintainer: bool = opt(False, MAINTAINER_HELP + " (with --out under assets/policy)")
+    fit: FitConfig = field(default_factory=FitConfig)
 
 
 @dataclass

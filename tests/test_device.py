@@ -27,6 +27,7 @@ from scdviz.evict.context import observe, prune
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, PolicyConfig, compression_ratio
 from scdviz.evict.press import DistillCachePress
+from scdviz.evict.student import Student, StudentConfig, StudentPress
 from scdviz.evict.train import Sample, TrainConfig, reinforce_step
 from scdviz.models import hf
 from scdviz.scd import calibrate as cal
@@ -172,6 +173,15 @@ def _policy(per_head: bool) -> Policy:
     return _POLICIES[per_head]
 
 
+def _student(model, per_head: bool) -> Student:
+    """A random student made on the CPU (as Student.load gives one)."""
+    with torch.device("cpu"):
+        student = Student.for_model(model, StudentConfig(per_head=per_head))
+        with torch.no_grad():
+            student.weight.normal_(generator=torch.Generator().manual_seed(0))
+    return student.eval()
+
+
 def _eviction_paths(model, dtype, baseline):
     """Features + scores in one prefill, pruning, both presses, decode-time eviction, a REINFORCE step.
 
@@ -193,6 +203,14 @@ def _eviction_paths(model, dtype, baseline):
             with DecodeEvictor(scorer, budget=8, window=4)(model):
                 out = hf.generate(model, full, ids[:, 19:20], 19, 5, on_step=lambda c, s: None)
             assert len(out) == 5
+        for per_head in (True, False):  # the student: a press prefill, then arrival scores while decoding
+            press = StudentPress.keeping(_student(model, per_head), 0.5)
+            with press(model):
+                pruned = hf.forward(model, ids[:, :19]).cache
+            budget = hf.cache_len(pruned)[0]
+            with DecodeEvictor(press, budget=budget, window=4)(model):
+                out = hf.generate(model, pruned, ids[:, 19:20], 19, 5, on_step=lambda c, s: None)
+            assert len(out) == 5 and hf.cache_len(pruned) == [budget] * hf.n_layers(model)
         ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), ids[:, 24:], 24)[0]
         policy = _policy(True).train()
         stats = reinforce_step(model, policy, Sample(obs, ids[:, 24:], ref), 6, TrainConfig(out="unused", samples=3),
@@ -207,12 +225,13 @@ def _eviction_paths(model, dtype, baseline):
             look = Policy(PolicyConfig(hidden=8, per_head=True, window=16, lookahead=2, lookahead_samples=2)).eval()
         policies = {"distillcache-head": _policy(True), "distillcache-head-look": look}
         failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
-        out = bench.score_context(model, ids, 24, cfg, policies, {"baseline": baseline}, failed=failed)
+        scorers = {"baseline": baseline, "distillcache-student": StudentPress(student=_student(model, True))}
+        out = bench.score_context(model, ids, 24, cfg, policies, scorers, failed=failed)
         assert not failed and all(math.isfinite(r["kl"]) for k, r in out["results"].items() if k[0] != "full cache")
         assert (out["feats"][(16, 2, 2)].head_features.shape[-1] == 6
                 and ("distillcache-head-look", "0.5") in out["kept"])
-        dec = bench.decode_context(model, ids, 24, cfg, out, policies, {"baseline": baseline}, failed)
-        assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values())
+        dec = bench.decode_context(model, ids, 24, cfg, out, policies, scorers, failed)
+        assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values()) and ("distillcache-student", "0.5") in dec
         assert list(failed) == ["distillcache-head-look"]  # no lookahead while decoding: said, not crashed
         trace = hf.forward(model, ids[:, 24:], cache=hf.make_cache(model, obs.keys, obs.values),
                            positions=torch.arange(24, 30, device=hf.device_of(model)).unsqueeze(0), attentions=True)

@@ -51,6 +51,7 @@ from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import SHIPPED_DIR, Policy, PolicyConfig, keep_count
 from scdviz.evict.press import DistillCachePress
+from scdviz.evict.student import Student, StudentPress, is_student
 from scdviz.models import hf
 from scdviz.records import BenchRecord
 
@@ -60,6 +61,8 @@ SHIPPED_POLICIES = (
     SHIPPED_DIR / "per_head_w64" / "best.safetensors",  # per-head, W = 64
     SHIPPED_DIR / "lookahead_w64" / "best.safetensors",  # per-head, W = 64, + lookahead feature
     SHIPPED_DIR / "lookahead_w512" / "best.safetensors",  # W = 512, lookahead G = 40, K = 8
+    SHIPPED_DIR / "student" / "best.safetensors",  # the student: linear on H_in, per layer and KV head
+    SHIPPED_DIR / "student_layer" / "best.safetensors",  # the student, one kept set per layer (paged KV)
 )
 
 
@@ -67,7 +70,7 @@ SHIPPED_POLICIES = (
 class EvalConfig:
     """One benchmark run."""
 
-    policies: tuple[str, ...] = opt((), 'policy files; empty: the shipped ones')
+    policies: tuple[str, ...] = opt((), 'policy and student files; empty: the shipped ones')
     texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files); its eval "
                             "split replaces the shipped eval splits of corpora")
     corpora: tuple[str, ...] = opt(("austen", "bible", "gcide", "handbook", "jargon", "manpages"),
@@ -92,6 +95,8 @@ class EvalConfig:
                     "none)")
     natives: bool = opt(True, "also kvpress's presses that are not plain scorers (PyramidKV, KVzip, AdaKV / CriticalKV "
                         "wrappers), one prefill each per budget")
+    native_names: tuple[str, ...] = opt((), "only these of them (e.g. KVzip while iterating on dev; empty: every one, "
+                                        "as a test-slice run needs)")
     seed: int = opt(0, "seed of the Random baseline and of a lookahead policy's sampled continuations")
     lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of "
                      "its training domains and score it on that domain (bench.lodo)")
@@ -178,9 +183,9 @@ def training_log(path: str | Path) -> dict | None:
 
 @dataclass
 class LoadedPolicy:
-    """A policy file read once, with its training log."""
+    """A policy (or student) file read once, with its training (fit) log."""
 
-    policy: Policy
+    policy: Policy | Student
     log: dict | None  # log.json beside the file, None when absent
 
     @property
@@ -222,13 +227,24 @@ def focus_methods() -> list[str]:
 
 
 def method_names() -> list[str]:
-    """Every eviction method by display name: the shipped policies, kvpress's scorers and its native presses."""
-    return [*load_policies(()), *baselines(), *native_baselines()]
+    """Every eviction method by display name: the shipped policies and students, kvpress's scorers and its
+    native presses."""
+    return [*_load(()), *baselines(), *native_baselines()]
 
 
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
-    """Policies by method name (distillcache-head / distillcache-global[-lookahead][-wW])."""
-    return {name: loaded.policy for name, loaded in _load(paths).items()}
+    """Feature policies by method name (distillcache-head / distillcache-global[-lookahead][-wW])."""
+    return {name: loaded.policy for name, loaded in _load(paths).items() if isinstance(loaded.policy, Policy)}
+
+
+def load_students(paths: tuple[str, ...]) -> dict[str, Student]:
+    """Students by method name (distillcache-student, -student-layer for one set per layer)."""
+    return {name: loaded.policy for name, loaded in _load(paths).items() if isinstance(loaded.policy, Student)}
+
+
+def student_presses(students: dict[str, Student]) -> dict[str, StudentPress]:
+    """Each student as a press scored in the shared prefill beside kvpress's scorers."""
+    return {name: StudentPress(student=s) for name, s in students.items()}
 
 
 def chosen_on_validation(paths: tuple[str, ...], question_len: int | None = None) -> str | None:
@@ -252,6 +268,11 @@ def _load(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
     paths = paths or tuple(str(p) for p in SHIPPED_POLICIES if p.is_file())
     out = {}
     for path in paths:
+        if is_student(path):
+            student = Student.load(path)
+            name = "distillcache-student" + ("" if student.config.per_head else "-layer")
+            out[name if name not in out else f"{name}-{len(out)}"] = LoadedPolicy(student, student.log)
+            continue
         policy = Policy.load(path)
         name = ("distillcache-head" if policy.config.per_head else "distillcache-global") + (
             "-lookahead" if policy.config.lookahead else "")
@@ -416,13 +437,18 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     ref = hf.continue_logits(model, full, steps, prefix)[0]
     scorers = {name: DistillCachePress(policy=p) for name, p in policies.items() if p.config.per_head}
     scorers |= {name: presses[name] for name in DECODE_BASELINES if name in presses}
+    scorers |= {name: p for name, p in presses.items() if isinstance(p, StudentPress)}
     results = {}
     for label, n_keep in budgets(cfg, prefix):
         for name, press in scorers.items():
             if name in failed or (name, label) not in out["kept"]:
                 continue
-            cache = prune(model, obs, out["kept"][(name, label)])
-            evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=cfg.decode_interval)
+            kept = out["kept"][(name, label)]
+            cache = prune(model, obs, kept)
+            # every scorer continues from its kept tokens' true positions; a student from its prefill scores
+            evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=cfg.decode_interval,
+                                    prefill_positions=list(kept),  # in cache order (prune keeps it)
+                                    prefill_scores=obs.scores.get((name, label)))
             try:
                 with evictor(model):
                     logits = hf.continue_logits(model, cache, steps, prefix, one_at_a_time=True)[0]
@@ -479,8 +505,9 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
     loaded = _load(cfg.policies)  # each policy file read once
-    policies = {name: p.policy for name, p in loaded.items()}
-    if not policies:
+    policies = {name: p.policy for name, p in loaded.items() if isinstance(p.policy, Policy)}
+    students = {name: p.policy for name, p in loaded.items() if isinstance(p.policy, Student)}
+    if not loaded:
         raise ValueError("no policy: train one with `python -m scdviz train-policy` or pass --policies")
     chosen = _lowest_validation(loaded, cfg.question_len)
     if cfg.lodo and chosen is None:
@@ -494,7 +521,7 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
         for mode in cfg.modes:
             with hf.eager(model):
                 records_ += _run_mode(model, source, mode, windows, cfg, policies,
-                                      items if mode == "agnostic" else None, chosen)
+                                      items if mode == "agnostic" else None, chosen, students)
     if cfg.lodo:
         source = next(iter(models))
         records_ += lodo(cfg, *models[source], source, loaded[chosen], chosen)
@@ -513,31 +540,39 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
     ``lodo-<domain>``, flagged as chosen). The shipped corpora a policy never trained on are held
     out of it already (``trained_on``)."""
     from scdviz import config, runs
-    from scdviz.evict import train
+    from scdviz.evict import student_fit, train
 
-    saved, _ = config.from_dict(train.TrainConfig, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
+    is_fit = isinstance(recipe.policy, Student)  # a student's recipe is its closed-form fit
+    recipe_cls = student_fit.FitConfig if is_fit else train.TrainConfig
+    saved, _ = config.from_dict(recipe_cls, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
     saved = dataclasses.replace(saved, question_len=recipe.validation_question_len)  # older logs: 0, as they ran
     domains = [d for d in saved.corpora if d in cfg.corpora]
-    if len(saved.corpora) < 2 or saved.texts or not domains:
+    if len(saved.corpora) < 2 or getattr(saved, "texts", None) or not domains:
         raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "
                          f"trained on {list(saved.corpora)}")
     per_domain = max(1, -(-cfg.limit // len(cfg.corpora)))
 
-    def fit(others: list[str]) -> tuple[Policy, train.TrainConfig]:
+    def fit(others: list[str]) -> tuple[Policy | Student, object]:
         left_out = next(d for d in saved.corpora if d not in others)  # only to name the run
+        out = str(runs.new("policies", runs.auto_name(f"lodo-{left_out}")))
+        if is_fit:
+            fit_cfg = dataclasses.replace(saved, corpora=tuple(others), out=out)
+            fitted = student_fit.fit(fit_cfg, (model, tokenizer, source))
+            fitted.save(out)  # its run folder, as a policy's checkpoints are
+            return fitted, fit_cfg
         train_cfg = dataclasses.replace(
-            saved, corpora=tuple(others), steps=saved.steps if cfg.lodo_steps is None else cfg.lodo_steps,
-            out=str(runs.new("policies", runs.auto_name(f"lodo-{left_out}"))))
+            saved, corpora=tuple(others), steps=saved.steps if cfg.lodo_steps is None else cfg.lodo_steps, out=out)
         return train.train(train_cfg, (model, tokenizer, source), train.checkpoints_to(train_cfg.out)), train_cfg
 
-    def evaluate(domain: str, fitted: tuple[Policy, train.TrainConfig]) -> list[dict]:
+    def evaluate(domain: str, fitted: tuple[Policy | Student, object]) -> list[dict]:
         policy, train_cfg = fitted
         name = f"lodo-{domain}"
         dcfg = dataclasses.replace(cfg, corpora=(domain,), texts=None, limit=per_domain, lodo=False, qa=False,
                                    decode_tokens=0)
+        both = {name: policy, chosen: recipe.policy}
         with hf.eager(model):
             rows = _run_mode(model, source, f"agnostic lodo-{domain}", contexts(dcfg, tokenizer), dcfg,
-                             {name: policy, chosen: recipe.policy}, None, name)
+                             {} if is_fit else both, None, name, both if is_fit else None)
         for r in rows:
             if r.get("method") == name:
                 r["trained_on"] = list(train_cfg.corpora)
@@ -549,11 +584,16 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
 
 
 def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None,
-              chosen: str | None = None) -> list[dict]:
-    """Every context of one model and mode, aggregated into records."""
+              chosen: str | None = None, students: dict | None = None) -> list[dict]:
+    """Every context of one model and mode, aggregated into records (students scored as presses in the
+    shared prefill, never counted as baselines)."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
-    presses = baselines(cfg.seed)
-    natives = native_baselines() if cfg.natives else {}
+    for student in (students or {}).values():
+        student.check_model(model)
+    base = baselines(cfg.seed)
+    presses = base | student_presses(students or {})
+    natives = {k: v for k, v in native_baselines().items() if not cfg.native_names or k in cfg.native_names
+               } if cfg.natives else {}
     per_ctx, failed = [], {}
     decoded, decode_failed = [], {}
     for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
@@ -564,13 +604,13 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
             decoded.append(decode_context(model, ids, prefix, cfg, out, policies, presses, decode_failed,
                                           items[n] if items else None))
     full_qa = [c.get(("full cache", "full")) for c in per_ctx]  # aggregate pops it
-    records = aggregate(per_ctx, model, source, mode, set(presses) | set(natives),
+    records = aggregate(per_ctx, model, source, mode, set(base) | set(natives),
                         windows=windows, chosen=chosen, failed=failed)
     if decoded:
         for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
             if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
                 c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
-        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(presses),
+        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base),
                              windows=windows, chosen=chosen, failed=decode_failed)
     return records
 

@@ -44,6 +44,7 @@ class Observed:
     feature_seconds: float = 0.0  # time spent computing features in the hook
     prefill_seconds: float = 0.0  # wall time of the whole prefill
     lookahead_seconds: float = 0.0  # time spent sampling the lookahead continuations (0 without)
+    hidden: list[Tensor] = field(default_factory=list)  # per layer (B, T, d) normalised inputs, when asked
 
     @property
     def n_tokens(self) -> int:
@@ -52,7 +53,8 @@ class Observed:
 
 
 def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps: tuple = (),
-            failed: dict | None = None, lookahead: tuple[int, int] = (0, 0), seed: int = 0) -> Observed:
+            failed: dict | None = None, lookahead: tuple[int, int] = (0, 0), seed: int = 0,
+            hidden: bool = False) -> Observed:
     """Prefill ``ids`` (B, T) once (eager attention) and collect features and press scores.
 
     lookahead: (G, K); G > 0 adds the lookahead feature from K sampled continuations of G
@@ -62,21 +64,24 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
     ``keeps`` (its compression_ratio set accordingly; StreamingLLM's scores depend on it).
     failed: name -> why; a press that raises on this model is recorded there and left out
     (its scores dropped), presses already in it are not tried.
+    hidden: also keep every layer's normalised input (what a DistillCache student reads).
     """
     failed = {} if failed is None else failed
     presses = {k: v for k, v in (presses or {}).items() if k not in failed}
     _, n_kv, _ = hf.attn_heads(model)
-    head, glob, scores = [], [], {}
+    head, glob, scores, inputs = [], [], {}, []
     timing = {name: 0.0 for name in presses}
     feat_time = [0.0]
 
-    def on_layer(module, hidden, keys, values, attn, kwargs):
+    def on_layer(module, hidden_states, keys, values, attn, kwargs):
         if attn is None:
             raise ValueError("DistillCache features need eager attention: call hf.set_eager(model) first")
         t0 = time.perf_counter()
         head.append(F.prefill_layer_features(attn, values, window, n_kv))
         glob.append(F.prefill_layer_features(attn, values, window, 1))
         feat_time[0] += time.perf_counter() - t0
+        if hidden:
+            inputs.append(hidden_states)
         for name, press in presses.items():
             if name in failed:
                 continue
@@ -84,7 +89,8 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
             try:
                 for keep in keeps:
                     press.compression_ratio = compression_ratio(keep)
-                    scores.setdefault((name, keep), []).append(press.score(module, hidden, keys, values, attn, kwargs))
+                    scores.setdefault((name, keep), []).append(
+                        press.score(module, hidden_states, keys, values, attn, kwargs))
             except Exception as err:  # a scorer that cannot run on this model: reported by the caller, never fatal
                 failed[name] = why_not(err)
             timing[name] += time.perf_counter() - t0
@@ -113,6 +119,7 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
         feature_seconds=feat_time[0],
         prefill_seconds=prefill_seconds,
         lookahead_seconds=look_seconds,
+        hidden=inputs,
     )
 
 

@@ -8,15 +8,16 @@ would run:
 - **prefill**: the method's whole prefill, scoring and pruning inside the timer: the full cache is a
   plain prefill with SDPA attention (the denominator of every ratio); a kvpress press runs kvpress's
   own way (``hf.press_prefill``), with SDPA, or eager attention for a scorer that reads attention
-  probabilities (ObservedAttention, DistillCache); a lookahead policy runs its observation
-  (eager prefill with the feature hooks and its sampled continuations), the MLP and the pruning;
+  probabilities (ObservedAttention, DistillCache); a student (StudentPress) with SDPA; a lookahead
+  policy runs its observation (eager prefill with the feature hooks and its sampled continuations),
+  the MLP and the pruning;
 - **decode**: ``decode_steps`` greedy tokens from the pruned cache with SDPA attention (per token:
   the time between the first and the last step over the steps between them, so the cache copy
   ``hf.generate`` makes is outside);
 - **decode while evicting** (methods that can hold a cache at its budget while decoding: the per-head
   policies without lookahead and ``bench.DECODE_BASELINES``): the same tokens with
   ``DecodeEvictor`` holding the cache at the budget, every bookkeeping step and the eager attention
-  it needs inside the timer.
+  it needs inside the timer (a student needs none: SDPA, its arrival scores kept beside the cache).
 
 Rows: one per (context length, method): ``prefill_ms`` and its IQR, ``added_ttft_ms`` (the method's
 prefill minus the full cache's: what a user waits for beyond a plain prefill), ``prefill_ratio``,
@@ -40,6 +41,7 @@ from scdviz.evict.context import observe, prune, why_not
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
 from scdviz.evict.press import DistillCachePress
+from scdviz.evict.student import StudentPress
 from scdviz.models import hf
 
 EAGER = frozenset({"ObservedAttention"})  # kvpress scorers that read attention probabilities
@@ -72,6 +74,7 @@ class _Method:
     attn: str = "sdpa"  # the prefill's attention
     policy: Policy | None = None  # a lookahead policy (observe + MLP + prune)
     evictor: object = None  # a scorer DecodeEvictor can use while decoding
+    evict_attn: str = "eager"  # attention while evicting (a student reads no attention probabilities)
 
 
 def methods(cfg: CostConfig, n_keep: int, prefix: int) -> list[_Method]:
@@ -91,6 +94,9 @@ def methods(cfg: CostConfig, n_keep: int, prefix: int) -> list[_Method]:
             continue
         press = DistillCachePress.keeping(policy, n_keep / prefix)
         out.append(_Method(name, press, "eager", evictor=press if policy.config.per_head else None))
+    for name, student in bench.load_students(cfg.policies).items():  # continues from its own prefill's scores
+        press = StudentPress.keeping(student, n_keep / prefix)
+        out.append(_Method(name, press, "sdpa", evictor=press, evict_attn="sdpa"))
     return out
 
 
@@ -131,7 +137,7 @@ def _trial(model, method: _Method, ids: torch.Tensor, prefix: int, n_keep: int, 
     if method.evictor is not None:
         evictor = DecodeEvictor(method.evictor, budget=n_keep, window=bench.DECODE_WINDOW,
                                 interval=cfg.decode_interval)
-        with hf.eager(model), evictor(model):
+        with hf.attention(model, method.evict_attn), evictor(model):
             out["evicting"] = _decode(model, cache, first, prefix, cfg.decode_steps, device)
     return out
 

@@ -7,11 +7,16 @@ than ``budget`` tokens (or, with ``interval`` k, budget + k - 1) it keeps the to
 ``budget`` per KV head. Scores come from either
   * a DistillCachePress (per-head policy): the 5 features from the window rows, with
     each token's visibility (rows that saw it) and its true position tracked; or
+  * a StudentPress (scdviz.evict.student): each token's static score computed once, when it
+    arrives, from its hidden state and value, plus the age term at every cut; the tokens cached
+    before generation need their prefill scores (``prefill_scores``); or
   * any kvpress ScorerPress: ``press.score`` with the buffered hidden states and window
     rows as ``attentions`` (attention-free scorers such as Knorm ignore them).
 
 State per layer: rows (B, H, w, Tk), hidden (B, w, d), positions (B, Hkv, Tk) absolute
-token positions of the cached tokens, seen (B, Hkv, Tk) rows that saw each token.
+token positions of the cached tokens (``prefill_positions`` for the tokens cached before
+generation, e.g. the kept indices of a pruned prefill; 0..n-1 without), seen (B, Hkv, Tk) rows
+that saw each token, and for a student its static scores (B, R, Tk).
 Needs eager attention for attention-based scorers. Does not compress a prefill
 (press.py) nor run generation itself (scdviz.models.hf.generate).
 
@@ -42,6 +47,7 @@ from torch import Tensor
 from scdviz.evict import features as F
 from scdviz.evict.policy import gumbel_top_b, plackett_luce_logprob
 from scdviz.evict.press import DistillCachePress
+from scdviz.evict.student import StudentPress
 from scdviz.models import hf
 
 
@@ -53,6 +59,7 @@ class _LayerState:
     hidden: Tensor  # (B, w, d) normalised inputs of those queries
     positions: Tensor  # (B, Hkv, Tk) absolute position of every cached token
     seen: Tensor  # (B, Hkv, Tk) how many buffered rows could see each token
+    static: Tensor | None = None  # (B, R, Tk) a student's arrival scores of the cached tokens
 
 
 @dataclass
@@ -71,6 +78,10 @@ class DecodeEvictor:
     # decoded, log-probability of the draw with its graph) for the sequential REINFORCE estimator
     sampler: torch.Generator | None = None
     decisions: list[tuple[int, Tensor]] = field(default_factory=list)
+    # the tokens cached before generation: per layer their positions (B, Hkv, n) and, for a student, its scores
+    # over the whole prefill (B, Hkv, T) as StudentPress.score gave them (indexed by position)
+    prefill_positions: list[Tensor] | None = None
+    prefill_scores: list[Tensor] | None = None
 
     @contextlib.contextmanager
     def __call__(self, model):
@@ -91,11 +102,13 @@ class DecodeEvictor:
                     "decode-time eviction rescores from the window of recent attention rows; a lookahead policy also "
                     "reads continuations sampled after the prefill, which do not exist there: use a 5-feature policy")
             self.press.policy.to(hf.device_of(model))
+        if isinstance(self.press, StudentPress):
+            self.press.student.check_model(model)
         with hf.attention_hook(model, self._on_layer):
             yield self
 
     def _on_layer(self, module, hidden, keys, values, attn, kwargs):
-        state = self._update(module.layer_idx, hidden, keys, attn, kwargs["position_ids"])
+        state = self._update(module.layer_idx, hidden, keys, values, attn, kwargs["position_ids"])
         if keys.shape[-2] < self.budget + self.interval:
             return None
         t0 = time.perf_counter()
@@ -114,9 +127,9 @@ class DecodeEvictor:
         return keys.gather(2, full), values.gather(2, full)
 
     def _update(
-        self, layer: int, hidden: Tensor, keys: Tensor, attn: Tensor | None, position_ids: Tensor
+        self, layer: int, hidden: Tensor, keys: Tensor, values: Tensor, attn: Tensor | None, position_ids: Tensor
     ) -> _LayerState:
-        """Append the new queries' rows, hidden states, positions and visibility."""
+        """Append the new queries' rows, hidden states, positions, visibility (and a student's arrival scores)."""
         b, n_kv, tk, _ = keys.shape
         n_new = hidden.shape[1]
         new_pos = position_ids.view(b, 1, n_new).expand(b, n_kv, n_new).to(keys.device)
@@ -126,27 +139,60 @@ class DecodeEvictor:
             attn = torch.zeros(b, n_kv, n_new, tk, device=keys.device)
         state = self.states.get(layer)
         if state is None:
-            old = tk - n_new  # tokens cached before the evictor saw this layer: positions 0..old-1
-            start = torch.arange(old, device=keys.device).view(1, 1, old).expand(b, n_kv, old)
-            state = _LayerState(attn[..., :0, :old], hidden[:, :0], start,
-                                torch.zeros(b, n_kv, old, device=keys.device))
+            state = self._first(layer, hidden, keys, attn, tk - n_new)
         rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
         seen = torch.cat([state.seen, torch.zeros(b, n_kv, n_new, device=keys.device)], -1)
         steps = torch.arange(n_new, device=keys.device)
         causal = (steps.view(-1, 1) >= steps.view(1, -1)).sum(0)  # rows seeing new token j
         seen[..., -n_new:] = causal.float()
         seen[..., :-n_new] += n_new
+        static = None
+        if state.static is not None:
+            new = self.press.student.static(layer, hidden, values[..., -n_new:, :], new_pos[:, : state.static.shape[1]])
+            static = torch.cat([state.static, new], -1)
         state = _LayerState(
             rows,
             torch.cat([state.hidden, hidden], 1)[:, -self.window :],
             torch.cat([state.positions, new_pos], -1),
             seen.clamp(max=rows.shape[2]),
+            static,
         )
         self.states[layer] = state
         return state
 
+    def _first(self, layer: int, hidden: Tensor, keys: Tensor, attn: Tensor, old: int) -> _LayerState:
+        """The state of a layer first seen holding ``old`` tokens cached before generation."""
+        b, n_kv = keys.shape[:2]
+        if self.prefill_positions is not None:
+            start = self.prefill_positions[layer].to(keys.device).long()
+            if start.shape != (b, n_kv, old):
+                raise ValueError(f"prefill_positions of layer {layer} are {tuple(start.shape)}, but the layer caches "
+                                 f"{old} tokens in {n_kv} KV heads")
+        else:  # positions 0..old-1
+            start = torch.arange(old, device=keys.device).view(1, 1, old).expand(b, n_kv, old)
+        static = None
+        if isinstance(self.press, StudentPress):
+            rows = self.press.student.weight.shape[1]
+            if self.prefill_scores is not None and self.prefill_positions is not None:
+                full = self.prefill_scores[layer].to(keys.device).float()  # (B, Hkv, T), ages at now = T
+                pos = start[:, :rows]
+                static = full[:, :rows].gather(2, pos) - self.press.student.age(layer, pos, full.shape[-1])
+            elif layer in self.press.carried and self.press.carried[layer][0].shape == (b, n_kv, old):
+                start, static = (t.to(keys.device) for t in self.press.carried[layer])  # the press's own prefill
+            else:
+                raise ValueError("decode-time eviction with a student scores each token when it arrives: prefill "
+                                 "with the same StudentPress first, or give the prefill's student scores and the "
+                                 "cached tokens' positions (prefill_scores, prefill_positions)")
+        return _LayerState(attn[..., :0, :old], hidden[:, :0], start, torch.zeros(b, n_kv, old, device=keys.device),
+                           static)
+
     def _scores(self, module, state: _LayerState, keys: Tensor, values: Tensor, kwargs: dict) -> Tensor:
         """Scores (B, Hkv, Tk) of the layer's cached tokens."""
+        if state.static is not None:
+            rows = state.static.shape[1]
+            now = int(state.positions.max()) + 1
+            scores = state.static + self.press.student.age(module.layer_idx, state.positions[:, :rows], now)
+            return scores.expand(-1, keys.shape[1], -1)
         if isinstance(self.press, DistillCachePress):
             n_kv, group = keys.shape[1], state.rows.shape[1] // keys.shape[1]
             n_vis = state.seen.repeat_interleave(group, dim=1)  # (B, H, Tk)
@@ -162,3 +208,5 @@ class DecodeEvictor:
         state.rows = state.rows.gather(3, rows_idx)
         state.positions = state.positions.gather(2, idx)
         state.seen = state.seen.gather(2, idx)
+        if state.static is not None:
+            state.static = state.static.gather(2, idx[:, : state.static.shape[1]])

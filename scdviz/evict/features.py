@@ -111,3 +111,14 @@ def lookahead_attention(attn: list[Tensor], n_context: int, n_kv: int) -> Tensor
     the full cache. Like ``future_attention``'s per-KV-head form, averaged over the samples.
     """
     return future_attention(attn, n_context, n_kv)[0].mean(1, keepdim=True)
+
+
+def reconstruction_attention(attn: list[Tensor], n_context: int, n_kv: int) -> Tensor:
+    """KVzip's score (L, B, Hkv, T): the most attention any query head of a KV head's group pays to each
+    context token while the model repeats the context after it (``attn``: per layer (B, H, n, >= n_context),
+    the rows of the n tokens of the repetition prompt and the repeated context over the full cache)."""
+    per_layer = []
+    for a in attn:
+        b, h, n, _ = a.shape
+        per_layer.append(a[..., :n_context].float().view(b, n_kv, h // n_kv, n, n_context).amax((2, 3)))
+    return torch.stack(per_layer, 0)

@@ -157,9 +157,10 @@ def scored_kl(sample: Sample, logits: Tensor) -> Tensor:
     return metrics.kl_per_token(sample.ref, logits[-sample.ref.shape[0]:])
 
 
-def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool | Reporter = True
-            ) -> list[Sample]:
-    """Prefill ``count`` contexts of one split of each corpus, once."""
+def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool | Reporter = True,
+            hidden: bool = False) -> list[Sample]:
+    """Prefill ``count`` contexts of one split of each corpus, once (``hidden``: keeping every layer's
+    normalised input, ``Observed.hidden``)."""
     from scdviz import data
 
     sources = (["texts"] if cfg.texts else []) + list(cfg.corpora)  # "texts": the user's text
@@ -178,7 +179,8 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
         cont = ids[:, cfg.context_len :]
         with hf.eager(model):  # features need attention probabilities; restored for other users
             obs = observe(model, ids[:, : cfg.context_len], cfg.policy.window,
-                          lookahead=(cfg.policy.lookahead, cfg.policy.lookahead_samples), seed=cfg.seed)
+                          lookahead=(cfg.policy.lookahead, cfg.policy.lookahead_samples), seed=cfg.seed,
+                          hidden=hidden)
             full = hf.make_cache(model, obs.keys, obs.values)
             positions = torch.arange(cfg.context_len, cfg.context_len + cont.shape[1]).unsqueeze(0)
             trace = hf.forward(model, cont, cache=full, positions=positions, attentions=foresight)

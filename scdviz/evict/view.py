@@ -87,6 +87,9 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
     wanted = None if methods is None else set(methods) | {H2O}
     presses = {k: v for k, v in bench.baselines().items() if wanted is None or k in wanted}
+    # the shipped students score inside the same prefill, as presses do (they read each layer's input)
+    students = {k: v for k, v in bench.load_students(()).items() if wanted is None or k in wanted}
+    presses |= bench.student_presses(students)
     natives = {k: v for k, v in bench.native_baselines().items() if wanted is not None and k in wanted}
     # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
     need = max([16, *(int(getattr(p, "window_size", 0)) + 1 for p in presses.values())])

@@ -1,0 +1,195 @@
+"""Fast tier: the DistillCache student (scdviz.evict.student) on tiny random models: its scores, its press,
+decode-time arrival scores, the closed-form fit and its place in the eviction bench."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from scdviz.evict import bench
+from scdviz.evict.decode import DecodeEvictor
+from scdviz.evict.policy import keep_count
+from scdviz.evict.student import Student, StudentConfig, StudentPress, is_student
+from scdviz.evict.student_fit import FitConfig, NormalEquations, design, design_parts, fit
+from scdviz.models import hf
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _student(model, per_head: bool = True, seed: int = 0) -> Student:
+    student = Student.for_model(model, StudentConfig(per_head=per_head))
+    with torch.no_grad():
+        student.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    return student.eval()
+
+
+class _Words:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [sum(map(ord, w)) % 97 for w in text.split()]}
+
+
+def test_scores_are_the_design_rows_times_the_weights_and_split_into_static_and_age():
+    model = tiny_model("llama")
+    student = _student(model)
+    trace = hf.forward(model, _ids(20), capture={"h_in"})
+    for layer in range(hf.n_layers(model)):
+        h, v = trace.h_in[layer], trace.values[layer]
+        scores = student(layer, h, v)  # (1, Hkv, T)
+        x = design(student, h[0], v[0], torch.arange(20), 20)  # (Hkv, T, d + 4)
+        torch.testing.assert_close(scores[0], (x @ student.weight[layer].unsqueeze(-1))[..., 0], atol=1e-4, rtol=1e-4)
+        # by hand: the last column is the intercept, the one before it log(n - pos)
+        w = student.weight[layer]
+        age = w[:, -2, None] * torch.log(20.0 - torch.arange(20.0))
+        torch.testing.assert_close(student.age(layer, torch.arange(20), 20), age)
+        torch.testing.assert_close(student.static(layer, h, v, torch.arange(20)) + age, scores, atol=1e-4, rtol=1e-4)
+
+
+def test_ridge_solution_recovers_an_exact_linear_teacher():
+    model = tiny_model("llama")
+    student = Student.for_model(model)
+    n_layers, rows, f = student.weight.shape
+    truth = torch.randn(n_layers, rows, f, generator=torch.Generator().manual_seed(3))
+    normal = NormalEquations(torch.zeros(n_layers, rows, f, f, dtype=torch.float64),
+                     torch.zeros(n_layers, rows, f, dtype=torch.float64))
+    for seed in range(4):  # 4 x 30 rows > 36 columns
+        trace = hf.forward(model, _ids(30, seed), capture={"h_in"})
+        for layer in range(n_layers):
+            h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], torch.arange(30), 30)
+            x = design(student, trace.h_in[layer][0], trace.values[layer][0], torch.arange(30), 30)
+            normal.add(layer, h, extra, (x @ truth[layer].unsqueeze(-1))[..., 0])
+    dense = x.double().transpose(1, 2) @ x.double()  # the last context's block sums equal the dense product
+    single = NormalEquations(torch.zeros_like(normal.xtx), torch.zeros_like(normal.xty))
+    single.add(n_layers - 1, h, extra, torch.zeros(rows, 30))
+    torch.testing.assert_close(single.xtx[-1], dense, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(normal.solve(1e-9), truth, atol=2e-3, rtol=2e-3)
+    assert (normal.solve(1e4) - truth).abs().mean() > (normal.solve(1e-9) - truth).abs().mean()  # shrinkage
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_press_keeps_exactly_the_top_student_scores_with_sdpa_attention(per_head):
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")  # the student reads no attention probabilities
+    student, ids = _student(model, per_head), _ids(24)
+    press = StudentPress.keeping(student, 0.25)
+    with press(model):
+        pruned = hf.forward(model, ids)
+    full = hf.forward(model, ids, capture={"h_in"})
+    for layer, (keys, values) in enumerate(zip(full.keys, full.values, strict=True)):
+        scores = student(layer, full.h_in[layer], values)
+        idx = scores.topk(6, dim=-1).indices
+        torch.testing.assert_close(pruned.keys[layer], keys.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, 8)))
+        assert torch.equal(press.carried[layer][0], idx)
+        if not per_head:  # one kept set per layer, shared by its heads
+            assert all(set(idx[0, h].tolist()) == set(idx[0, 0].tolist()) for h in range(idx.shape[1]))
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_decode_eviction_keeps_each_tokens_arrival_score_and_holds_the_budget(per_head):
+    """After a press prefill, the evictor continues from the press's kept tokens; every token's static score is
+    computed once, when it arrives, and equals the one a full forward gives it (layer 0, where a token's input
+    depends on nothing before it); the cache stays at the budget."""
+    model = tiny_model("llama")
+    student, prompt, steps = _student(model, per_head), _ids(24), 6
+    press = StudentPress.keeping(student, 0.5)
+    with press(model):
+        cache = hf.forward(model, prompt[:, :-1]).cache
+    n_keep = keep_count(23, 0.5)
+    evictor = DecodeEvictor(press, budget=n_keep, window=4)
+    lengths = []
+    with evictor(model):
+        out = hf.generate(model, cache, prompt[:, -1:], 23, steps, on_step=lambda c, s: lengths.append(hf.cache_len(c)))
+    assert lengths == [[n_keep] * 3] * steps and evictor.evictions == 3 * steps
+    state = evictor.states[0]
+    full = hf.forward(model, torch.cat([prompt, torch.tensor([out[:-1]])], 1), capture={"h_in"})
+    ref = student.static(0, full.h_in[0], full.values[0], torch.arange(full.values[0].shape[2]))
+    rows = state.static.shape[1]
+    torch.testing.assert_close(state.static, ref.gather(2, state.positions[:, :rows]), atol=1e-4, rtol=1e-4)
+    assert int(state.positions.max()) >= 23  # generated tokens were kept where they scored high enough
+
+
+def test_decode_eviction_with_a_student_needs_its_prefill_scores():
+    model = tiny_model("llama")
+    cache = hf.forward(model, _ids(20)).cache
+    with pytest.raises(ValueError, match="prefill_scores"), DecodeEvictor(StudentPress(student=_student(model)),
+                                                                           budget=8)(model):
+        hf.generate(model, cache, _ids(1), 20, 2)
+
+
+def test_student_round_trips_and_refuses_a_model_of_another_shape(tmp_path):
+    model = tiny_model("llama")
+    student = _student(model, per_head=False)
+    student.meta, student.log = {"val_kl": 0.5}, {"val": [{"ridge": 10.0, "kl": 0.5}]}
+    student.save(tmp_path / "s")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["best.safetensors", "log.json"]
+    back = Student.load(tmp_path / "s")
+    assert torch.equal(back.weight, student.weight) and back.config == student.config and back.log == student.log
+    assert is_student(tmp_path / "s") and not is_student(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="3 layers, 2 KV heads and width 32"):
+        StudentPress(student=back).post_init_from_model(tiny_model("llama", num_hidden_layers=2))
+
+
+def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0)
+    student = fit(cfg, (model, _Words(), "tiny"), progress=False)
+    assert list(tmp_path.iterdir()) == []
+    log = student.log
+    assert [v["ridge"] for v in log["val"]] == [0.1, 1000.0] and log["rows"] == 4 * 40 and "rl" not in log
+    best = min(log["val"], key=lambda v: v["kl"])
+    assert student.config.ridge == best["ridge"] and student.meta["val_kl"] == best["kl"] == log["closed_form_kl"]
+    assert len(log["h2o_per_context"]) == 2 * 2 and log["val_heuristic"] > 0
+    assert student.meta["flops_per_token_layer"] == 2 * 2 * (32 + 4) + 2 * 2 * 8
+    json.dumps(log)  # the log is JSON
+    recalled = fit(FitConfig(**{**cfg.__dict__, "recall": 0.5}), (model, _Words(), "tiny"), progress=False)
+    assert not torch.equal(recalled.weight, student.weight)  # the reconstruction teacher moved the target
+
+    rl = fit(FitConfig(**{**cfg.__dict__, "rl_steps": 3, "rl_contexts": 2, "checkpoint_every": 1, "lr": 0.05}),
+             (model, _Words(), "tiny"), progress=False)
+    vals = rl.log["rl"]["val"]
+    assert [v["step"] for v in vals] == [0, 1, 2, 3] and vals[0]["kl"] == log["closed_form_kl"]
+    assert len(rl.log["rl"]["steps"]) == 3 and not rl.training
+    chosen = min(vals, key=lambda v: v["kl"])  # ties: the earliest
+    assert rl.meta["rl_steps"] == chosen["step"] and rl.meta["val_kl"] == chosen["kl"]
+    assert torch.equal(rl.weight, student.weight) == (chosen["step"] == 0)
+
+
+def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):
+    model = tiny_model("llama")
+    student = _student(model)
+    student.log = {"config": {"question_len": 0}, "val": [{"ridge": 10.0, "kl": 0.01}]}
+    student.save(tmp_path / "s")
+    cfg = bench.EvalConfig(policies=(str(tmp_path / "s" / "best.safetensors"),), corpora=("austen", "gcide"), limit=2,
+                           context_len=40, cont_len=6, question_len=0, keeps=(0.25,), token_budgets=(), natives=False,
+                           decode_tokens=8, decode_interval=4)
+    record = bench.run(cfg, (model, _Words(), "tiny"))
+    mine = [r for r in record.rows if r.get("method") == "distillcache-student"]
+    assert {r["mode"] for r in mine} == {"agnostic", "agnostic decode8"}
+    assert all(not r["baseline"] and r["chosen_on_validation"] and r["n_contexts"] == 2 for r in mine)
+    assert all(r["best_baseline"] != "distillcache-student" for r in record.rows if "best_baseline" in r)
+
+
+def test_reconstruction_score_is_the_groups_largest_attention_and_mixes_into_the_target():
+    from scdviz.evict import features as F
+    from scdviz.evict.student_fit import teacher_rows
+
+    attn = torch.rand(1, 4, 5, 9, generator=torch.Generator().manual_seed(0))  # (B, H = 4, n = 5 rows, 6 + 3 keys)
+    score = F.reconstruction_attention([attn], 6, 2)  # (1 layer, B, Hkv = 2, T = 6)
+    for kv in range(2):
+        for t in range(6):
+            assert score[0, 0, kv, t] == attn[0, 2 * kv : 2 * kv + 2, :, t].max()
+    future = torch.rand(2, 6, generator=torch.Generator().manual_seed(1))
+    alone = teacher_rows(future, True)
+    torch.testing.assert_close(alone, (future + 1e-7).log() - (future + 1e-7).log().mean(-1, keepdim=True))
+    torch.testing.assert_close(teacher_rows(future, True, score[0, 0], 0.0), alone)  # weight 0: the future alone
+    half = teacher_rows(future, True, score[0, 0], 0.5)
+    mix = 0.5 * score[0, 0] / score[0, 0].sum(-1, keepdim=True) + 0.5 * future / future.sum(-1, keepdim=True)
+    torch.testing.assert_close(half, (mix + 1e-7).log() - (mix + 1e-7).log().mean(-1, keepdim=True))
+    layer = teacher_rows(future, False)  # one row per layer: the heads' mean
+    assert layer.shape == (1, 6) and torch.allclose(layer.sum(), torch.tensor(0.0), atol=1e-5)
