@@ -17,6 +17,9 @@ DistillCache (learned eviction)
   ``train(TrainConfig(), pair, callback=None) -> Policy``; ``Policy.save(folder)`` /
   ``Policy.load(path)``; ``DistillCachePress.keeping(policy, keep)`` is a kvpress press;
   ``eviction_view(model, tokenizer, context, keep=0.25)`` compares it with kvpress's presses.
+  ``fit_student(StudentFitConfig(), pair) -> Student``: the cheap student (linear on each layer's input,
+  distilled from the future's attention, then REINFORCE); ``StudentPress.keeping(student, keep)`` is a
+  kvpress press that needs no attention probabilities; ``DecodeEvictor`` holds a cache at a budget with it.
 Records and figures
   ``BenchRecord`` is what every bench writes; ``read_record(path)`` reads one. ``plots``: pure
   Plotly figures from results (``plots.layer_drift(report.methods, "K")``, ``plots.budget_sweep``);
@@ -50,10 +53,16 @@ _WHERE = {  # public name -> the module that defines it
     "TrainConfig": "scdviz.evict.train",
     "train": "scdviz.evict.train",
     "DistillCachePress": "scdviz.evict.press",
+    "Student": "scdviz.evict.student",
+    "StudentPress": "scdviz.evict.student",
+    "DecodeEvictor": "scdviz.evict.decode",
+    "StudentFitConfig": "scdviz.evict.student_fit",
+    "fit_student": "scdviz.evict.student_fit",
     "eviction_view": "scdviz.evict.view",
     "Stopped": "scdviz.progress",
 }
-_ALIASES = {"read_record": "read"}  # public name -> the name in its module
+# public name -> the name in its module
+_ALIASES = {"read_record": "read", "StudentFitConfig": "FitConfig", "fit_student": "fit"}
 _MODULES = ("plots", "figures")  # public submodules
 
 __all__ = sorted([*_WHERE, *_MODULES])

@@ -89,6 +89,16 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
     assert bench.chosen_on_validation(tuple(paths), question_len=16) == "distillcache-head-w32"
     assert bench.chosen_on_validation(tuple(paths), question_len=0) == "distillcache-head-w8"  # older logs: 0
     assert bench.chosen_on_validation(tuple(paths), question_len=4) == "distillcache-head-w8"  # none alike: all
+    # a lookahead policy (several prefills per context, prefill only) is never the headline while a cheap
+    # policy has a log, however low its KL; alone, it is
+    folder = tmp_path / "look"
+    folder.mkdir()
+    Policy(PolicyConfig(hidden=4, per_head=True, window=32, lookahead=4)).save(folder / "best.safetensors")
+    (folder / "log.json").write_text(json.dumps({"config": {"question_len": 16}, "val": [{"step": 0, "kl": 0.01}]}))
+    assert bench.chosen_on_validation((*paths, str(folder / "best.safetensors")), question_len=16) == \
+        "distillcache-head-w32"
+    assert bench.chosen_on_validation((str(folder / "best.safetensors"),), question_len=16) == \
+        "distillcache-head-lookahead"
 
 
 def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():

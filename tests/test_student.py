@@ -158,13 +158,24 @@ def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(
     chosen = min(vals, key=lambda v: v["kl"])  # ties: the earliest
     assert rl.meta["rl_steps"] == chosen["step"] and rl.meta["val_kl"] == chosen["kl"]
     assert torch.equal(rl.weight, student.weight) == (chosen["step"] == 0)
+    closed = rl.stages["closed_form"]
+    assert torch.equal(closed.weight, student.weight) and closed.meta["rl_steps"] == 0
+    assert closed.meta["val_kl"] == log["closed_form_kl"]
 
 
 def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):
     model = tiny_model("llama")
     student = _student(model)
     student.log = {"config": {"question_len": 0}, "val": [{"ridge": 10.0, "kl": 0.01}]}
+    student.meta = {"val_kl": 0.009, "rl_steps": 25}
+    student.stages = {"closed_form": _student(model, seed=1)}
+    student.stages["closed_form"].meta = {"val_kl": 0.01, "rl_steps": 0}
     student.save(tmp_path / "s")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["best.safetensors", "closed_form.safetensors",
+                                                                  "log.json"]
+    loaded = bench.load_all((str(tmp_path / "s"), str(tmp_path / "s" / "closed_form.safetensors")))
+    assert list(loaded) == ["distillcache-student", "distillcache-student-closed-form"]
+    assert [p.validation_kl for p in loaded.values()] == [0.009, 0.01]  # each its own, from one log
     cfg = bench.EvalConfig(policies=(str(tmp_path / "s" / "best.safetensors"),), corpora=("austen", "gcide"), limit=2,
                            context_len=40, cont_len=6, question_len=0, keeps=(0.25,), token_budgets=(), natives=False,
                            decode_tokens=8, decode_interval=4)

@@ -190,7 +190,9 @@ class LoadedPolicy:
 
     @property
     def validation_kl(self) -> float | None:
-        """The lowest validation KL the log records, or None."""
+        """The lowest validation KL the log records (a student: its own, ``meta["val_kl"]``), or None."""
+        if isinstance(self.policy, Student):
+            return self.policy.meta.get("val_kl")
         return _lowest_logged(self.log)
 
     @property
@@ -229,17 +231,17 @@ def focus_methods() -> list[str]:
 def method_names() -> list[str]:
     """Every eviction method by display name: the shipped policies and students, kvpress's scorers and its
     native presses."""
-    return [*_load(()), *baselines(), *native_baselines()]
+    return [*load_all(()), *baselines(), *native_baselines()]
 
 
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
     """Feature policies by method name (distillcache-head / distillcache-global[-lookahead][-wW])."""
-    return {name: loaded.policy for name, loaded in _load(paths).items() if isinstance(loaded.policy, Policy)}
+    return {name: loaded.policy for name, loaded in load_all(paths).items() if isinstance(loaded.policy, Policy)}
 
 
 def load_students(paths: tuple[str, ...]) -> dict[str, Student]:
     """Students by method name (distillcache-student, -student-layer for one set per layer)."""
-    return {name: loaded.policy for name, loaded in _load(paths).items() if isinstance(loaded.policy, Student)}
+    return {name: loaded.policy for name, loaded in load_all(paths).items() if isinstance(loaded.policy, Student)}
 
 
 def student_presses(students: dict[str, Student]) -> dict[str, StudentPress]:
@@ -252,32 +254,53 @@ def chosen_on_validation(paths: tuple[str, ...], question_len: int | None = None
     the headline policy, chosen without looking at any evaluation result.
 
     question_len: the benchmark's; when some logs validated with that many unscored tokens
-    before the scored ones, only those compete (KLs measured on other tails are not comparable)."""
-    return _lowest_validation(_load(paths), question_len)
+    before the scored ones, only those compete (KLs measured on other tails are not comparable).
+    The headline must run at prefill and while decoding at a small cost: a lookahead policy (its
+    feature costs several prefills and exists only after one) competes only when nothing else has a
+    log; it stays in every comparison as the expensive reference."""
+    return _lowest_validation(load_all(paths), question_len)
+
+
+def expensive(loaded: LoadedPolicy) -> bool:
+    """Whether a policy is the expensive kind the headline excludes (lookahead: sampled continuations)."""
+    return isinstance(loaded.policy, Policy) and bool(loaded.policy.config.lookahead)
 
 
 def _lowest_validation(loaded: dict[str, LoadedPolicy], question_len: int | None = None) -> str | None:
     vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None}
+    vals = {name: v for name, v in vals.items() if not expensive(loaded[name])} or vals
     same = {name: v for name, v in vals.items() if loaded[name].validation_question_len == question_len}
     vals = same or vals
     return min(vals, key=vals.get) if vals else None
 
 
-def _load(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
+def load_all(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
     """Method name -> the policy and its training log, each file read once."""
     paths = paths or tuple(str(p) for p in SHIPPED_POLICIES if p.is_file())
     out = {}
     for path in paths:
         if is_student(path):
             student = Student.load(path)
-            name = "distillcache-student" + ("" if student.config.per_head else "-layer")
-            out[name if name not in out else f"{name}-{len(out)}"] = LoadedPolicy(student, student.log)
+            out[_unique(student_name(student), out)] = LoadedPolicy(student, student.log)
             continue
         policy = Policy.load(path)
         name = ("distillcache-head" if policy.config.per_head else "distillcache-global") + (
             "-lookahead" if policy.config.lookahead else "")
         out[name if name not in out else f"{name}-w{policy.config.window}"] = LoadedPolicy(policy, policy.log)
     return out
+
+
+def student_name(student: Student) -> str:
+    """distillcache-student[-layer][-recallW][-closed-form]: one set per layer, the reconstruction teacher's
+    weight, no REINFORCE step kept."""
+    recall = ((student.log or {}).get("config") or {}).get("recall") or 0
+    return ("distillcache-student" + ("" if student.config.per_head else "-layer")
+            + (f"-recall{recall:g}" if recall else "") + ("" if student.meta.get("rl_steps") else "-closed-form"))
+
+
+def _unique(name: str, taken: dict) -> str:
+    return name if name not in taken else next(f"{name}-{i}" for i in range(2, len(taken) + 3)
+                                              if f"{name}-{i}" not in taken)
 
 
 def contexts(cfg: EvalConfig, tokenizer) -> list:
@@ -504,7 +527,7 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     """
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
-    loaded = _load(cfg.policies)  # each policy file read once
+    loaded = load_all(cfg.policies)  # each policy file read once
     policies = {name: p.policy for name, p in loaded.items() if isinstance(p.policy, Policy)}
     students = {name: p.policy for name, p in loaded.items() if isinstance(p.policy, Student)}
     if not loaded:

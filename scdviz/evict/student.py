@@ -42,6 +42,7 @@ from scdviz.models import hf
 KIND = "distillcache-student"
 N_EXTRA = 4  # columns after H_in: log ||v||, log(1 + pos), log(n - pos), 1
 SHIPPED = SHIPPED_DIR / "student"  # the shipped student (per layer and KV head)
+CLOSED_FORM = "closed_form.safetensors"  # beside a student's best.safetensors: its stage before REINFORCE
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Student(nn.Module):
         self.identity: dict = {}  # the model it was fitted on (source, weight fingerprint)
         self.meta: dict = {}  # what its fit recorded
         self.log: dict | None = None  # its fit log (log.json beside its file), when known
+        self.stages: dict[str, Student] = {}  # after a fit: "closed_form", its distilled stage before REINFORCE
 
     @classmethod
     def for_model(cls, model, config: StudentConfig | None = None) -> Student:
@@ -78,7 +80,7 @@ class Student(nn.Module):
         (``head_dim`` values per KV head); the logs are not counted."""
         return 2 * self.weight.shape[1] * (self.hidden + N_EXTRA) + 2 * self.n_kv * head_dim
 
-    def _log_norm(self, values: Tensor) -> Tensor:
+    def log_norm(self, values: Tensor) -> Tensor:
         """(B, R, T) log ||v|| per head, or its mean over heads for a per-layer student."""
         logv = values.float().norm(dim=-1).clamp_min(1e-6).log()
         return logv if self.config.per_head else logv.mean(1, keepdim=True)
@@ -90,7 +92,7 @@ class Student(nn.Module):
         d = self.hidden
         pos = positions.to(hidden.device).float()
         out = (hidden.float() @ w[:, :d].T).transpose(1, 2)  # (B, R, T)
-        return out + w[:, d, None] * self._log_norm(values) + w[:, d + 1, None] * pos.log1p() + w[:, d + 3, None]
+        return out + w[:, d, None] * self.log_norm(values) + w[:, d + 1, None] * pos.log1p() + w[:, d + 3, None]
 
     def age(self, layer: int, positions: Tensor, now: int) -> Tensor:
         """(..., R, T) the part that changes as the layer grows: w_age x log(now - pos), ``now`` the positions
@@ -109,14 +111,18 @@ class Student(nn.Module):
         return out.expand(-1, self.n_kv, -1)
 
     def save(self, path: str | Path, identity: dict | None = None, meta: dict | None = None) -> Path:
-        """Write the student (scdviz.artefact): a ``.safetensors`` file, or a folder (its ``best.safetensors``
-        and, with a fit log, ``log.json`` beside it). Returns what was written."""
+        """Write the student (scdviz.artefact): a ``.safetensors`` file, or a folder (its ``best.safetensors``,
+        ``closed_form.safetensors`` when REINFORCE moved it from its closed form, and, with a fit log,
+        ``log.json`` beside them). Returns what was written."""
         path = Path(path)
         if path.suffix == ".safetensors":
             cfg = config.to_dict(self.config) | {"n_kv": self.n_kv, "hidden": self.hidden}
             return artefact.save(path, KIND, {"weight": self.weight.detach()}, identity or self.identity, cfg,
                                  self.meta if meta is None else meta)
         self.save(path / FILE, identity, meta)
+        closed = self.stages.get("closed_form")
+        if closed is not None and closed is not self:  # the stage before REINFORCE, beside it
+            closed.save(path / CLOSED_FORM, identity)
         if self.log is not None:
             (path / LOG).write_text(json.dumps(self.log, indent=1))
         return path

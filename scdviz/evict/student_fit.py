@@ -86,7 +86,7 @@ def design_parts(student: Student, hidden: Tensor, values: Tensor, positions: Te
                  ) -> tuple[Tensor, Tensor]:
     """One layer's regression rows in two parts: H_in (T, d), shared by the rows, and the extra columns
     (R, T, 4): [log ||v||, log(1 + pos), log(now - pos), 1]; hidden (T, d), values (Hkv, T, D), positions (T,)."""
-    logv = student._log_norm(values.unsqueeze(0))[0]  # (R, T)
+    logv = student.log_norm(values.unsqueeze(0))[0]  # (R, T)
     rows, t = logv.shape
     pos = positions.float()
     extra = torch.stack([logv, pos.log1p().expand(rows, t), (now - pos).clamp_min(1.0).log().expand(rows, t),
@@ -208,15 +208,17 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
             best, best_kl = student, mean
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(best_kl, 5)
-    steps_kept = 0
+    steps_kept, closed = 0, best
     if cfg.rl_steps and cfg.student.per_head:
         best, best_kl, steps_kept = reinforce(model, tokenizer, cfg, best, best_kl, val, scorer, log, progress)
     log["seconds"] = round(time.perf_counter() - t0, 1)
-    best.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
-    best.meta = {"val_kl": round(best_kl, 5), "val_heuristic": log["val_heuristic"], "ridge": best.config.ridge,
-                 "train_contexts": cfg.contexts, "rl_steps": steps_kept,
-                 "flops_per_token_layer": best.flops_per_token(hf.attn_heads(model)[2])}
-    best.log = log
+    for one, kl, kept in ((closed, log["closed_form_kl"], 0), (best, best_kl, steps_kept)):
+        one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
+        one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
+                    "train_contexts": cfg.contexts, "rl_steps": kept,
+                    "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2])}
+        one.log = log
+    best.stages = {"closed_form": closed}  # the distilled stage alone (the same student when REINFORCE kept no step)
     return best.eval()
 
 
