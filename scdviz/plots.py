@@ -44,7 +44,8 @@ SCD_METHODS = ("SCD full", "raw KV", "DroidSpeak recompute", "SCD reuse-only", "
 EVICT_METHODS = ("distillcache-head-lookahead-w512", "ObservedAttention", "SnapKV", "KVzip", "StreamingLLM",
                  "TOVA", "ExpectedAttention", "KeyDiff", "CUR", "LagKV", "Knorm", "Random", "PyramidKV",
                  "AdaKV-SnapKV", "AdaKV-ExpectedAttention", "CriticalKV-SnapKV", "CriticalAdaKV-SnapKV", "FastKVzip",
-                 "distillcache-head", "distillcache-global", "distillcache-head-w64", "distillcache-head-lookahead")
+                 "distillcache-head", "distillcache-global", "distillcache-head-w64", "distillcache-head-lookahead",
+                 "distillcache-student", "distillcache-student-layer", "distillcache-student-closed-form")
 KNOWN = SCD_METHODS + EVICT_METHODS  # each family drawn from the start of the palette (they never share a plot)
 REFERENCE = ("#000000", "star", "dash")  # the oracle / the full cache: what every method is compared with
 FOCUS_WIDTH, CONTEXT_WIDTH, CONTEXT_OPACITY = 2.6, 1.0, 0.35

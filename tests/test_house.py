@@ -13,6 +13,7 @@ import torch
 from scdviz import artefact, cli, commands, config, records
 from scdviz.evict.bench import EvalConfig
 from scdviz.evict.policy import Policy, PolicyConfig
+from scdviz.evict.student import Student, is_student
 from scdviz.evict.train import TrainConfig
 from scdviz.models.pair import PairError
 
@@ -162,7 +163,8 @@ def test_shipped_records_and_artefacts_are_current():
         assert rec.kind == kind, path
         assert set(config.from_dict(commands.BENCHES[rec.kind], rec.settings)[1]) <= commands.RETIRED_SETTINGS, path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
-        assert Policy.load(path).identity["model_source"] == "builtin:smollm2-135m"
+        loaded = Student.load(path) if is_student(path) else Policy.load(path)
+        assert loaded.identity["model_source"] == "builtin:smollm2-135m"
     for folder in settings.ASSETS_DIR.glob("scd/*/"):
         art = artefact.load(folder / calibration.FILE, calibration.KIND)
         assert art.identity["consumer_source"] == f"builtin:{folder.name}"

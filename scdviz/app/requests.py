@@ -97,8 +97,8 @@ class EvictRequest(Request):
     # its range depends on the unit: checked by scdviz.app.evict
     budget: float = control(25, "Budget", "number", widget="number", row="budget", props={"elem_id": "ev-budget"})
     model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
-    method: str = control("distillcache-head-lookahead-w512", "Method to inspect (its kept tokens)", "pick",
-                          name="Method to inspect", choices=("distillcache-head-lookahead-w512",), row="budget",
+    method: str = control("distillcache-student", "Method to inspect (its kept tokens)", "pick",
+                          name="Method to inspect", choices=("distillcache-student",), row="budget",
                           props={"elem_id": "ev-show"})
     # None: the focused set (bench.focus_methods); the full cache is always the reference
     methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",

@@ -223,9 +223,13 @@ FOCUS_BASELINES = ("ObservedAttention", "SnapKV", "KVzip", "StreamingLLM")  # wh
 
 def focus_methods() -> list[str]:
     """A focused comparison (the app's default set): the shipped policy chosen on validation (the headline),
-    H2O (ObservedAttention), SnapKV, KVzip and StreamingLLM; the full cache is every comparison's reference."""
-    chosen = chosen_on_validation((), EvalConfig().question_len)
-    return ([chosen] if chosen else []) + list(FOCUS_BASELINES)
+    the best validated expensive one (the lookahead: a reference that costs several prefills), H2O
+    (ObservedAttention), SnapKV, KVzip and StreamingLLM; the full cache is every comparison's reference."""
+    loaded = load_all(())
+    question_len = EvalConfig().question_len
+    chosen = _lowest_validation(loaded, question_len)
+    reference = _lowest_validation({k: v for k, v in loaded.items() if expensive(v)}, question_len)
+    return list(dict.fromkeys(m for m in (chosen, reference) if m)) + list(FOCUS_BASELINES)
 
 
 def method_names() -> list[str]:
@@ -292,10 +296,11 @@ def load_all(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
 
 def student_name(student: Student) -> str:
     """distillcache-student[-layer][-recallW][-closed-form]: one set per layer, the reconstruction teacher's
-    weight, no REINFORCE step kept."""
+    weight, a per-head student with no REINFORCE step kept (a per-layer one has its closed form only)."""
     recall = ((student.log or {}).get("config") or {}).get("recall") or 0
+    closed = student.config.per_head and not student.meta.get("rl_steps")
     return ("distillcache-student" + ("" if student.config.per_head else "-layer")
-            + (f"-recall{recall:g}" if recall else "") + ("" if student.meta.get("rl_steps") else "-closed-form"))
+            + (f"-recall{recall:g}" if recall else "") + ("-closed-form" if closed else ""))
 
 
 def _unique(name: str, taken: dict) -> str:

@@ -136,26 +136,27 @@ class DecodeEvictor:
         if attn is None:
             if isinstance(self.press, DistillCachePress):
                 raise ValueError("decode-time DistillCache needs eager attention: call hf.set_eager(model) first")
-            attn = torch.zeros(b, n_kv, n_new, tk, device=keys.device)
+            attn = keys.new_zeros(b, n_kv, n_new if not isinstance(self.press, StudentPress) else 0, tk).float()
         state = self.states.get(layer)
         if state is None:
             state = self._first(layer, hidden, keys, attn, tk - n_new)
+        if state.static is not None:  # a student: its arrival scores and the positions, nothing else to track
+            new = self.press.student.static(layer, hidden, values[..., -n_new:, :], new_pos[:, : state.static.shape[1]])
+            state.static = torch.cat([state.static, new], -1)
+            state.positions = torch.cat([state.positions, new_pos], -1)
+            self.states[layer] = state
+            return state
         rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
         seen = torch.cat([state.seen, torch.zeros(b, n_kv, n_new, device=keys.device)], -1)
         steps = torch.arange(n_new, device=keys.device)
         causal = (steps.view(-1, 1) >= steps.view(1, -1)).sum(0)  # rows seeing new token j
         seen[..., -n_new:] = causal.float()
         seen[..., :-n_new] += n_new
-        static = None
-        if state.static is not None:
-            new = self.press.student.static(layer, hidden, values[..., -n_new:, :], new_pos[:, : state.static.shape[1]])
-            static = torch.cat([state.static, new], -1)
         state = _LayerState(
             rows,
             torch.cat([state.hidden, hidden], 1)[:, -self.window :],
             torch.cat([state.positions, new_pos], -1),
             seen.clamp(max=rows.shape[2]),
-            static,
         )
         self.states[layer] = state
         return state
@@ -203,10 +204,12 @@ class DecodeEvictor:
 
     def _keep(self, state: _LayerState, idx: Tensor) -> None:
         """Drop evicted tokens from the layer's state; idx (B, Hkv, budget)."""
+        if state.static is not None:  # a student tracks its scores and positions only
+            state.positions = state.positions.gather(2, idx)
+            state.static = state.static.gather(2, idx[:, : state.static.shape[1]])
+            return
         group = state.rows.shape[1] // idx.shape[1]
         rows_idx = idx.repeat_interleave(group, dim=1).unsqueeze(2).expand(-1, -1, state.rows.shape[2], -1)
         state.rows = state.rows.gather(3, rows_idx)
         state.positions = state.positions.gather(2, idx)
         state.seen = state.seen.gather(2, idx)
-        if state.static is not None:
-            state.static = state.static.gather(2, idx[:, : state.static.shape[1]])
