@@ -159,7 +159,8 @@ def test_shipped_records_and_artefacts_are_current():
     for path in [*settings.ASSETS_DIR.glob("scd/*/*.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
         rec = records.read(path)
         scd = path.relative_to(settings.ASSETS_DIR).parts[0] == "scd"
-        kind = {"ttft.json": "ttft", "cost.json": "cost"}.get(path.name, "scd" if scd else "evict")
+        kind = "ttft" if path.name == "ttft.json" else "cost" if path.name.endswith("cost.json") else \
+            "scd" if scd else "evict"
         assert rec.kind == kind, path
         assert set(config.from_dict(commands.BENCHES[rec.kind], rec.settings)[1]) <= commands.RETIRED_SETTINGS, path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):

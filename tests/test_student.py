@@ -204,3 +204,15 @@ def test_reconstruction_score_is_the_groups_largest_attention_and_mixes_into_the
     torch.testing.assert_close(half, (mix + 1e-7).log() - (mix + 1e-7).log().mean(-1, keepdim=True))
     layer = teacher_rows(future, False)  # one row per layer: the heads' mean
     assert layer.shape == (1, 6) and torch.allclose(layer.sum(), torch.tensor(0.0), atol=1e-5)
+
+
+def test_bench_reports_a_student_fitted_for_another_model_instead_of_failing(tmp_path):
+    model = tiny_model("llama")
+    other = _student(tiny_model("llama", num_hidden_layers=2))
+    other.meta = {"rl_steps": 5}
+    other.save(tmp_path / "other")
+    cfg = bench.EvalConfig(policies=(str(tmp_path / "other" / "best.safetensors"),), corpora=("austen",), limit=1,
+                           context_len=40, cont_len=6, question_len=0, keeps=(0.25,), token_budgets=(), natives=False)
+    rows = bench.run(cfg, (model, _Words(), "tiny")).rows
+    [row] = [r for r in rows if r.get("method") == "distillcache-student"]
+    assert "fitted for 2 layers" in row["cannot_run"] and any(r.get("method") == "Knorm" for r in rows)

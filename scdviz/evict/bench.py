@@ -616,13 +616,18 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     """Every context of one model and mode, aggregated into records (students scored as presses in the
     shared prefill, never counted as baselines)."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
-    for student in (students or {}).values():
-        student.check_model(model)
+    failed, fitting = {}, {}
+    for name, student in (students or {}).items():  # a student fits one model's shapes: others say so
+        try:
+            student.check_model(model)
+            fitting[name] = student
+        except ValueError as err:
+            failed[name] = str(err)
     base = baselines(cfg.seed)
-    presses = base | student_presses(students or {})
+    presses = base | student_presses(fitting)
     natives = {k: v for k, v in native_baselines().items() if not cfg.native_names or k in cfg.native_names
                } if cfg.natives else {}
-    per_ctx, failed = [], {}
+    per_ctx = []
     decoded, decode_failed = [], {}
     for n, window in enumerate(tqdm(windows, desc=f"{source} {mode}")):
         ids = hf.ids_tensor(window.ids)

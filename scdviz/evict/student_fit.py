@@ -53,6 +53,9 @@ class FitConfig:
     question_len: int = opt(16, "validation: unscored tokens between context and continuation (bench evict's)")
     keeps: tuple[float, ...] = opt((0.25, 0.125), "validation: kept fractions")
     ridges: tuple[float, ...] = opt((1.0, 10.0, 100.0, 1000.0), "ridge strengths tried (StudentConfig.ridge)")
+    spread: bool = opt(False, "draw each corpus's windows evenly through its split (as the benchmark's eval contexts "
+                       "are) instead of its first ones: the train and calib splits interleave passages of one "
+                       "text, so their first windows come from neighbouring parts of it")
     rl_steps: int = opt(200, "then REINFORCE steps on the seed's reward (-KL of the continuation for each of "
                         "`samples` Gumbel top-B kept sets, leave-one-out baseline), from the closed form; 0: none "
                         "(per-head students; a per-layer one stays at its closed form)")
@@ -134,7 +137,10 @@ class NormalEquations:
 def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> list[list[int]]:
     """``count`` windows of ``length`` tokens, equally many from each corpus's ``split``."""
     per = -(-count // len(cfg.corpora))
-    out = [w for c in cfg.corpora for w in data.token_windows(tokenizer, data.passages(c, split), length, per)]
+    out = []
+    for c in cfg.corpora:
+        every = data.token_windows(tokenizer, data.passages(c, split), length, None if cfg.spread else per)
+        out += every if len(every) <= per else [every[int((i + 0.5) * len(every) / per)] for i in range(per)]
     if len(out) < count:
         raise ValueError(f"only {len(out)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
     return out[:count]
@@ -184,7 +190,9 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     tcfg = trainer.TrainConfig(out="unused", corpora=tuple(cfg.corpora), context_len=cfg.context_len,
                                cont_len=cfg.cont_len, question_len=cfg.question_len, keeps=tuple(cfg.keeps))
     tcfg.policy.window = cfg.context_len  # alpha over every row: H2O's score, the heuristic line
-    val = trainer.prepare(model, tokenizer, tcfg, "calib", cfg.val_contexts, progress, hidden=True)
+    length = cfg.context_len + cfg.question_len + cfg.cont_len
+    val = trainer.prepare(model, tokenizer, tcfg, "calib", cfg.val_contexts, progress, hidden=True,
+                          windows=windows(tokenizer, cfg, "calib", cfg.val_contexts, length))
     log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows}
 
     def scorer(student: Student):
@@ -230,7 +238,9 @@ def reinforce(model, tokenizer, cfg: FitConfig, start: Student, start_kl: float,
     the closed form itself). Appends the steps and validations to ``log["rl"]``."""
     tcfg = trainer.TrainConfig(out="unused", corpora=tuple(cfg.corpora), context_len=cfg.context_len,
                                cont_len=cfg.cont_len, question_len=cfg.question_len, keeps=tuple(cfg.keeps))
-    samples = trainer.prepare(model, tokenizer, tcfg, "train", cfg.rl_contexts, progress, hidden=True)
+    length = cfg.context_len + cfg.question_len + cfg.cont_len
+    samples = trainer.prepare(model, tokenizer, tcfg, "train", cfg.rl_contexts, progress, hidden=True,
+                              windows=windows(tokenizer, cfg, "train", cfg.rl_contexts, length))
     student = copy.deepcopy(start).train()
     opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
     order, gen = random.Random(cfg.seed), torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed)

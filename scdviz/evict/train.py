@@ -158,9 +158,10 @@ def scored_kl(sample: Sample, logits: Tensor) -> Tensor:
 
 
 def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress: bool | Reporter = True,
-            hidden: bool = False) -> list[Sample]:
+            hidden: bool = False, windows: list[list[int]] | None = None) -> list[Sample]:
     """Prefill ``count`` contexts of one split of each corpus, once (``hidden``: keeping every layer's
-    normalised input, ``Observed.hidden``)."""
+    normalised input, ``Observed.hidden``; ``windows``: these token windows instead of the first ones of
+    each corpus)."""
     from scdviz import data
 
     sources = (["texts"] if cfg.texts else []) + list(cfg.corpora)  # "texts": the user's text
@@ -169,8 +170,8 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     per = -(-count // len(sources))
     length = cfg.context_len + cfg.question_len + cfg.cont_len
     foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
-    windows = [w for c in sources
-               for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
+    windows = windows or [w for c in sources
+                          for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
     if len(windows) < count:
         raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(sources)}")
     out = []
