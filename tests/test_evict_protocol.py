@@ -89,16 +89,22 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
     assert bench.chosen_on_validation(tuple(paths), question_len=16) == "distillcache-head-w32"
     assert bench.chosen_on_validation(tuple(paths), question_len=0) == "distillcache-head-w8"  # older logs: 0
     assert bench.chosen_on_validation(tuple(paths), question_len=4) == "distillcache-head-w8"  # none alike: all
-    # a lookahead policy (several prefills per context, prefill only) is never the headline while a cheap
-    # policy has a log, however low its KL; alone, it is
+    # a lookahead policy (several prefills per context, prefill only) can be the headline; the cheap choice
+    # (what the app shows beside it) leaves it out, and has none when nothing cheap has a log
     folder = tmp_path / "look"
     folder.mkdir()
     Policy(PolicyConfig(hidden=4, per_head=True, window=32, lookahead=4)).save(folder / "best.safetensors")
     (folder / "log.json").write_text(json.dumps({"config": {"question_len": 16}, "val": [{"step": 0, "kl": 0.01}]}))
-    assert bench.chosen_on_validation((*paths, str(folder / "best.safetensors")), question_len=16) == \
-        "distillcache-head-w32"
-    assert bench.chosen_on_validation((str(folder / "best.safetensors"),), question_len=16) == \
-        "distillcache-head-lookahead"
+    both = (*paths, str(folder / "best.safetensors"))
+    assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-lookahead"
+    assert bench.cheap_on_validation(both, question_len=16) == "distillcache-head-w32"
+    assert bench.cheap_on_validation((str(folder / "best.safetensors"),), question_len=16) is None
+    # logs that each hold their heuristic's KL on their own contexts compete by the ratio to it: a higher KL
+    # on harder contexts can be the better policy
+    for name, kl, line in (("c", 0.5, 0.6), ("look", 0.3, 0.2)):
+        log = json.loads((tmp_path / name / "log.json").read_text()) | {"val_heuristic": line}
+        (tmp_path / name / "log.json").write_text(json.dumps(log | {"val": [{"step": 0, "kl": kl}]}))
+    assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-w32"  # 0.83x its line vs 1.5x
 
 
 def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():

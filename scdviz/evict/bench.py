@@ -223,13 +223,11 @@ FOCUS_BASELINES = ("ObservedAttention", "SnapKV", "KVzip", "StreamingLLM")  # wh
 
 def focus_methods() -> list[str]:
     """A focused comparison (the app's default set): the shipped policy chosen on validation (the headline),
-    the best validated expensive one (the lookahead: a reference that costs several prefills), H2O
-    (ObservedAttention), SnapKV, KVzip and StreamingLLM; the full cache is every comparison's reference."""
-    loaded = load_all(())
+    the best validated cheap one (``cheap_on_validation``: the student), H2O (ObservedAttention), SnapKV,
+    KVzip and StreamingLLM; the full cache is every comparison's reference."""
     question_len = EvalConfig().question_len
-    chosen = _lowest_validation(loaded, question_len)
-    reference = _lowest_validation({k: v for k, v in loaded.items() if expensive(v)}, question_len)
-    return list(dict.fromkeys(m for m in (chosen, reference) if m)) + list(FOCUS_BASELINES)
+    picks = (chosen_on_validation((), question_len), cheap_on_validation((), question_len))
+    return list(dict.fromkeys(m for m in picks if m)) + list(FOCUS_BASELINES)
 
 
 def method_names() -> list[str]:
@@ -258,11 +256,16 @@ def chosen_on_validation(paths: tuple[str, ...], question_len: int | None = None
     the headline policy, chosen without looking at any evaluation result.
 
     question_len: the benchmark's; when some logs validated with that many unscored tokens
-    before the scored ones, only those compete (KLs measured on other tails are not comparable).
-    The headline must run at prefill and while decoding at a small cost: a lookahead policy (its
-    feature costs several prefills and exists only after one) competes only when nothing else has a
-    log; it stays in every comparison as the expensive reference."""
+    before the scored ones, only those compete (KLs measured on other tails are not comparable)."""
     return _lowest_validation(load_all(paths), question_len)
+
+
+def cheap_on_validation(paths: tuple[str, ...], question_len: int | None = None) -> str | None:
+    """As ``chosen_on_validation``, among the policies cheap enough for every prefill and decode step (no
+    lookahead: its feature costs several prefills and exists only after one): the app shows it beside the
+    headline."""
+    loaded = load_all(paths)
+    return _lowest_validation({k: v for k, v in loaded.items() if not expensive(v)}, question_len)
 
 
 def expensive(loaded: LoadedPolicy) -> bool:
@@ -271,10 +274,14 @@ def expensive(loaded: LoadedPolicy) -> bool:
 
 
 def _lowest_validation(loaded: dict[str, LoadedPolicy], question_len: int | None = None) -> str | None:
+    """The lowest validation KL; when every competing log also holds its heuristic's KL on the same contexts
+    (``val_heuristic``, H2O's score), the lowest ratio to it, since logs validate on different contexts."""
     vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None}
-    vals = {name: v for name, v in vals.items() if not expensive(loaded[name])} or vals
     same = {name: v for name, v in vals.items() if loaded[name].validation_question_len == question_len}
     vals = same or vals
+    lines = {name: (loaded[name].log or {}).get("val_heuristic") for name in vals}
+    if vals and all(isinstance(h, (int, float)) and h > 0 for h in lines.values()):
+        vals = {name: v / lines[name] for name, v in vals.items()}
     return min(vals, key=vals.get) if vals else None
 
 
