@@ -31,7 +31,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass
 class FinetuneConfig:
-    corpus: str | None = opt(None, "shipped corpus to train on (assets/text/<corpus>/train.txt)")
+    corpus: str | None = opt(None, "shipped corpus to train on (assets/text/<corpus>/train.txt.gz)")
     texts: str | None = opt(None, "your text instead (.txt / .jsonl file, or a folder of train/calib/eval files); its "
                             "train split is used, so pair-info, calibrate and bench can measure on the rest")
     out: str = opt(None, "adapter folder to write (set by the CLI: a runs folder by default)")

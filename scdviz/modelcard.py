@@ -58,7 +58,7 @@ def render(name: str, log: dict, report: dict) -> str:
         f"# `builtin:{name}` — a LoRA specialist of SmolLM2-135M-Instruct",
         "",
         f"A consumer for the built-in pair: the producer fine-tuned on the **{cfg['corpus']}** corpus "
-        f"(assets/text/{cfg['corpus']}/train.txt; provenance and licence in assets/text/README.md).",
+        f"(assets/text/{cfg['corpus']}/train.txt.gz; provenance and licence in assets/text/README.md).",
         "",
         "## Training",
         f"- LoRA rank {cfg['rank']}, alpha {cfg['alpha'] or 2 * cfg['rank']}, on {', '.join(targets)}; "
