@@ -179,6 +179,17 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
     return normal
 
 
+def _samples(model, tokenizer, cfg: FitConfig, split: str, count: int, progress: bool | Reporter) -> list:
+    """``count`` contexts of ``split`` prefilled as ``train.prepare`` does (each layer's input kept), on this
+    fit's windows; the features see every row (H2O's score, the heuristic line)."""
+    tcfg = trainer.TrainConfig(out="unused", corpora=tuple(cfg.corpora), context_len=cfg.context_len,
+                               cont_len=cfg.cont_len, question_len=cfg.question_len, keeps=tuple(cfg.keeps))
+    tcfg.policy.window = cfg.context_len
+    length = cfg.context_len + cfg.question_len + cfg.cont_len
+    return trainer.prepare(model, tokenizer, tcfg, split, count, progress, hidden=True,
+                           windows=windows(tokenizer, cfg, split, count, length))
+
+
 def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     """Fit a student for ``subject`` (a Pair, whose producer is pruned, or (model, tokenizer, source)); returns
     it with ``log``: every ridge's validation KL (mean and per kept fraction), H2O's on the same contexts,
@@ -187,12 +198,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     t0 = time.perf_counter()
     base = Student.for_model(model, cfg.student)
     normal = accumulate(model, tokenizer, cfg, base, progress)
-    tcfg = trainer.TrainConfig(out="unused", corpora=tuple(cfg.corpora), context_len=cfg.context_len,
-                               cont_len=cfg.cont_len, question_len=cfg.question_len, keeps=tuple(cfg.keeps))
-    tcfg.policy.window = cfg.context_len  # alpha over every row: H2O's score, the heuristic line
-    length = cfg.context_len + cfg.question_len + cfg.cont_len
-    val = trainer.prepare(model, tokenizer, tcfg, "calib", cfg.val_contexts, progress, hidden=True,
-                          windows=windows(tokenizer, cfg, "calib", cfg.val_contexts, length))
+    val = _samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
     log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows}
 
     def scorer(student: Student):
@@ -236,11 +242,7 @@ def reinforce(model, tokenizer, cfg: FitConfig, start: Student, start_kl: float,
     kept sets per context, reward -KL of the scored continuation, leave-one-out baseline, entropy bonus),
     validated every ``checkpoint_every`` steps; returns (the best validated student, its KL, its step; step 0:
     the closed form itself). Appends the steps and validations to ``log["rl"]``."""
-    tcfg = trainer.TrainConfig(out="unused", corpora=tuple(cfg.corpora), context_len=cfg.context_len,
-                               cont_len=cfg.cont_len, question_len=cfg.question_len, keeps=tuple(cfg.keeps))
-    length = cfg.context_len + cfg.question_len + cfg.cont_len
-    samples = trainer.prepare(model, tokenizer, tcfg, "train", cfg.rl_contexts, progress, hidden=True,
-                              windows=windows(tokenizer, cfg, "train", cfg.rl_contexts, length))
+    samples = _samples(model, tokenizer, cfg, "train", cfg.rl_contexts, progress)
     student = copy.deepcopy(start).train()
     opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
     order, gen = random.Random(cfg.seed), torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed)
