@@ -126,11 +126,13 @@ def passages(domain: str, split: str, texts: str | Path | None = None) -> list[s
     return load_split(domain, split)
 
 
-def token_windows(tokenizer, passages: list[str], length: int, limit: int | None = None):
+def token_windows(tokenizer, passages: list[str], length: int, limit: int | None = None, spread: bool = False):
     """Token id lists of exactly ``length`` tokens cut from the concatenated passages.
 
     Passages are joined with blank lines so that a window can span a boundary, as in
-    ordinary language-model training; windows do not overlap.
+    ordinary language-model training; windows do not overlap. ``limit``: the first
+    ``limit`` windows, or with ``spread`` ``limit`` windows spread evenly through all of
+    them (window ``floor((i + 1/2) * total / limit)``, as ``eval_windows`` picks).
     """
     ids: list[int] = []
     windows: list[list[int]] = []
@@ -139,8 +141,10 @@ def token_windows(tokenizer, passages: list[str], length: int, limit: int | None
         while len(ids) >= length:
             windows.append(ids[:length])
             ids = ids[length:]
-            if limit is not None and len(windows) >= limit:
+            if limit is not None and not spread and len(windows) >= limit:
                 return windows
+    if limit is not None and len(windows) > limit:
+        windows = [windows[int((i + 0.5) * len(windows) / limit)] for i in range(limit)]
     return windows
 
 

@@ -157,6 +157,9 @@ def test_token_windows_are_exact_and_disjoint():
     windows = data.token_windows(_Tok(), ["abcdef", "ghij"], 4)
     assert windows == [[97, 98, 99, 100], [101, 102, 10, 10], [103, 104, 105, 106]]
     assert data.token_windows(_Tok(), ["abcdefghij"], 2, limit=3) == [[97, 98], [99, 100], [101, 102]]
+    # spread: 7 windows (ab cd ef gh ij kl and the blank line), 2 of them at floor((i + 1/2) * 7 / 2) = 1, 5
+    assert data.token_windows(_Tok(), ["abcdefghijkl"], 2, limit=2, spread=True) == [[99, 100], [107, 108]]
+    assert data.token_windows(_Tok(), ["abcd"], 2, limit=5, spread=True) == [[97, 98], [99, 100], [10, 10]]
 
 
 def test_split_prompt_convention():

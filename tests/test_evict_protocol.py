@@ -293,6 +293,10 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
                                  cont_len=6, steps=2, warm_steps=2, checkpoint_every=1, val_contexts=2, samples=2,
                                  policy=PolicyConfig(hidden=4, per_head=True, window=8))
     train.train(recipe, (model, _Words(), "tiny"), train.checkpoints_to(recipe.out), progress=False)
+    written = tmp_path / "recipe" / "log.json"  # a log from before `spread` existed: refitted as it ran
+    old = json.loads(written.read_text())
+    assert old["config"].pop("spread") is True
+    written.write_text(json.dumps(old))
     cfg = bench.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
                              "jargon"), limit=6, context_len=40, cont_len=6, question_len=0, keeps=(0.25,),
                              token_budgets=(), natives=False, lodo=True, lodo_steps=1)
@@ -306,6 +310,7 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
         log = json.loads((Path(mine[0]["policy_folder"]) / "log.json").read_text())
         assert log["config"]["corpora"] == [other] and len(log["steps"]) == 1
         assert log["config"]["question_len"] == recipe.question_len == 16  # the recipe's validation tail, kept
+        assert log["config"]["spread"] is False  # bench.AS_RAN: first windows, as the older log's run took them
         assert Path(mine[0]["policy_folder"]).is_relative_to(tmp_path / "work" / "runs" / "policies")
     table = bench.domain_table(rows).to_dict("records")
     lodo_rows = [r for r in table if "lodo" in r["mode"]]

@@ -566,6 +566,10 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     return records_
 
 
+# recipe fields added after policies were shipped, with the value the older logs ran with
+AS_RAN = {"spread": False, "decode_len": 0, "val_decode": 0}
+
+
 def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, chosen: str) -> list[dict]:
     """Leave-one-domain-out for the policy (``scdviz.protocol.by_domain``): for each domain the chosen
     policy was trained on, train its recipe (the settings in its training log) again on the other
@@ -579,8 +583,10 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
 
     is_fit = isinstance(recipe.policy, Student)  # a student's recipe is its closed-form fit
     recipe_cls = student_fit.FitConfig if is_fit else train.TrainConfig
-    saved, _ = config.from_dict(recipe_cls, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
-    saved = dataclasses.replace(saved, question_len=recipe.validation_question_len)  # older logs: 0, as they ran
+    raw = (recipe.log or {}).get("config") or {}
+    saved, _ = config.from_dict(recipe_cls, raw, f"{chosen}'s training log")
+    before = {k: v for k, v in AS_RAN.items() if k not in raw and hasattr(saved, k)}  # older logs, as they ran
+    saved = dataclasses.replace(saved, question_len=recipe.validation_question_len, **before)
     domains = [d for d in saved.corpora if d in cfg.corpora]
     if len(saved.corpora) < 2 or getattr(saved, "texts", None) or not domains:
         raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "

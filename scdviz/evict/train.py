@@ -88,6 +88,9 @@ class TrainConfig:
     texts: str | None = opt(None, "your text (.txt / .jsonl file, or a folder of train/calib/eval files): one more "
                             "source of contexts, beside --corpora (give --corpora with no name for your text alone)")
     contexts: int = opt(32, 'training contexts (prefilled once each)')
+    spread: bool = opt(True, "draw each corpus's windows evenly through its split (as the benchmark's eval contexts "
+                       "are) instead of its first ones: the train and calib splits interleave passages of one text, "
+                       "so their first windows come from neighbouring parts of it (validation then flatters)")
     context_len: int = opt(512, 'T, tokens per context')
     cont_len: int = opt(24, 'teacher-forced continuation tokens for the reward')
     question_len: int = opt(16, "tokens teacher-forced between the context and the scored continuation, unscored: "
@@ -171,7 +174,8 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
     length = cfg.context_len + cfg.question_len + cfg.cont_len
     foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
     windows = windows or [w for c in sources
-                          for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per)]
+                          for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per,
+                                                      cfg.spread)]
     if len(windows) < count:
         raise ValueError(f"only {len(windows)} {split} windows of {length} tokens in {', '.join(sources)}")
     out = []
