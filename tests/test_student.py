@@ -3,6 +3,7 @@ decode-time arrival scores, the closed-form fit and its place in the eviction be
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,18 @@ from scdviz.evict import bench
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import keep_count
 from scdviz.evict.student import Student, StudentConfig, StudentPress, is_student
-from scdviz.evict.student_fit import FitConfig, NormalEquations, design, design_parts, fit
+from scdviz.evict.student_fit import (
+    FitConfig,
+    NormalEquations,
+    accumulate,
+    decode_episodes,
+    decode_kls,
+    decoded_subset,
+    design,
+    design_parts,
+    fit,
+    teacher_rows,
+)
 from scdviz.models import hf
 
 
@@ -137,7 +149,7 @@ def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(
     monkeypatch.chdir(tmp_path)
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
-                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0)
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=0, val_decode=0)
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
     assert list(tmp_path.iterdir()) == []
     log = student.log
@@ -179,16 +191,24 @@ def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_pa
     cfg = bench.EvalConfig(policies=(str(tmp_path / "s" / "best.safetensors"),), corpora=("austen", "gcide"), limit=2,
                            context_len=40, cont_len=6, question_len=0, keeps=(0.25,), token_budgets=(), natives=False,
                            decode_tokens=8, decode_interval=4)
+    kvzap = _student(model, seed=2)
+    kvzap.log = {"config": {"question_len": 0, "teacher": "kvzip+"}, "val": [{"ridge": 10.0, "kl": 0.001}]}
+    kvzap.meta = {"val_kl": 0.001, "rl_steps": 0}  # the lowest validation KL, yet a baseline: never chosen
+    kvzap.save(tmp_path / "kvzap")
+    assert bench.chosen_on_validation((str(tmp_path / "s"), str(tmp_path / "kvzap"))) == "distillcache-student"
+    cfg = dataclasses.replace(cfg, policies=cfg.policies + (str(tmp_path / "kvzap"),))
     record = bench.run(cfg, (model, _Words(), "tiny"))
     mine = [r for r in record.rows if r.get("method") == "distillcache-student"]
     assert {r["mode"] for r in mine} == {"agnostic", "agnostic decode8"}
     assert all(not r["baseline"] and r["chosen_on_validation"] and r["n_contexts"] == 2 for r in mine)
     assert all(r["best_baseline"] != "distillcache-student" for r in record.rows if "best_baseline" in r)
+    surrogate = [r for r in record.rows if r.get("method") == "KVzap-linear"]
+    assert {r["mode"] for r in surrogate} == {"agnostic", "agnostic decode8"}
+    assert all(r["baseline"] and not r["chosen_on_validation"] for r in surrogate)
 
 
 def test_reconstruction_score_is_the_groups_largest_attention_and_mixes_into_the_target():
     from scdviz.evict import features as F
-    from scdviz.evict.student_fit import teacher_rows
 
     attn = torch.rand(1, 4, 5, 9, generator=torch.Generator().manual_seed(0))  # (B, H = 4, n = 5 rows, 6 + 3 keys)
     score = F.reconstruction_attention([attn], 6, 2)  # (1 layer, B, Hkv = 2, T = 6)
@@ -216,3 +236,108 @@ def test_bench_reports_a_student_fitted_for_another_model_instead_of_failing(tmp
     rows = bench.run(cfg, (model, _Words(), "tiny")).rows
     [row] = [r for r in rows if r.get("method") == "distillcache-student"]
     assert "fitted for 2 layers" in row["cannot_run"] and any(r.get("method") == "Knorm" for r in rows)
+
+
+def test_decode_states_add_each_generated_states_rows_at_its_age():
+    from scdviz.evict import features as F
+
+    model = tiny_model("llama")
+    base = dict(corpora=("austen",), contexts=1, context_len=12, teacher_len=4)
+    student = Student.for_model(model)
+    plain = accumulate(model, _Words(), FitConfig(**base, decode_len=0), student, progress=False)
+    more = accumulate(model, _Words(), FitConfig(**base, decode_len=8, decode_every=3), student, progress=False)
+    assert plain.rows == 12 and more.rows == 12 + (12 + 3) + (12 + 6)  # states after 3 and 6 generated tokens
+    # by hand: the context, the model's greedy generation after it, one eager pass over both
+    window = __import__("scdviz.evict.student_fit", fromlist=["windows"]).windows(
+        _Words(), FitConfig(**base), "train", 1, 16)[0]
+    ids = torch.tensor([window[:13]])
+    prefill = hf.forward(model, ids[:, :12])
+    gen = hf.generate(model, prefill.cache, ids[:, 12:13], 12, 8)
+    every = torch.cat([ids, torch.tensor([gen[:-1]])], 1)  # context, then the 8 decode steps' inputs
+    with hf.eager(model):
+        whole = hf.forward(model, every, capture={"h_in"}, attentions=True)
+    hand = NormalEquations(torch.zeros_like(more.xtx), torch.zeros_like(more.xty))
+    for s in (3, 6):
+        now = 12 + s
+        future = F.future_attention([a[..., now:, :now] for a in whole.attn], now, 2)[0][:, 0]
+        for layer in range(hf.n_layers(model)):
+            h, extra = design_parts(student, whole.h_in[layer][0, :now], whole.values[layer][0, :, :now],
+                                    torch.arange(now), now)
+            hand.add(layer, h, extra, teacher_rows(future[layer], True))
+    torch.testing.assert_close(more.xtx - plain.xtx, hand.xtx, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(more.xty - plain.xty, hand.xty, atol=1e-5, rtol=1e-4)
+
+
+def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_drives_the_choice(tmp_path, monkeypatch):
+    from scdviz.evict import train as trainer
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen", "gcide"), contexts=2, val_contexts=2, context_len=40, teacher_len=8,
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=6, decode_every=3,
+                    val_decode=2, val_decode_tokens=10, decode_interval=4)
+    samples = trainer.prepare(model, _Words(), trainer.TrainConfig(out="x", corpora=cfg.corpora, context_len=40,
+                                                                   cont_len=4, question_len=2), "calib", 2, False,
+                              hidden=True)
+    assert decoded_subset(list(range(24)), 12) == list(range(0, 24, 2)) and decoded_subset([7], 3) == [7]
+    episodes = decode_episodes(model, samples, 10)
+    assert [e.steps.shape[1] for e in episodes] == [10, 10]
+    student = _student(model)
+    for who in (None, student):
+        assert all(v < 1e-6 for v in decode_kls(model, episodes, 1.0, 11, who))  # all kept, never cut
+        held = decode_kls(model, episodes, 0.25, 4, who)
+        assert all(v > 1e-4 for v in held)
+    fitted = fit(cfg, (model, _Words(), "tiny"), progress=False)
+    vals = fitted.log["val"]
+    assert all(len(v["decode_kl_per_context"]) == 2 for v in vals) and fitted.log["val_decode_heuristic"] > 0
+    chosen = min(vals, key=lambda v: v["kl"] + v["decode_kl"])
+    assert fitted.config.ridge == chosen["ridge"] and fitted.meta["val_decode_kl"] == chosen["decode_kl"]
+
+
+def test_kvzip_plus_is_the_groups_largest_weighted_attention_and_output_value_norms_are_o_proj_slices():
+    from scdviz.evict import features as F
+
+    model = tiny_model("llama")
+    n_heads, n_kv, head_dim = hf.attn_heads(model)
+    values = torch.randn(1, n_kv, 5, head_dim, generator=torch.Generator().manual_seed(0))
+    norms = hf.output_value_norms(model, 1, values)  # (1, H, 5)
+    o_proj = hf.layers(model)[1].self_attn.o_proj
+    for h in range(n_heads):
+        for t in range(5):
+            x = torch.zeros(n_heads * head_dim)
+            x[h * head_dim:(h + 1) * head_dim] = values[0, h // (n_heads // n_kv), t]
+            torch.testing.assert_close(norms[0, h, t], o_proj(x).norm(), atol=1e-5, rtol=1e-5)
+    attn = torch.rand(1, n_heads, 3, 5, generator=torch.Generator().manual_seed(1))
+    q = torch.rand(1, 3, generator=torch.Generator().manual_seed(2)) + 0.5
+    score = F.kvzip_plus(attn, q, norms, n_kv)  # (1, Hkv, 5)
+    group = n_heads // n_kv
+    for kv in range(n_kv):
+        for t in range(5):
+            want = max(float(attn[0, h, r, t] / q[0, r] * norms[0, h, t])
+                       for h in range(kv * group, (kv + 1) * group) for r in range(3))
+            assert abs(float(score[0, kv, t]) - want) < 1e-6
+
+
+def test_solving_on_some_columns_is_the_smaller_ridge_problem_and_the_kvzap_recipe_fits_only_them(tmp_path,
+                                                                                                     monkeypatch):
+    x = torch.randn(1, 1, 50, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[..., -1] = 1.0
+    y = torch.randn(1, 1, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    normal = NormalEquations(x.transpose(-1, -2) @ x, (x.transpose(-1, -2) @ y.unsqueeze(-1))[..., 0])
+    w = normal.solve(0.0, [0, 2, 4])
+    assert w[0, 0, 1] == 0 and w[0, 0, 3] == 0
+    sub = x[0, 0][:, [0, 2, 4]]
+    torch.testing.assert_close(w[0, 0, [0, 2, 4]].double(), torch.linalg.lstsq(sub, y[0, 0]).solution,
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="intercept"):
+        normal.solve(1.0, [0, 1])
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen",), contexts=2, val_contexts=1, context_len=30, teacher_len=4, cont_len=4,
+                    question_len=2, ridges=(1.0,), rl_steps=0, decode_len=0, val_decode=0, teacher="kvzip+",
+                    inputs="hidden")
+    kvzap = fit(cfg, (model, _Words(), "tiny"), progress=False)
+    d = kvzap.hidden
+    assert torch.all(kvzap.weight[..., d:d + 3] == 0) and torch.any(kvzap.weight[..., d + 3] != 0)
+    with pytest.raises(ValueError, match="decode-len 0"):
+        fit(FitConfig(**{**cfg.__dict__, "decode_len": 8}), (model, _Words(), "tiny"), progress=False)

@@ -48,7 +48,7 @@ from tqdm import tqdm
 from scdviz import data, metrics, protocol, qa
 from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune, why_not
-from scdviz.evict.decode import DecodeEvictor
+from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import SHIPPED_DIR, Policy, PolicyConfig, keep_count
 from scdviz.evict.press import DistillCachePress
 from scdviz.evict.student import Student, StudentPress, is_student
@@ -275,8 +275,10 @@ def expensive(loaded: LoadedPolicy) -> bool:
 
 def _lowest_validation(loaded: dict[str, LoadedPolicy], question_len: int | None = None) -> str | None:
     """The lowest validation KL; when every competing log also holds its heuristic's KL on the same contexts
-    (``val_heuristic``, H2O's score), the lowest ratio to it, since logs validate on different contexts."""
-    vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None}
+    (``val_heuristic``, H2O's score), the lowest ratio to it, since logs validate on different contexts. The
+    KVzap-style baseline (``surrogate``) never competes."""
+    vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None
+            and not surrogate(p.policy)}
     same = {name: v for name, v in vals.items() if loaded[name].validation_question_len == question_len}
     vals = same or vals
     lines = {name: (loaded[name].log or {}).get("val_heuristic") for name in vals}
@@ -301,9 +303,18 @@ def load_all(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
     return out
 
 
+def surrogate(student) -> bool:
+    """Whether a student is the KVzap-style baseline (fitted by KVzap's recipe, ``fit-student --teacher kvzip+``):
+    a baseline like kvpress's presses, never the headline."""
+    return isinstance(student, Student) and ((student.log or {}).get("config") or {}).get("teacher") == "kvzip+"
+
+
 def student_name(student: Student) -> str:
     """distillcache-student[-layer][-recallW][-closed-form]: one set per layer, the reconstruction teacher's
-    weight, a per-head student with no REINFORCE step kept (a per-layer one has its closed form only)."""
+    weight, a per-head student with no REINFORCE step kept (a per-layer one has its closed form only);
+    KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``)."""
+    if surrogate(student):
+        return "KVzap-linear" + ("" if student.config.per_head else "-layer")
     recall = ((student.log or {}).get("config") or {}).get("recall") or 0
     closed = student.config.per_head and not student.meta.get("rl_steps")
     return ("distillcache-student" + ("" if student.config.per_head else "-layer")
@@ -448,7 +459,6 @@ def native_scored(model, make, ids: torch.Tensor, prefix: int, n_keep: int, cfg:
 
 
 DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")
-DECODE_WINDOW = 64  # query rows every decode-time scorer sees (the shipped policies' W)
 
 
 def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: dict, policies: dict,
@@ -627,7 +637,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
 def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None,
               chosen: str | None = None, students: dict | None = None) -> list[dict]:
     """Every context of one model and mode, aggregated into records (students scored as presses in the
-    shared prefill, never counted as baselines)."""
+    shared prefill, never counted as baselines but the KVzap-style one, ``surrogate``)."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
     failed, fitting = {}, {}
     for name, student in (students or {}).items():  # a student fits one model's shapes: others say so
@@ -638,6 +648,7 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
             failed[name] = str(err)
     base = baselines(cfg.seed)
     presses = base | student_presses(fitting)
+    kvzap = {name for name, student in fitting.items() if surrogate(student)}  # a baseline fitted here
     natives = {k: v for k, v in native_baselines().items() if not cfg.native_names or k in cfg.native_names
                } if cfg.natives else {}
     per_ctx = []
@@ -650,13 +661,13 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
             decoded.append(decode_context(model, ids, prefix, cfg, out, policies, presses, decode_failed,
                                           items[n] if items else None))
     full_qa = [c.get(("full cache", "full")) for c in per_ctx]  # aggregate pops it
-    records = aggregate(per_ctx, model, source, mode, set(base) | set(natives),
+    records = aggregate(per_ctx, model, source, mode, set(base) | set(natives) | kvzap,
                         windows=windows, chosen=chosen, failed=failed)
     if decoded:
         for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
             if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
                 c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
-        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base),
+        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base) | kvzap,
                              windows=windows, chosen=chosen, failed=decode_failed)
     return records
 

@@ -38,7 +38,7 @@ from scdviz import data, protocol, timing
 from scdviz.config import opt
 from scdviz.evict import bench
 from scdviz.evict.context import observe, prune, why_not
-from scdviz.evict.decode import DecodeEvictor
+from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
 from scdviz.evict.press import DistillCachePress
 from scdviz.evict.student import StudentPress
@@ -135,7 +135,7 @@ def _trial(model, method: _Method, ids: torch.Tensor, prefix: int, n_keep: int, 
         out["decode"] = _decode(model, cache, first, prefix, cfg.decode_steps, device)
         kept[method.name] = hf.kept_per_head(model, cache)
     if method.evictor is not None:
-        evictor = DecodeEvictor(method.evictor, budget=n_keep, window=bench.DECODE_WINDOW,
+        evictor = DecodeEvictor(method.evictor, budget=n_keep, window=DECODE_WINDOW,
                                 interval=cfg.decode_interval)
         with hf.attention(model, method.evict_attn), evictor(model):
             out["evicting"] = _decode(model, cache, first, prefix, cfg.decode_steps, device)

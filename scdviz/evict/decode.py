@@ -50,6 +50,8 @@ from scdviz.evict.press import DistillCachePress
 from scdviz.evict.student import StudentPress
 from scdviz.models import hf
 
+DECODE_WINDOW = 64  # query rows every decode-time scorer sees in the benches (the shipped policies' W)
+
 
 @dataclass
 class _LayerState:

@@ -122,3 +122,14 @@ def reconstruction_attention(attn: list[Tensor], n_context: int, n_kv: int) -> T
         b, h, n, _ = a.shape
         per_layer.append(a[..., :n_context].float().view(b, n_kv, h // n_kv, n, n_context).amax((2, 3)))
     return torch.stack(per_layer, 0)
+
+
+def kvzip_plus(attn: Tensor, query_norms: Tensor, value_out_norms: Tensor, n_kv: int) -> Tensor:
+    """KVzip+ (KVzap's training target, kvpress kvzap/): per KV head the largest over its group's query heads
+    and the repeated context's query rows of attention x ||W_o^h v|| / ||h_query||, for each context token.
+
+    attn (B, H, n, T): the n rows of the repeated context over the T context keys; query_norms (B, n) ||H_in||
+    of those rows; value_out_norms (B, H, T) (``hf.output_value_norms``). Returns (B, Hkv, T), not logged."""
+    b, h, n, t = attn.shape
+    score = attn.float() / query_norms.float().clamp_min(1e-12)[:, None, :, None] * value_out_norms[:, :, None, :]
+    return score.view(b, n_kv, h // n_kv, n, t).amax((2, 3))

@@ -6,9 +6,13 @@ see a row's offset). The teacher (training text only): the attention that ``teac
 of the text that follows each context pay to each context token over the full cache (the
 foresight oracle, ``features.future_attention``), optionally mixed with KVzip's reconstruction
 score (``recall``: the most attention any query pays each token while the model repeats the
-context, ``features.reconstruction_attention``). The ridge strength is chosen on validation
-contexts (calib split) by the KL the benches report (``train.validation_kls``: deterministic
-top-B, the continuation teacher-forced after ``question_len`` unscored tokens); then
+context, ``features.reconstruction_attention``). Decode states (``decode_len``) add rows where
+the age term acts: after each context the model generates greedily, and at every
+``decode_every``-th generated token each cached token is regressed on the attention the rest of
+the generation pays it. The ridge strength is chosen on validation contexts (calib split) by the
+KLs the benches report: at prefill (``train.validation_kls``: deterministic top-B, the
+continuation teacher-forced after ``question_len`` unscored tokens) plus, with ``val_decode``,
+while decoding (``decode_kls``: the cache held at its budget by the same student); then
 ``reinforce`` trains it on the seed's reward from there, the best validated checkpoint kept
 (the closed form is step 0). Writes nothing: the CLI saves what it returns (``Student.save``).
 """
@@ -22,14 +26,17 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from kvpress import ObservedAttentionPress
 from torch import Tensor
 
-from scdviz import artefact, config, data
+from scdviz import artefact, config, data, metrics
 from scdviz.config import opt
 from scdviz.evict import features as F
 from scdviz.evict import train as trainer
+from scdviz.evict.context import prune
+from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import gumbel_top_b, keep_count
-from scdviz.evict.student import Student, StudentConfig
+from scdviz.evict.student import Student, StudentConfig, StudentPress
 from scdviz.models import hf
 from scdviz.progress import Reporter, steps
 
@@ -46,6 +53,16 @@ class FitConfig:
     val_contexts: int = opt(24, "validation contexts (calib split) that choose the ridge strength")
     context_len: int = opt(512, "T, tokens per context")
     teacher_len: int = opt(128, "tokens of training text after the context whose attention is the teacher")
+    teacher: str = opt("future", "future: the attention the text after each context pays it (the foresight oracle); "
+                       "kvzip+: KVzap's recipe (kvpress kvzap/), log of KVzip's reconstruction attention x ||W_o v|| / "
+                       "||h|| of the repeating query, uncentred, on prefill rows only (needs decode_len 0)")
+    inputs: str = opt("all", "all: [H_in, log ||v||, log(1 + pos), log(n - pos), 1]; hidden: H_in and the intercept "
+                      "alone (KVzap's linear model; the other weights stay 0)")
+    decode_len: int = opt(128, "decode states: tokens the model generates greedily (full cache) after each training "
+                           "context; the fit also regresses every decode_every-th state of that generation, each "
+                           "cached token (context and generated) against the attention the rest of the generation pays "
+                           "it, ages as they are then, so the age term is fitted where it acts (0: prefill rows only)")
+    decode_every: int = opt(32, "decode states: tokens between the states fitted (and the shortest future scored)")
     recall: float = opt(0.0, "weight of the reconstruction teacher (KVzip's score: the most attention any query pays "
                         "each context token while the model repeats the context after a request to) in the target "
                         "log(w x recall + (1 - w) x future), each normalised per row; 0: the future alone")
@@ -53,7 +70,14 @@ class FitConfig:
     question_len: int = opt(16, "validation: unscored tokens between context and continuation (bench evict's)")
     keeps: tuple[float, ...] = opt((0.25, 0.125), "validation: kept fractions")
     ridges: tuple[float, ...] = opt((1.0, 10.0, 100.0, 1000.0), "ridge strengths tried (StudentConfig.ridge)")
-    spread: bool = opt(False, "draw each corpus's windows evenly through its split (as the benchmark's eval contexts "
+    val_decode: int = opt(12, "validation while decoding: this many validation contexts (evenly spaced through "
+                          "them, so each corpus has its share) also decode val_decode_tokens greedy tokens with "
+                          "the cache held at the first kept fraction; the ridge "
+                          "is then chosen on the sum of the prefill and decode KLs (0: prefill KL alone)")
+    val_decode_tokens: int = opt(128, "validation while decoding: tokens generated (the full cache's greedy choice, "
+                                 "teacher-forced as bench evict --decode-tokens does)")
+    decode_interval: int = opt(8, "validation while decoding: tokens between cuts (bench evict's decode_interval)")
+    spread: bool = opt(True, "draw each corpus's windows evenly through its split (as the benchmark's eval contexts "
                        "are) instead of its first ones: the train and calib splits interleave passages of one "
                        "text, so their first windows come from neighbouring parts of it")
     rl_steps: int = opt(200, "then REINFORCE steps on the seed's reward (-KL of the continuation for each of "
@@ -72,9 +96,11 @@ class FitConfig:
 REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's reconstruction request (kvpress)
 
 
-def teacher_rows(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0) -> Tensor:
-    """(R, T) the regression target of one layer: log of its future attention (Hkv, T), or of
-    ``weight`` x the reconstruction score + (1 - weight) x that, each normalised per row; centred per row."""
+def teacher_rows(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0,
+                 center: bool = True) -> Tensor:
+    """(R, T) the regression target of one layer: log of its future attention (Hkv, T) (or any teacher score), or
+    of ``weight`` x the reconstruction score + (1 - weight) x that, each normalised per row; centred per row
+    (``center``)."""
     y = future.float()
     if recall is not None and weight > 0:
         def share(x: Tensor) -> Tensor:
@@ -82,7 +108,7 @@ def teacher_rows(future: Tensor, per_head: bool, recall: Tensor | None = None, w
         y = weight * share(recall) + (1 - weight) * share(y)
     y = y if per_head else y.mean(0, keepdim=True)
     y = (y + 1e-7).log()
-    return y - y.mean(-1, keepdim=True)
+    return y - y.mean(-1, keepdim=True) if center else y
 
 
 def design_parts(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, now: int
@@ -125,13 +151,20 @@ class NormalEquations:
         xty[:, :d] += (y @ h).double()
         xty[:, d:] += torch.einsum("rtk,rt->rk", e, y).double()
 
-    def solve(self, ridge: float) -> Tensor:
-        """(L, R, F) the ridge solution; the intercept is not shrunk; ridge relative to 1e-3 x the mean diagonal."""
+    def solve(self, ridge: float, columns: list[int] | None = None) -> Tensor:
+        """(L, R, F) the ridge solution; the intercept (last column) is not shrunk; ridge relative to 1e-3 x the
+        mean diagonal. ``columns``: fit on these columns alone (the last among them), the other weights 0."""
         f = self.xtx.shape[-1]
-        eye = torch.eye(f, dtype=torch.float64)
+        cols = torch.arange(f) if columns is None else torch.tensor(columns)
+        if int(cols[-1]) != f - 1:
+            raise ValueError("the intercept (the last column) must be among the columns fitted")
+        xtx, xty = self.xtx[..., cols[:, None], cols], self.xty[..., cols]
+        eye = torch.eye(len(cols), dtype=torch.float64)
         eye[-1, -1] = 0
-        scale = self.xtx.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
-        return torch.linalg.solve(self.xtx + ridge * 1e-3 * scale * eye, self.xty.unsqueeze(-1))[..., 0].float()
+        scale = xtx.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+        out = torch.zeros(self.xty.shape, dtype=torch.float32)
+        out[..., cols] = torch.linalg.solve(xtx + ridge * 1e-3 * scale * eye, xty.unsqueeze(-1))[..., 0].float()
+        return out
 
 
 def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> list[list[int]]:
@@ -139,8 +172,7 @@ def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> l
     per = -(-count // len(cfg.corpora))
     out = []
     for c in cfg.corpora:
-        every = data.token_windows(tokenizer, data.passages(c, split), length, None if cfg.spread else per)
-        out += every if len(every) <= per else [every[int((i + 0.5) * len(every) / per)] for i in range(per)]
+        out += data.token_windows(tokenizer, data.passages(c, split), length, per, cfg.spread)
     if len(out) < count:
         raise ValueError(f"only {len(out)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
     return out[:count]
@@ -155,7 +187,8 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
     t = cfg.context_len
     positions = torch.arange(t)
     _, n_kv, _ = hf.attn_heads(model)
-    repeat = tokenizer(REPEAT, add_special_tokens=False)["input_ids"] if cfg.recall else []
+    kvzip_plus = cfg.teacher == "kvzip+"
+    repeat = tokenizer(REPEAT, add_special_tokens=False)["input_ids"] if cfg.recall or kvzip_plus else []
     for window in steps(windows(tokenizer, cfg, "train", cfg.contexts, t + cfg.teacher_len),
                         "student: prefill and teacher (train contexts)", progress):
         ids = hf.ids_tensor(window, device=hf.device_of(model))
@@ -163,20 +196,110 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
         with torch.no_grad():
             trace = hf.forward(model, ids[:, :t], capture={"h_in"}, last_logits=True)
             with hf.eager(model):
-                cont = hf.forward(model, ids[:, t:], cache=hf.make_cache(model, trace.keys, trace.values),
-                                  attentions=True, last_logits=True)
-                if cfg.recall:  # the model repeating the context: KVzip's reconstruction
+                if not kvzip_plus:
+                    cont = hf.forward(model, ids[:, t:], cache=hf.make_cache(model, trace.keys, trace.values),
+                                      attentions=True, last_logits=True)
+                if repeat:  # the model repeating the context: KVzip's reconstruction
                     again = torch.cat([hf.ids_tensor(repeat, device=ids.device), ids[:, :t]], 1)
                     rec = hf.forward(model, again, cache=hf.make_cache(model, trace.keys, trace.values),
-                                     attentions=True, last_logits=True)
+                                     attentions=True, last_logits=True, capture={"h_in"} if kvzip_plus else set())
                     recall = F.reconstruction_attention(rec.attn, t, n_kv)[:, 0]  # (L, Hkv, T)
-        future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
+        if kvzip_plus:  # KVzap's target: the repeated context's rows (not the request's), weighted
+            n = len(repeat)
+            future = torch.stack([F.kvzip_plus(rec.attn[layer][:, :, n:, :t], rec.h_in[layer][:, n:].norm(dim=-1),
+                                               hf.output_value_norms(model, layer, trace.values[layer]), n_kv)[0]
+                                  for layer in range(n_layers)])
+            recall = None
+        else:
+            future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
         for layer in range(n_layers):
             h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions.to(ids.device), t)
             normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head,
-                                                     None if recall is None else recall[layer], cfg.recall))
+                                                     None if recall is None else recall[layer], cfg.recall,
+                                                     center=not kvzip_plus))
         normal.rows += t
+        if cfg.decode_len:
+            _add_decode_states(model, cfg, student, normal, ids[:, t : t + 1], trace)
     return normal
+
+
+def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEquations, first, trace) -> None:
+    """Rows of one context's decode states: the model generates ``cfg.decode_len`` tokens greedily after the
+    prefill ``trace`` (full cache, ``first`` the next token); at every ``decode_every``-th of them each cached token
+    (context and generated) is regressed on the attention the rest of the generation pays it, at its age then."""
+    t, n_kv = trace.keys[0].shape[2], hf.attn_heads(model)[1]
+    gen = hf.generate(model, hf.make_cache(model, trace.keys, trace.values), first, t, cfg.decode_len)
+    steps_ids = torch.cat([first, hf.ids_tensor(gen[:-1], device=first.device)], 1)
+    with torch.no_grad(), hf.eager(model):
+        dec = hf.forward(model, steps_ids, cache=hf.make_cache(model, trace.keys, trace.values), capture={"h_in"},
+                         attentions=True, last_logits=True)
+    values = hf.cache_kv(dec.cache)[1]
+    for s in range(cfg.decode_every, steps_ids.shape[1], cfg.decode_every):
+        now = t + s
+        future = F.future_attention([a[..., s:, :now] for a in dec.attn], now, n_kv)[0][:, 0]  # (L, Hkv, now)
+        positions = torch.arange(now, device=first.device)
+        for layer in range(len(values)):
+            hidden = torch.cat([trace.h_in[layer][0], dec.h_in[layer][0, :s]], 0)
+            h, extra = design_parts(student, hidden, values[layer][0, :, :now], positions, now)
+            normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
+        normal.rows += now
+
+
+@dataclass
+class _Episode:
+    """A validation context decoded with the full cache: its greedy tokens (teacher-forced) and their logits."""
+
+    sample: trainer.Sample
+    steps: Tensor  # (1, n) the first token after the context, then the greedy generation but its last token
+    ref: Tensor  # (n, V) the full cache's logits over them
+
+
+def decoded_subset(val: list, count: int) -> list:
+    """The ``count`` validation samples that also decode: evenly spaced through ``val`` (laid out corpus by
+    corpus), so every corpus has its share."""
+    if count <= 0 or not val:
+        return []
+    return [val[int(i * len(val) / min(count, len(val)))] for i in range(min(count, len(val)))]
+
+
+def decode_episodes(model, samples: list, tokens: int) -> list[_Episode]:
+    """Each sample's full-cache greedy generation of ``tokens`` tokens after its context (bench evict's decode)."""
+    out = []
+    for sample in samples:
+        t = sample.obs.n_tokens
+        full = hf.make_cache(model, sample.obs.keys, sample.obs.values)
+        first = sample.cont[:, :1].to(hf.device_of(model))
+        gen = hf.generate(model, full, first, t, tokens)
+        steps_ids = torch.cat([first, hf.ids_tensor(gen[:-1], device=first.device)], 1)
+        out.append(_Episode(sample, steps_ids, hf.continue_logits(model, full, steps_ids, t)[0]))
+    return out
+
+
+def decode_kls(model, episodes: list[_Episode], keep: float, interval: int, student: Student | None = None
+               ) -> list[float]:
+    """Per episode, the mean per-step KL(full || held) while decoding its tokens with every layer's cache held at
+    ``keep`` of the context by ``student`` (its top-B at prefill, then DecodeEvictor from the kept tokens' arrival
+    scores), or, without a student, by H2O (its prefill score, then kvpress's ObservedAttentionPress over the
+    decode window), cutting every ``interval`` tokens as bench evict does."""
+    out = []
+    with torch.no_grad():
+        for ep in episodes:
+            obs = ep.sample.obs
+            n_keep = keep_count(obs.n_tokens, keep)
+            if student is None:
+                scores, press, per_layer = trainer.rows_of_feature(obs, True, 0), ObservedAttentionPress(), None
+            else:
+                per_layer = [student(layer, h, v) for layer, (h, v) in enumerate(zip(obs.hidden, obs.values,
+                                                                                      strict=True))]
+                scores, press = torch.cat([p[0] for p in per_layer], 0), StudentPress(student=student)
+            idx = trainer.indices_from_rows(scores.topk(n_keep, dim=-1).indices, obs, True)
+            evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=interval,
+                                    prefill_positions=list(idx), prefill_scores=per_layer)
+            with hf.eager(model), evictor(model):
+                logits = hf.continue_logits(model, prune(model, obs, idx), ep.steps, obs.n_tokens,
+                                            one_at_a_time=True)[0]
+            out.append(float(metrics.kl_per_token(ep.ref, logits).mean()))
+    return out
 
 
 def _samples(model, tokenizer, cfg: FitConfig, split: str, count: int, progress: bool | Reporter) -> list:
@@ -195,6 +318,12 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     it with ``log``: every ridge's validation KL (mean and per kept fraction), H2O's on the same contexts,
     the chosen ridge and the seconds taken. Writes nothing."""
     model, tokenizer, source = trainer.subject(subject)
+    if cfg.teacher not in ("future", "kvzip+") or cfg.inputs not in ("all", "hidden"):
+        raise ValueError(f"unknown teacher {cfg.teacher!r} or inputs {cfg.inputs!r}: use teacher future or kvzip+, "
+                         "inputs all or hidden")
+    if cfg.teacher == "kvzip+" and (cfg.decode_len or cfg.recall):
+        raise ValueError("the kvzip+ teacher (KVzap's recipe) fits prefill rows alone: give --decode-len 0 and no "
+                         "--recall")
     t0 = time.perf_counter()
     base = Student.for_model(model, cfg.student)
     normal = accumulate(model, tokenizer, cfg, base, progress)
@@ -207,28 +336,46 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
 
     h2o = trainer.validation_kls(model, lambda s: trainer.rows_of_feature(s.obs, True, 0), True, val, cfg.keeps)
     log["val_heuristic"] = round(sum(h2o) / len(h2o), 5)
-    best, best_kl = None, math.inf
+    episodes = decode_episodes(model, decoded_subset(val, cfg.val_decode), cfg.val_decode_tokens)
+    if episodes:
+        h2o_decode = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval)
+        log["val_decode_heuristic"] = round(sum(h2o_decode) / len(h2o_decode), 5)
+        log["h2o_decode_per_context"] = [round(v, 6) for v in h2o_decode]
+    best, best_kl, best_choice, decode_kl = None, math.inf, math.inf, {}
+    d = base.hidden
+    columns = None if cfg.inputs == "all" else [*range(d), d + 3]  # KVzap's: H_in and the intercept
     for ridge in steps(cfg.ridges, "student: ridge strengths on validation", progress):
         student = Student.for_model(model, StudentConfig(cfg.student.per_head, float(ridge)))
         with torch.no_grad():
-            student.weight.copy_(normal.solve(float(ridge)))
+            student.weight.copy_(normal.solve(float(ridge), columns))
         kls = trainer.validation_kls(model, scorer(student), True, val, cfg.keeps)
         mean = sum(kls) / len(kls)
         by_keep = {f"{k:g}": round(sum(kls[i::len(cfg.keeps)]) / len(kls[i::len(cfg.keeps)]), 5)
                    for i, k in enumerate(cfg.keeps)}
-        log["val"].append({"ridge": float(ridge), "kl": round(mean, 5), "kl_by_keep": by_keep,
-                           "kl_per_context": [round(v, 6) for v in kls]})
-        if mean < best_kl:
-            best, best_kl = student, mean
+        entry = {"ridge": float(ridge), "kl": round(mean, 5), "kl_by_keep": by_keep,
+                 "kl_per_context": [round(v, 6) for v in kls]}
+        choice = mean
+        if episodes:  # the same student held while decoding
+            dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, student)
+            entry |= {"decode_kl": round(sum(dec) / len(dec), 5), "decode_kl_per_context": [round(v, 6) for v in dec]}
+            choice += sum(dec) / len(dec)
+            decode_kl[id(student)] = entry["decode_kl"]
+        log["val"].append(entry)
+        if choice < best_choice:
+            best, best_kl, best_choice = student, mean, choice
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(best_kl, 5)
     steps_kept, closed = 0, best
     if cfg.rl_steps and cfg.student.per_head:
         best, best_kl, steps_kept = reinforce(model, tokenizer, cfg, best, best_kl, val, scorer, log, progress)
+    if episodes and best is not closed:  # REINFORCE moved it: its decode-time validation too
+        dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, best)
+        decode_kl[id(best)] = log["rl"]["decode_kl"] = round(sum(dec) / len(dec), 5)
     log["seconds"] = round(time.perf_counter() - t0, 1)
     for one, kl, kept in ((closed, log["closed_form_kl"], 0), (best, best_kl, steps_kept)):
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
         one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
+                    "val_decode_kl": decode_kl.get(id(one)), "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
                     "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2])}
         one.log = log

@@ -664,6 +664,17 @@ def own_resid(model, token: int, layer: int) -> Tensor:
     return tr.resid[layer][0]
 
 
+def output_value_norms(model, layer_idx: int, values: Tensor) -> Tensor:
+    """(B, H, T) ||W_o^h v_t||: the norm of what each token's value adds to the residual through query head h's
+    slice of o_proj (KVzip+'s weight, the KVzap training recipe); values (B, Hkv, T, D)."""
+    n_heads, n_kv, head_dim = attn_heads(model)
+    w = layers(model)[layer_idx].self_attn.o_proj.weight  # (d, H * D)
+    w = w.view(w.shape[0], n_heads, head_dim).permute(1, 2, 0)  # (H, D, d)
+    v = values.repeat_interleave(n_heads // n_kv, dim=1).to(w.dtype)  # (B, H, T, D)
+    with torch.no_grad():  # a teacher's weight, never trained through
+        return torch.einsum("bhtd,hde->bhte", v, w).float().norm(dim=-1)
+
+
 def kv_weights(model, layer_idx: int) -> tuple[Tensor, Tensor]:
     """The k_proj and v_proj weights of one layer, each (Hkv*D, d) (biases and k_norm left out)."""
     attn = layers(model)[layer_idx].self_attn
