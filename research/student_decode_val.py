@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     choose_threads()
     model, tokenizer = load_model("builtin:smollm2-135m")
     cfg = student_fit.FitConfig()
-    val = student_fit._samples(model, tokenizer, cfg, "calib", cfg.val_contexts, True)
+    val = student_fit.prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, True)
     episodes = student_fit.decode_episodes(model, student_fit.decoded_subset(val, cfg.val_decode),
                                            cfg.val_decode_tokens)
     h2o = student_fit.decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval)

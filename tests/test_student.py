@@ -124,6 +124,37 @@ def test_decode_eviction_keeps_each_tokens_arrival_score_and_holds_the_budget(pe
     assert int(state.positions.max()) >= 23  # generated tokens were kept where they scored high enough
 
 
+def test_sinks_are_kept_at_prefill_and_through_decode_eviction_and_named():
+    """StudentConfig.sinks: the first positions outrank every fitted score, so top-B keeps them at prefill and
+    the decode-time cuts never drop them; with sinks 0 the same weights drop position 0 (the test's premise)."""
+    model = tiny_model("llama")
+    student, prompt = _student(model), _ids(24)
+    with torch.no_grad():  # make position 0 the lowest-scored token of every row
+        student.weight[:, :, student.hidden + 1] = 5.0  # w . log(1 + pos): 0 at position 0, > 0 after it
+    n_keep = keep_count(23, 0.25)
+    trace = hf.forward(model, prompt[:, :-1], capture={"h_in"})
+    kept = [student(layer, trace.h_in[layer], trace.values[layer])[0].topk(n_keep, -1).indices
+            for layer in range(hf.n_layers(model))]
+    assert all(0 not in k.tolist() for layer in kept for k in layer)
+    sunk = Student.for_model(model, dataclasses.replace(student.config, sinks=2))
+    with torch.no_grad():
+        sunk.weight.copy_(student.weight)
+    scores = sunk(0, trace.h_in[0], trace.values[0])
+    torch.testing.assert_close(scores[..., 2:], student(0, trace.h_in[0], trace.values[0])[..., 2:])
+    press = StudentPress.keeping(sunk, 0.25)
+    with press(model):
+        cache = hf.forward(model, prompt[:, :-1]).cache
+    evictor = DecodeEvictor(press, budget=n_keep, window=4)
+    with evictor(model):
+        hf.generate(model, cache, prompt[:, -1:], 23, 8)
+    assert evictor.evictions > 0
+    for state in evictor.states.values():
+        assert all({0, 1} <= set(row.tolist()) for row in state.positions[0])
+    assert bench.student_name(sunk) == "distillcache-student-sink2-closed-form"
+    sunk.log, sunk.meta = {"config": {"decode_len": 128}}, {"rl_steps": 3}  # fitted on decode states too
+    assert bench.student_name(sunk) == "distillcache-student-decode-sink2"
+
+
 def test_decode_eviction_with_a_student_needs_its_prefill_scores():
     model = tiny_model("llama")
     cache = hf.forward(model, _ids(20)).cache
@@ -246,7 +277,8 @@ def test_decode_states_add_each_generated_states_rows_at_its_age():
     student = Student.for_model(model)
     plain = accumulate(model, _Words(), FitConfig(**base, decode_len=0), student, progress=False)
     more = accumulate(model, _Words(), FitConfig(**base, decode_len=8, decode_every=3), student, progress=False)
-    assert plain.rows == 12 and more.rows == 12 + (12 + 3) + (12 + 6)  # states after 3 and 6 generated tokens
+    assert plain.rows == more.rows == 12 and plain.decode is None
+    assert more.decode.rows == (12 + 3) + (12 + 6)  # states after 3 and 6 generated tokens
     # by hand: the context, the model's greedy generation after it, one eager pass over both
     window = __import__("scdviz.evict.student_fit", fromlist=["windows"]).windows(
         _Words(), FitConfig(**base), "train", 1, 16)[0]
@@ -264,8 +296,13 @@ def test_decode_states_add_each_generated_states_rows_at_its_age():
             h, extra = design_parts(student, whole.h_in[layer][0, :now], whole.values[layer][0, :, :now],
                                     torch.arange(now), now)
             hand.add(layer, h, extra, teacher_rows(future[layer], True))
-    torch.testing.assert_close(more.xtx - plain.xtx, hand.xtx, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(more.xty - plain.xty, hand.xty, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(more.xtx, plain.xtx)  # the prefill rows alike; the decode states' apart
+    torch.testing.assert_close(more.decode.xtx, hand.xtx, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(more.decode.xty, hand.xty, atol=1e-5, rtol=1e-4)
+    # a decode weight w solves the prefill rows plus w x the decode rows (their normal equations summed)
+    summed = NormalEquations(plain.xtx + 0.3 * hand.xtx, plain.xty + 0.3 * hand.xty)
+    torch.testing.assert_close(more.solve(10.0, decode_weight=0.3), summed.solve(10.0), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(more.solve(10.0, decode_weight=1.0), summed.solve(10.0), atol=1e-3)
 
 
 def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_drives_the_choice(tmp_path, monkeypatch):
@@ -290,7 +327,9 @@ def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_driv
     fitted = fit(cfg, (model, _Words(), "tiny"), progress=False)
     vals = fitted.log["val"]
     assert all(len(v["decode_kl_per_context"]) == 2 for v in vals) and fitted.log["val_decode_heuristic"] > 0
-    chosen = min(vals, key=lambda v: v["kl"] + v["decode_kl"])
+    h2o = fitted.log["val_heuristic"], fitted.log["val_decode_heuristic"]
+    chosen = min(vals, key=lambda v: v["kl"] / h2o[0] + v["decode_kl"] / h2o[1])  # each KL over H2O's
+    assert {v["decode_weight"] for v in vals} == set(cfg.decode_weights) and len(vals) == 2 * len(cfg.decode_weights)
     assert fitted.config.ridge == chosen["ridge"] and fitted.meta["val_decode_kl"] == chosen["decode_kl"]
 
 

@@ -310,15 +310,19 @@ def surrogate(student) -> bool:
 
 
 def student_name(student: Student) -> str:
-    """distillcache-student[-layer][-recallW][-closed-form]: one set per layer, the reconstruction teacher's
-    weight, a per-head student with no REINFORCE step kept (a per-layer one has its closed form only);
-    KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``)."""
+    """distillcache-student[-layer][-decode][-recallW][-sinkN][-closed-form]: one set per layer, the
+    reconstruction teacher's weight, a per-head student with no REINFORCE step kept (a per-layer one has its
+    closed form only); KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``); -sinkN when its
+    first N positions are always kept (``StudentConfig.sinks``); -decode when its fit also regressed decode states
+    (``FitConfig.decode_len``)."""
+    sinks = f"-sink{student.config.sinks}" if student.config.sinks else ""
     if surrogate(student):
-        return "KVzap-linear" + ("" if student.config.per_head else "-layer")
-    recall = ((student.log or {}).get("config") or {}).get("recall") or 0
+        return "KVzap-linear" + ("" if student.config.per_head else "-layer") + sinks
+    fitted = (student.log or {}).get("config") or {}
+    recall, decode = fitted.get("recall") or 0, "-decode" if fitted.get("decode_len") else ""
     closed = student.config.per_head and not student.meta.get("rl_steps")
-    return ("distillcache-student" + ("" if student.config.per_head else "-layer")
-            + (f"-recall{recall:g}" if recall else "") + ("-closed-form" if closed else ""))
+    return ("distillcache-student" + ("" if student.config.per_head else "-layer") + decode
+            + (f"-recall{recall:g}" if recall else "") + sinks + ("-closed-form" if closed else ""))
 
 
 def _unique(name: str, taken: dict) -> str:
@@ -577,7 +581,7 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
 
 
 # recipe fields added after policies were shipped, with the value the older logs ran with
-AS_RAN = {"spread": False, "decode_len": 0, "val_decode": 0}
+AS_RAN = {"spread": False, "decode_len": 0, "val_decode": 0, "decode_weights": (1.0,)}
 
 
 def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, chosen: str) -> list[dict]:

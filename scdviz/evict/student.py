@@ -42,6 +42,7 @@ from scdviz.models import hf
 KIND = "distillcache-student"
 N_EXTRA = 4  # columns after H_in: log ||v||, log(1 + pos), log(n - pos), 1
 SHIPPED = SHIPPED_DIR / "student"  # the shipped student (per layer and KV head)
+SINK_BONUS = 1e4  # added to the scores of the first StudentConfig.sinks positions: above any fitted score
 CLOSED_FORM = "closed_form.safetensors"  # beside a student's best.safetensors: its stage before REINFORCE
 
 
@@ -53,6 +54,9 @@ class StudentConfig:
                          "its heads (paged KV, whose pages span heads)")
     ridge: float = opt(10.0, "ridge strength, relative to 1e-3 x the mean diagonal of the normal equations (fit "
                        "chooses it from FitConfig.ridges on validation)")
+    sinks: int = opt(0, "the first this-many positions always kept (a bonus of SINK_BONUS to their scores), as "
+                     "kvpress's KVzip protects 4 attention sinks; the KVzap-style fit needs it (KVzip+ weighs a "
+                     "token by ||W_o v||, small for the sink, so its target evicts it); 0: none, the score decides")
 
 
 class Student(nn.Module):
@@ -92,7 +96,8 @@ class Student(nn.Module):
         d = self.hidden
         pos = positions.to(hidden.device).float()
         out = (hidden.float() @ w[:, :d].T).transpose(1, 2)  # (B, R, T)
-        return out + w[:, d, None] * self.log_norm(values) + w[:, d + 1, None] * pos.log1p() + w[:, d + 3, None]
+        out = out + w[:, d, None] * self.log_norm(values) + w[:, d + 1, None] * pos.log1p() + w[:, d + 3, None]
+        return out + SINK_BONUS * (pos < self.config.sinks) if self.config.sinks else out
 
     def age(self, layer: int, positions: Tensor, now: int) -> Tensor:
         """(..., R, T) the part that changes as the layer grows: w_age x log(now - pos), ``now`` the positions

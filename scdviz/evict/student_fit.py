@@ -20,6 +20,7 @@ while decoding (``decode_kls``: the cache held at its budget by the same student
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import time
@@ -63,6 +64,8 @@ class FitConfig:
                            "cached token (context and generated) against the attention the rest of the generation pays "
                            "it, ages as they are then, so the age term is fitted where it acts (0: prefill rows only)")
     decode_every: int = opt(32, "decode states: tokens between the states fitted (and the shortest future scored)")
+    decode_weights: tuple[float, ...] = opt((0.1, 0.3, 1.0), "decode states: weights of their rows against the "
+                                            "prefill rows' 1, each tried with every ridge strength on validation")
     recall: float = opt(0.0, "weight of the reconstruction teacher (KVzip's score: the most attention any query pays "
                         "each context token while the model repeats the context after a request to) in the target "
                         "log(w x recall + (1 - w) x future), each normalised per row; 0: the future alone")
@@ -131,11 +134,18 @@ def design(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, 
 
 @dataclass
 class NormalEquations:
-    """Accumulated normal equations per layer: X'X (L, R, F, F) and X'y (L, R, F), float64."""
+    """Accumulated normal equations per layer: X'X (L, R, F, F) and X'y (L, R, F), float64; ``decode``, when
+    decode states were fitted, theirs, kept apart so that ``solve`` can weigh them."""
 
     xtx: Tensor
     xty: Tensor
     rows: int = 0
+    decode: NormalEquations | None = None
+
+    @classmethod
+    def zeros(cls, n_layers: int, rows: int, f: int) -> NormalEquations:
+        return cls(torch.zeros(n_layers, rows, f, f, dtype=torch.float64),
+                   torch.zeros(n_layers, rows, f, dtype=torch.float64))
 
     def add(self, layer: int, hidden: Tensor, extra: Tensor, y: Tensor) -> None:
         """Add one context's rows (``design_parts``) and targets y (R, T), block by block: H_in'H_in once
@@ -151,14 +161,18 @@ class NormalEquations:
         xty[:, :d] += (y @ h).double()
         xty[:, d:] += torch.einsum("rtk,rt->rk", e, y).double()
 
-    def solve(self, ridge: float, columns: list[int] | None = None) -> Tensor:
+    def solve(self, ridge: float, columns: list[int] | None = None, decode_weight: float = 1.0) -> Tensor:
         """(L, R, F) the ridge solution; the intercept (last column) is not shrunk; ridge relative to 1e-3 x the
-        mean diagonal. ``columns``: fit on these columns alone (the last among them), the other weights 0."""
+        mean diagonal. ``columns``: fit on these columns alone (the last among them), the other weights 0.
+        ``decode_weight``: the weight of the decode states' rows (``decode``) against the prefill rows'."""
         f = self.xtx.shape[-1]
         cols = torch.arange(f) if columns is None else torch.tensor(columns)
         if int(cols[-1]) != f - 1:
             raise ValueError("the intercept (the last column) must be among the columns fitted")
-        xtx, xty = self.xtx[..., cols[:, None], cols], self.xty[..., cols]
+        xtx, xty = self.xtx, self.xty
+        if self.decode is not None:
+            xtx, xty = xtx + decode_weight * self.decode.xtx, xty + decode_weight * self.decode.xty
+        xtx, xty = xtx[..., cols[:, None], cols], xty[..., cols]
         eye = torch.eye(len(cols), dtype=torch.float64)
         eye[-1, -1] = 0
         scale = xtx.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
@@ -182,8 +196,9 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
     """The normal equations over ``cfg.contexts`` training contexts: per context an SDPA prefill (H_in and
     values of every layer) and the teacher's continuation over the full cache with eager attention."""
     n_layers, rows, f = student.weight.shape
-    normal = NormalEquations(torch.zeros(n_layers, rows, f, f, dtype=torch.float64),
-                     torch.zeros(n_layers, rows, f, dtype=torch.float64))
+    normal = NormalEquations.zeros(n_layers, rows, f)
+    if cfg.decode_len:
+        normal.decode = NormalEquations.zeros(n_layers, rows, f)
     t = cfg.context_len
     positions = torch.arange(t)
     _, n_kv, _ = hf.attn_heads(model)
@@ -219,7 +234,7 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
                                                      center=not kvzip_plus))
         normal.rows += t
         if cfg.decode_len:
-            _add_decode_states(model, cfg, student, normal, ids[:, t : t + 1], trace)
+            _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace)
     return normal
 
 
@@ -302,7 +317,7 @@ def decode_kls(model, episodes: list[_Episode], keep: float, interval: int, stud
     return out
 
 
-def _samples(model, tokenizer, cfg: FitConfig, split: str, count: int, progress: bool | Reporter) -> list:
+def prepared_samples(model, tokenizer, cfg: FitConfig, split: str, count: int, progress: bool | Reporter) -> list:
     """``count`` contexts of ``split`` prefilled as ``train.prepare`` does (each layer's input kept), on this
     fit's windows; the features see every row (H2O's score, the heuristic line)."""
     tcfg = trainer.TrainConfig(out="unused", corpora=tuple(cfg.corpora), context_len=cfg.context_len,
@@ -327,8 +342,9 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     t0 = time.perf_counter()
     base = Student.for_model(model, cfg.student)
     normal = accumulate(model, tokenizer, cfg, base, progress)
-    val = _samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
-    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows}
+    val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
+    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows,
+           "decode_rows": normal.decode.rows if normal.decode else 0}
 
     def scorer(student: Student):
         return lambda s: torch.cat([student(layer, h, v)[0] for layer, (h, v) in
@@ -341,28 +357,30 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         h2o_decode = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval)
         log["val_decode_heuristic"] = round(sum(h2o_decode) / len(h2o_decode), 5)
         log["h2o_decode_per_context"] = [round(v, 6) for v in h2o_decode]
-    best, best_kl, best_choice, decode_kl = None, math.inf, math.inf, {}
+    best, best_kl, best_choice, best_weight, decode_kl = None, math.inf, math.inf, None, {}
     d = base.hidden
     columns = None if cfg.inputs == "all" else [*range(d), d + 3]  # KVzap's: H_in and the intercept
-    for ridge in steps(cfg.ridges, "student: ridge strengths on validation", progress):
-        student = Student.for_model(model, StudentConfig(cfg.student.per_head, float(ridge)))
+    weights = cfg.decode_weights if normal.decode else (1.0,)
+    for ridge, weight in steps([(r, w) for r in cfg.ridges for w in weights],
+                               "student: ridge strengths (and decode-state weights) on validation", progress):
+        student = Student.for_model(model, dataclasses.replace(cfg.student, ridge=float(ridge)))
         with torch.no_grad():
-            student.weight.copy_(normal.solve(float(ridge), columns))
+            student.weight.copy_(normal.solve(float(ridge), columns, float(weight)))
         kls = trainer.validation_kls(model, scorer(student), True, val, cfg.keeps)
         mean = sum(kls) / len(kls)
         by_keep = {f"{k:g}": round(sum(kls[i::len(cfg.keeps)]) / len(kls[i::len(cfg.keeps)]), 5)
                    for i, k in enumerate(cfg.keeps)}
         entry = {"ridge": float(ridge), "kl": round(mean, 5), "kl_by_keep": by_keep,
-                 "kl_per_context": [round(v, 6) for v in kls]}
+                 "kl_per_context": [round(v, 6) for v in kls]} | ({"decode_weight": weight} if normal.decode else {})
         choice = mean
-        if episodes:  # the same student held while decoding
+        if episodes:  # the same student held while decoding; each KL over H2O's on the same contexts
             dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, student)
             entry |= {"decode_kl": round(sum(dec) / len(dec), 5), "decode_kl_per_context": [round(v, 6) for v in dec]}
-            choice += sum(dec) / len(dec)
+            choice = mean / max(log["val_heuristic"], 1e-12) + sum(dec) / max(sum(h2o_decode), 1e-12)
             decode_kl[id(student)] = entry["decode_kl"]
         log["val"].append(entry)
         if choice < best_choice:
-            best, best_kl, best_choice = student, mean, choice
+            best, best_kl, best_choice, best_weight = student, mean, choice, weight
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(best_kl, 5)
     steps_kept, closed = 0, best
@@ -375,6 +393,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     for one, kl, kept in ((closed, log["closed_form_kl"], 0), (best, best_kl, steps_kept)):
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
         one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
+                    "decode_weight": best_weight if normal.decode else None,
                     "val_decode_kl": decode_kl.get(id(one)), "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
                     "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2])}
@@ -389,7 +408,7 @@ def reinforce(model, tokenizer, cfg: FitConfig, start: Student, start_kl: float,
     kept sets per context, reward -KL of the scored continuation, leave-one-out baseline, entropy bonus),
     validated every ``checkpoint_every`` steps; returns (the best validated student, its KL, its step; step 0:
     the closed form itself). Appends the steps and validations to ``log["rl"]``."""
-    samples = _samples(model, tokenizer, cfg, "train", cfg.rl_contexts, progress)
+    samples = prepared_samples(model, tokenizer, cfg, "train", cfg.rl_contexts, progress)
     student = copy.deepcopy(start).train()
     opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
     order, gen = random.Random(cfg.seed), torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed)
