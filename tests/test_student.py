@@ -318,7 +318,7 @@ def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_driv
                               hidden=True)
     assert decoded_subset(list(range(24)), 12) == list(range(0, 24, 2)) and decoded_subset([7], 3) == [7]
     episodes = decode_episodes(model, samples, 10)
-    assert [e.steps.shape[1] for e in episodes] == [10, 10]
+    assert [e.cont.shape[1] for e in episodes] == [10, 10]
     student = _student(model)
     for who in (None, student):
         assert all(v < 1e-6 for v in decode_kls(model, episodes, 1.0, 11, who))  # all kept, never cut

@@ -306,7 +306,12 @@ def load_all(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
 def surrogate(student) -> bool:
     """Whether a student is the KVzap-style baseline (fitted by KVzap's recipe, ``fit-student --teacher kvzip+``):
     a baseline like kvpress's presses, never the headline."""
-    return isinstance(student, Student) and ((student.log or {}).get("config") or {}).get("teacher") == "kvzip+"
+    return isinstance(student, Student) and _fitted(student).get("teacher") == "kvzip+"
+
+
+def _fitted(student: Student) -> dict:
+    """The settings a student was fitted with (its log's config; {} without a log)."""
+    return (student.log or {}).get("config") or {}
 
 
 def student_name(student: Student) -> str:
@@ -318,7 +323,7 @@ def student_name(student: Student) -> str:
     sinks = f"-sink{student.config.sinks}" if student.config.sinks else ""
     if surrogate(student):
         return "KVzap-linear" + ("" if student.config.per_head else "-layer") + sinks
-    fitted = (student.log or {}).get("config") or {}
+    fitted = _fitted(student)
     recall, decode = fitted.get("recall") or 0, "-decode" if fitted.get("decode_len") else ""
     closed = student.config.per_head and not student.meta.get("rl_steps")
     return ("distillcache-student" + ("" if student.config.per_head else "-layer") + decode

@@ -30,11 +30,10 @@ import torch
 from kvpress import ObservedAttentionPress
 from torch import Tensor
 
-from scdviz import artefact, config, data, metrics
+from scdviz import artefact, config, data
 from scdviz.config import opt
 from scdviz.evict import features as F
 from scdviz.evict import train as trainer
-from scdviz.evict.context import prune
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import gumbel_top_b, keep_count
 from scdviz.evict.student import Student, StudentConfig, StudentPress
@@ -76,7 +75,8 @@ class FitConfig:
     val_decode: int = opt(12, "validation while decoding: this many validation contexts (evenly spaced through "
                           "them, so each corpus has its share) also decode val_decode_tokens greedy tokens with "
                           "the cache held at the first kept fraction; the ridge "
-                          "is then chosen on the sum of the prefill and decode KLs (0: prefill KL alone)")
+                          "is then chosen on the sum of the prefill and decode KLs, each over H2O's on the same "
+                          "contexts (0: prefill KL alone)")
     val_decode_tokens: int = opt(128, "validation while decoding: tokens generated (the full cache's greedy choice, "
                                  "teacher-forced as bench evict --decode-tokens does)")
     decode_interval: int = opt(8, "validation while decoding: tokens between cuts (bench evict's decode_interval)")
@@ -243,8 +243,7 @@ def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEq
     prefill ``trace`` (full cache, ``first`` the next token); at every ``decode_every``-th of them each cached token
     (context and generated) is regressed on the attention the rest of the generation pays it, at its age then."""
     t, n_kv = trace.keys[0].shape[2], hf.attn_heads(model)[1]
-    gen = hf.generate(model, hf.make_cache(model, trace.keys, trace.values), first, t, cfg.decode_len)
-    steps_ids = torch.cat([first, hf.ids_tensor(gen[:-1], device=first.device)], 1)
+    steps_ids = _greedy_steps(model, trace.keys, trace.values, first, cfg.decode_len)
     with torch.no_grad(), hf.eager(model):
         dec = hf.forward(model, steps_ids, cache=hf.make_cache(model, trace.keys, trace.values), capture={"h_in"},
                          attentions=True, last_logits=True)
@@ -260,13 +259,11 @@ def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEq
         normal.rows += now
 
 
-@dataclass
-class _Episode:
-    """A validation context decoded with the full cache: its greedy tokens (teacher-forced) and their logits."""
-
-    sample: trainer.Sample
-    steps: Tensor  # (1, n) the first token after the context, then the greedy generation but its last token
-    ref: Tensor  # (n, V) the full cache's logits over them
+def _greedy_steps(model, keys, values, first: Tensor, tokens: int) -> Tensor:
+    """(1, tokens) the inputs of a full-cache greedy generation after a prefill's ``keys`` / ``values``:
+    ``first`` (the next token), then the generated tokens but the last."""
+    gen = hf.generate(model, hf.make_cache(model, keys, values), first, keys[0].shape[2], tokens)
+    return torch.cat([first, hf.ids_tensor(gen[:-1], device=first.device)], 1)
 
 
 def decoded_subset(val: list, count: int) -> list:
@@ -277,20 +274,19 @@ def decoded_subset(val: list, count: int) -> list:
     return [val[int(i * len(val) / min(count, len(val)))] for i in range(min(count, len(val)))]
 
 
-def decode_episodes(model, samples: list, tokens: int) -> list[_Episode]:
-    """Each sample's full-cache greedy generation of ``tokens`` tokens after its context (bench evict's decode)."""
+def decode_episodes(model, samples: list, tokens: int) -> list[trainer.Sample]:
+    """Each sample with its tail replaced by the full cache's greedy generation of ``tokens`` tokens after its
+    context, every one of them scored (bench evict's decode)."""
     out = []
     for sample in samples:
-        t = sample.obs.n_tokens
-        full = hf.make_cache(model, sample.obs.keys, sample.obs.values)
-        first = sample.cont[:, :1].to(hf.device_of(model))
-        gen = hf.generate(model, full, first, t, tokens)
-        steps_ids = torch.cat([first, hf.ids_tensor(gen[:-1], device=first.device)], 1)
-        out.append(_Episode(sample, steps_ids, hf.continue_logits(model, full, steps_ids, t)[0]))
+        obs = sample.obs
+        steps_ids = _greedy_steps(model, obs.keys, obs.values, sample.cont[:, :1].to(hf.device_of(model)), tokens)
+        ref = hf.continue_logits(model, hf.make_cache(model, obs.keys, obs.values), steps_ids, obs.n_tokens)[0]
+        out.append(dataclasses.replace(sample, cont=steps_ids, ref=ref))
     return out
 
 
-def decode_kls(model, episodes: list[_Episode], keep: float, interval: int, student: Student | None = None
+def decode_kls(model, episodes: list[trainer.Sample], keep: float, interval: int, student: Student | None = None
                ) -> list[float]:
     """Per episode, the mean per-step KL(full || held) while decoding its tokens with every layer's cache held at
     ``keep`` of the context by ``student`` (its top-B at prefill, then DecodeEvictor from the kept tokens' arrival
@@ -299,7 +295,7 @@ def decode_kls(model, episodes: list[_Episode], keep: float, interval: int, stud
     out = []
     with torch.no_grad():
         for ep in episodes:
-            obs = ep.sample.obs
+            obs = ep.obs
             n_keep = keep_count(obs.n_tokens, keep)
             if student is None:
                 scores, press, per_layer = trainer.rows_of_feature(obs, True, 0), ObservedAttentionPress(), None
@@ -310,10 +306,7 @@ def decode_kls(model, episodes: list[_Episode], keep: float, interval: int, stud
             idx = trainer.indices_from_rows(scores.topk(n_keep, dim=-1).indices, obs, True)
             evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=interval,
                                     prefill_positions=list(idx), prefill_scores=per_layer)
-            with hf.eager(model), evictor(model):
-                logits = hf.continue_logits(model, prune(model, obs, idx), ep.steps, obs.n_tokens,
-                                            one_at_a_time=True)[0]
-            out.append(float(metrics.kl_per_token(ep.ref, logits).mean()))
+            out.append(float(trainer.held_kl(model, ep, idx, evictor).mean()))
     return out
 
 
@@ -357,7 +350,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         h2o_decode = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval)
         log["val_decode_heuristic"] = round(sum(h2o_decode) / len(h2o_decode), 5)
         log["h2o_decode_per_context"] = [round(v, 6) for v in h2o_decode]
-    best, best_kl, best_choice, best_weight, decode_kl = None, math.inf, math.inf, None, {}
+    best, best_kl, best_choice, best_weight, best_decode = None, math.inf, math.inf, None, None
     d = base.hidden
     columns = None if cfg.inputs == "all" else [*range(d), d + 3]  # KVzap's: H_in and the intercept
     weights = cfg.decode_weights if normal.decode else (1.0,)
@@ -377,24 +370,24 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
             dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, student)
             entry |= {"decode_kl": round(sum(dec) / len(dec), 5), "decode_kl_per_context": [round(v, 6) for v in dec]}
             choice = mean / max(log["val_heuristic"], 1e-12) + sum(dec) / max(sum(h2o_decode), 1e-12)
-            decode_kl[id(student)] = entry["decode_kl"]
         log["val"].append(entry)
         if choice < best_choice:
-            best, best_kl, best_choice, best_weight = student, mean, choice, weight
+            best, best_kl, best_choice, best_weight, best_decode = student, mean, choice, weight, entry.get("decode_kl")
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(best_kl, 5)
-    steps_kept, closed = 0, best
+    steps_kept, closed, closed_decode = 0, best, best_decode
     if cfg.rl_steps and cfg.student.per_head:
         best, best_kl, steps_kept = reinforce(model, tokenizer, cfg, best, best_kl, val, scorer, log, progress)
     if episodes and best is not closed:  # REINFORCE moved it: its decode-time validation too
         dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, best)
-        decode_kl[id(best)] = log["rl"]["decode_kl"] = round(sum(dec) / len(dec), 5)
+        best_decode = log["rl"]["decode_kl"] = round(sum(dec) / len(dec), 5)
     log["seconds"] = round(time.perf_counter() - t0, 1)
-    for one, kl, kept in ((closed, log["closed_form_kl"], 0), (best, best_kl, steps_kept)):
+    for one, kl, kept, decoding in ((closed, log["closed_form_kl"], 0, closed_decode),
+                                    (best, best_kl, steps_kept, best_decode)):
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
         one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
                     "decode_weight": best_weight if normal.decode else None,
-                    "val_decode_kl": decode_kl.get(id(one)), "val_decode_heuristic": log.get("val_decode_heuristic"),
+                    "val_decode_kl": decoding, "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
                     "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2])}
         one.log = log
