@@ -5,11 +5,16 @@ KL of the second relative to the first with a paired-bootstrap interval over pro
     python -m research.compare_records RECORD.json --twins
     python -m research.compare_records RECORD.json --spans
     python -m research.compare_records RECORD.json --vs-raw
+    python -m research.compare_records RECORD.json --tails
 
 ``--twins``: one record of a calibration with a trained correction stage; each SCD method against its
 "(closed form)" twin on the same prompts (interval over passages, the cluster bootstrap), with both
 methods' KL over raw KV's, top-1 and QA F1. ``--spans``: the same for each aligned span of a
 ``bench scd --spans`` record against the span fed the producer's residual (its closed-form twins too).
+
+``--tails``: one ``bench scd --tails`` record; each method whose consumer recomputed the prompt's last
+tokens against raw KV and against the same method without the tail (KL ratios, QA F1 less raw's, all with
+passage-cluster intervals), with its bytes and its compute share.
 
 A record from an earlier commit: `git show REV:assets/scd/NAME/bench.json > old.json`.
 Rows are matched by (specialist, domain, method); rows without per-prompt KL are skipped.
@@ -73,6 +78,34 @@ def vs_raw(path: str) -> None:
               f"{r['kl'] / raw['kl']:.3f} [{kl['ratio_ci'][0]:.3f}, {kl['ratio_ci'][1]:.3f}] | {r['top1']:.3f}")
 
 
+def tails(path: str) -> None:
+    """Each tailed method of one record against raw KV and against its untailed base (module docstring)."""
+    rows = [r for r in records.read(path).rows if r.get("row") == "measured" and r.get("kl_per_prompt")]
+    by = {(r["specialist"], r["domain"], r["method"]): r for r in rows}
+    print("specialist domain method: KL / raw [95%, passages] | KL / without the tail [95%] | top-1 | "
+          "QA F1 - raw [95%] | B/token | compute share")
+    for (spec, dom, method), r in by.items():
+        base, raw = method.split(" + last ")[0], by.get((spec, dom, "raw KV"))
+        if base == method or raw is None:
+            continue
+        cut = r.get("passages")
+        kl = metrics.paired_bootstrap(raw["kl_per_prompt"], r["kl_per_prompt"], clusters=cut)
+        line = f"{spec} {dom} {method}: {kl['ratio']:.3f} [{kl['ratio_ci'][0]:.3f}, {kl['ratio_ci'][1]:.3f}] | "
+        own = by.get((spec, dom, base))
+        if own is not None:
+            b = metrics.paired_bootstrap(own["kl_per_prompt"], r["kl_per_prompt"], clusters=cut)
+            line += f"{b['ratio']:.3f} [{b['ratio_ci'][0]:.3f}, {b['ratio_ci'][1]:.3f}] | "
+        else:
+            line += "- | "
+        line += f"{r['top1']:.3f} | "
+        if r.get("qa_f1_items") and raw.get("qa_f1_items"):
+            qa = metrics.paired_bootstrap(raw["qa_f1_items"], r["qa_f1_items"], clusters=cut)
+            line += f"{qa['diff']:+.3f} [{qa['diff_ci'][0]:+.3f}, {qa['diff_ci'][1]:+.3f}] | "
+        else:
+            line += "- | "
+        print(line + f"{r['payload_bytes_per_token']:.0f} | {r.get('prefill_share', float('nan')):.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m research.compare_records", description=__doc__.splitlines()[0])
     ap.add_argument("old")
@@ -83,7 +116,11 @@ def main(argv: list[str] | None = None) -> None:
                     "the same span fed the producer's residual")
     ap.add_argument("--vs-raw", action="store_true", help="one record: each SCD method's QA and KL against raw "
                     "KV reuse on the same prompts")
+    ap.add_argument("--tails", action="store_true", help="one record (bench scd --tails): each method with a "
+                    "recomputed tail against raw KV and against itself without the tail")
     args = ap.parse_args(argv)
+    if args.tails:
+        return tails(args.old)
     if args.vs_raw:
         return vs_raw(args.old)
     if args.twins or args.spans:

@@ -11,7 +11,8 @@ SCD (semantic cache distillation)
   ``calibrate(CalibConfig(), pair) -> Calibration``; ``Calibration.save(folder)`` /
   ``Calibration.load(folder, pair=None)``. ``Codec(plan, calibration)`` or ``Codec.shipped(pair, ...)``:
   ``encode(producer, ids (1, T)) -> bytes`` and ``decode(consumer, bytes) -> DynamicCache``.
-  ``Plan``: per-layer decisions (raw, code, patch, recompute). ``transfer_view(pair, codec, text)``:
+  ``Plan``: per-layer decisions (raw, code, patch, recompute) and a recomputed tail of prompt tokens
+  (``Codec.shipped(pair, tail=32)``: the consumer runs the last 32 itself). ``transfer_view(pair, codec, text)``:
   every method and baseline on one text.
 DistillCache (learned eviction)
   ``train(TrainConfig(), pair, callback=None) -> Policy``; ``Policy.save(folder)`` /

@@ -25,7 +25,7 @@ LONG_TOKENS = "the " * 1100  # ~1,100 tokens in ~4,400 characters: under the cha
 CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches from the gate and the children "
        "laugh in the orchard under the old apple trees. ") * 6  # ~180 tokens
 SCD = dict(text=None, cont=32, gen=8, bits="4", rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
-           gbps=10, latency=0.5, fan=False, budget=0, coder="transform")
+           gbps=10, latency=0.5, fan=False, budget=0, coder="transform", tail=0)
 EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer",
           method="distillcache-student", methods=None)
 CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits="4", name="bad-input-run")
@@ -108,6 +108,8 @@ ROWS = [
     ("both", scd(text="{window}", placement="manual", layers="0"), "no aligner for layer 0"),
     ("both", scd(text="{window}", placement="manual", layers="1," * 150), "Manual patch layers has"),
     ("both", scd(text="{window}", gbps=0), "is less than minimum value"),
+    ("both", scd(text="{window}", tail=600), "is greater than maximum value"),
+    ("both", scd(text="{window}", tail=300), "a recomputed tail is 1 to"),
     ("both", scd(text="{window}", latency=-1), "is less than minimum value"),
     ("both", scd(text="{window}", fan="maybe"), "All built-in specialists must be true or false"),
     ("both", scd(text="{window}", budget=1), "below the smallest transform-coded payload"),

@@ -222,7 +222,7 @@ def test_payload_length_equals_the_format_formula():
         payload.Section(2, "resid", torch.randn(34, 32, generator=g), 16),
     ]
     blob = payload.encode(payload.Layout(34, 5), sections)
-    expected = 25 + sum(13 + (2 * r * c if b == 16 else -(-r * c * b // 8) + 4 * quant.n_groups(r, c, gr, ax))
+    expected = 27 + sum(13 + (2 * r * c if b == 16 else -(-r * c * b // 8) + 4 * quant.n_groups(r, c, gr, ax))
                         for r, c, b, gr, ax in [(*s.data.shape, s.bits, s.group, s.axis) for s in sections])
     assert len(blob) == payload.payload_len(sections) == expected
     msg = payload.decode(blob)
@@ -232,13 +232,22 @@ def test_payload_length_equals_the_format_formula():
         payload.decode(b"nope" + blob[4:])
     with pytest.raises(ValueError, match="format 1"):  # the first format's messages did not say how layers were sent
         payload.decode(b"SCD1" + blob[4:])
+    with pytest.raises(ValueError, match="format 2"):  # the second's had no recomputed tail
+        payload.decode(b"SCD2" + blob[4:])
     # the header's layout: one byte per layer, the sink rule and the calibration travel with the sections
     head = payload.Layout(34, 5, ["raw", "code", "patch", "recompute", "recompute"], "recompute", 0xABCDEF0123)
     blob = payload.encode(head, sections)
     assert len(blob) == payload.payload_len(sections, 5) == expected + 5
     assert payload.decode(blob).layout == head
     with pytest.raises(ValueError, match="truncated"):
-        payload.decode(blob[:27])
+        payload.decode(blob[:29])
+    # a recomputed tail: its token ids (u32: any vocabulary) travel in the header, 4 bytes each
+    head = payload.Layout(34, 5, ["raw", "code"], "recompute", 7, tail=[3, 70000, 49151])
+    blob = payload.encode(head, sections)
+    assert len(blob) == payload.payload_len(sections, 2, 3) == expected + 2 + 12
+    assert payload.decode(blob).layout == head
+    with pytest.raises(ValueError, match="truncated"):
+        payload.decode(blob[: 27 + 2 + 8])
 
 
 def test_plan_rejects_unknown_modes():
@@ -390,8 +399,8 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     n_tokens = report.methods[0].prompt_tokens  # one window: the tokens its payloads carry
     for r in (r for r in measured if r["method"] != "oracle"):  # the per-layer account adds up to the real payload
         per_layer = sum(sum(r["sent"][f"bytes_{kind}"]) for kind in "kvh")
-        assert (per_layer + payload.header_len(tiny_calib.n_layers) / n_tokens
-                == pytest.approx(r["payload_bytes_per_token"], rel=1e-9)), r["method"]
+        assert (per_layer + payload.header_len(tiny_calib.n_layers) / n_tokens  # each entry kept to 1/100
+                == pytest.approx(r["payload_bytes_per_token"], abs=0.005 * 3 * tiny_calib.n_layers)), r["method"]
     tc = next(r for r in measured if r["method"].startswith("SCD transform-coded"))
     assert max(tc["sent"]["cols_k"] + tc["sent"]["cols_v"]) <= max(tiny_calib.key_codes[0].max_rank, 1)
     raw_row = next(r for r in measured if r["method"] == "raw KV")

@@ -45,3 +45,21 @@ def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
         assert (full[:, -1] < full[:, 0]).all() and (full[:, 96] <= full[:, 8] + 1e-3).all()
     with pytest.raises(PairError, match="builtin:austen-qkv"):
         calibration.Calibration.load(calibration.SHIPPED_DIR / "austen-qkv", builtin_pair)
+
+
+def test_a_recomputed_tail_lowers_every_methods_kl_on_the_builtin_pair(builtin_pair):
+    """The consumer recomputing the last 32 prompt tokens itself (``Plan.tail``): on dev-slice jargon
+    windows both raw reuse and SCD reuse-only (shipped calibration) fall in KL on every window, the bytes fall
+    by about the tail's share and the compute share is the tail's share of the prefix."""
+    calib = calibration.Calibration.load(calibration.SHIPPED_DIR / "jargon", builtin_pair)
+    windows = [w.ids for w in data.eval_windows(builtin_pair.tokenizer, "jargon", "dev", 256 + 32, 2)]
+    cases = measure.prepare_cases(builtin_pair, windows, 32, progress=False)
+    reuse = plans.operating_plan(calib, patch_k=0)
+    lineup = [plans.raw_plan(30), reuse, plans.with_tail(plans.raw_plan(30), 32), plans.with_tail(reuse, 32)]
+    raw, scd, raw_t, scd_t = measure.run_methods(builtin_pair, calib, cases, lineup, progress=False)
+    for base, tailed in ((raw, raw_t), (scd, scd_t)):
+        assert all(t < b for t, b in zip(tailed.kl_per_prompt, base.kl_per_prompt, strict=True))
+        kept = (255 - 32) / 255  # the tail's rows are not sent
+        assert tailed.payload_bytes_per_token == pytest.approx(base.payload_bytes_per_token * kept, rel=0.03)
+        assert tailed.prefill_share == pytest.approx(32 / 255) and base.prefill_share == 0.0
+    assert scd_t.kl < scd.kl < raw.kl

@@ -81,6 +81,9 @@ class ScdRequest(Request):
                                  row="budget", props={"elem_id": "scd-budget"})
     coder: str = control("transform", "Budget coder", "choice", choices=CODERS, row="budget",
                          props={"elem_id": "scd-coder"})
+    recompute_tail: int = control(0, "Recompute the last N prompt tokens (0 = none: adds raw KV and SCD reuse-only "
+                                  "with them recomputed by the consumer)", "int", name="Recomputed tail", lo=0,
+                                  hi=512, step=8, row="budget", props={"elem_id": "scd-tail"})
 
 
 @dataclass

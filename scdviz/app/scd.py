@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-from scdviz import settings
 from scdviz.app import inputs
 from scdviz.app.inputs import UserError
 from scdviz.app.pairs import builtin_choices
@@ -100,8 +99,8 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
         raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: "
                         "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
-    report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, max_tokens=settings.max_prompt_tokens(),
-                              budget=budget or None, coder=coder, progress=progress)
+    report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, budget=budget or None, coder=coder,
+                                progress=progress, tail=req.recompute_tail)
     plan = report.plans["SCD full"]
     full = next(r for r in report.methods if r.method == "SCD full")
     table = report.table()

@@ -57,6 +57,10 @@ class ScdBenchConfig:
                       "scdviz span`), the consumer running its layers from there fed the aligned span code, and fed "
                       "the producer's residual (DroidSpeak's way); KL against bytes and against the consumer's "
                       "compute (prefill_share)")
+    tails: list[int] = opt([], "the tail sweep: raw KV (CacheBlend's way), SCD reuse-only and SCD transform coded at "
+                           "each --budgets, each with the consumer recomputing the last this-many prompt tokens "
+                           "itself over the received cache (e.g. 16 32 64); KL against bytes and against the "
+                           "consumer's compute (prefill_share)")
     rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the "
                            "other way round (reuse-only)")
     budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
@@ -178,6 +182,9 @@ def bench(
     cont_len, gen_tokens, budget, budgets, sink = cfg.cont_len, cfg.gen_tokens, cfg.budget, cfg.budgets, cfg.sink
     cases = measure.prepare_cases(pair, windows, cont_len, progress, cfg.qa_answer_len)
     n_tokens = cases[0].state.ids.shape[1]
+    if any(t < 1 or t > n_tokens - 1 for t in cfg.tails):  # a tail leaves token 0
+        raise ValueError(f"a recomputed tail is 1 to {n_tokens - 1} prompt tokens for a {n_tokens + 1}-token prompt "
+                         f"(token 0 stays); got {list(cfg.tails)}")
     curves = (calib.rate or rate.measure(pair, calib, progress=progress)) if budget or budgets else None
     if budget:
         scd_full = budget_plan(calib, curves, budget, n_tokens, sink, cfg.coder, name="SCD full")
@@ -202,6 +209,9 @@ def bench(
                              "pass that calibration with --calibs")
         swept, calibs = plans.with_closed_form(plans.span_sweep(calib), calib)
         report.sweeps += measure.run_methods(pair, calibs, cases, swept, "span sweep", progress=progress)
+    if cfg.tails:
+        tailed = plans.tail_sweep(calib, tuple(cfg.tails), tuple(budgets) if calib.rate else ())
+        report.sweeps += measure.run_methods(pair, calib, cases, tailed, "tail sweep", progress=progress)
     if cfg.rank_claim:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim",
                                              progress=progress)
@@ -406,8 +416,15 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
     return pd.DataFrame(rows_)
 
 
+def _profile(values: list[float], digits: int = 5) -> list[float]:
+    """A per-layer profile as a record keeps it: ``digits`` significant digits (plots and tables read
+    no more; the shipped records must fit the repository)."""
+    return [float(f"{v:.{digits}g}") for v in values]
+
+
 def rows(report: BenchReport) -> list[dict]:
-    """JSON records: one per method / sweep point, then the projection rows."""
+    """JSON records: one per method / sweep point, then the projection rows (per-layer profiles to 5
+    significant digits, the bytes and columns sent per layer to 1/100)."""
     out = []
     for r in report.methods + report.sweeps:
         out.append({
@@ -433,15 +450,17 @@ def rows(report: BenchReport) -> list[dict]:
             "n_prompts": r.n_prompts,
             "n_tokens": r.n_tokens,
             "modes": r.modes,
-            "drift_k": r.drift_k,
-            "drift_v": r.drift_v,
-            "divergence": r.divergence,
-            "amplification": r.amplification(),
+            "tail": r.tail,
+            "prefill_share": r.prefill_share,
+            "drift_k": _profile(r.drift_k),
+            "drift_v": _profile(r.drift_v),
+            "divergence": _profile(r.divergence),
+            "amplification": _profile(r.amplification()),
             "qa_f1": sum(r.qa_f1) / len(r.qa_f1) if r.qa_f1 else None,
             "qa_f1_items": r.qa_f1,
             "kl_per_prompt": r.kl_per_prompt,
             "passages": report.passages,
-            "sent": r.sent,
+            "sent": {key: [round(v, 2) for v in values] for key, values in r.sent.items()},
         })
     out += [{"specialist": report.specialist, "domain": report.domain,
              "label": "analytic projection, not a measurement", **p}

@@ -44,21 +44,24 @@ class Codec:
 
     @classmethod
     def shipped(cls, pair, patch_k: int | None = None, bits: int | None = None, placement: str = "selected",
-                budget: float | None = None) -> Codec:
+                budget: float | None = None, tail: int = 0) -> Codec:
         """The shipped calibration of ``pair``'s consumer (identity-checked) with SCD full's plan:
         ``patch_k`` PATCH layers in ``placement`` order ("selected" or "drift") and codes at ``bits``
         (default: the calibration's operating point); or, with ``budget`` (payload bytes/token),
-        transform-coded REUSE codes held to that budget."""
+        transform-coded REUSE codes held to that budget. ``tail`` > 0: the consumer recomputes the last
+        ``tail`` prefix tokens itself (``Plan.tail``; their ids travel in the payload)."""
         calib = Calibration.load(shipped_folder(pair.consumer_source), pair)
-        return cls.of(calib, patch_k=patch_k, bits=bits, placement=placement, budget=budget)
+        return cls.of(calib, patch_k=patch_k, bits=bits, placement=placement, budget=budget, tail=tail)
 
     @classmethod
     def of(cls, calib: Calibration, patch_k: int | None = None, bits: int | None = None, placement: str = "selected",
-           budget: float | None = None) -> Codec:
+           budget: float | None = None, tail: int = 0) -> Codec:
         """SCD full's plan on ``calib`` (see ``shipped``)."""
         if budget is not None:
-            return cls(plans.tc_plan(calib, budget), calib)
-        return cls(plans.user_plan(calib, patch_k=patch_k, placement=placement, bits=bits), calib)
+            plan = plans.tc_plan(calib, budget)
+        else:
+            plan = plans.user_plan(calib, patch_k=patch_k, placement=placement, bits=bits)
+        return cls(plans.with_tail(plan, tail) if tail else plan, calib)
 
     @classmethod
     def raw(cls, n_layers: int, bits: int = 16) -> Codec:

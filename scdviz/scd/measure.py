@@ -56,11 +56,13 @@ class MethodResult:
     kl_per_prompt: list[float] = field(default_factory=list)  # mean KL of each prompt (for paired comparisons)
     # what the payloads carried per layer (``sent_per_layer``)
     sent: dict[str, list[float]] = field(default_factory=dict)
+    tail: int = 0  # prefix tokens the consumer recomputed itself (``Plan.tail``)
 
     @property
     def prefill_share(self) -> float:
-        """The consumer's own compute as a share of its prefill's (``plan.prefill_share``)."""
-        return plans.prefill_share(self.modes)
+        """The consumer's own compute as a share of its prefill's (``plan.prefill_share``, the recomputed tail
+        counted as its share of the prefix tokens)."""
+        return plans.prefill_share(self.modes, self.tail / self.prompt_tokens if self.prompt_tokens else 0.0)
 
     @property
     def speedup_10gbps(self) -> float:
@@ -156,7 +158,7 @@ def _aggregate(plan, group: str, rows: list[dict], fp16: float) -> MethodResult:
         drift_v=_mean([r["dv"] for r in rows]), divergence=_mean([r["div"] for r in rows]),
         prompt_tokens=mean("prompt_tokens"), generations=[r["gen"] for r in rows if "gen" in r],
         kl_per_prompt=[r["kl"] for r in rows], qa_f1=[x for r in rows for x in r["qa_f1"]],
-        sent={key: _mean([r["sent"][key] for r in rows]) for key in rows[0]["sent"]},
+        sent={key: _mean([r["sent"][key] for r in rows]) for key in rows[0]["sent"]}, tail=plan.tail,
     )
 
 

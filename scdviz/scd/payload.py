@@ -2,8 +2,9 @@
 
 Layout (little endian):
 
-  header   magic b"SCD2" | n_tokens u32 | token0 u32 | n_sections u16 | sink u8 |
-           calibration u64 | n_layers u16 | n_layers mode bytes          (25 + n_layers bytes)
+  header   magic b"SCD3" | n_tokens u32 | token0 u32 | n_sections u16 | sink u8 |
+           calibration u64 | n_layers u16 | n_tail u16 | n_layers mode bytes |
+           n_tail token ids u32                              (27 + n_layers + 4 n_tail bytes)
   section  layer u16 | kind u8 | bits u8 | axis u8 | group u16 | rows u32 | cols u16  (13 bytes)
            then the body:
              bits 16:   rows*cols fp16 values, row-major
@@ -21,7 +22,9 @@ The header makes a message decodable alone: ``sink`` says how token 0 is handled
 ``calibration`` names the calibration whose codes it holds (``Calibration.tag``, 0 for a
 message without codes), and the mode bytes say what the consumer does at each layer
 (MODES: raw, code, patch, recompute; a run of recompute layers starts at its "resid"
-section, or at its "r_code" section: the residual as a span code). ``payload_len`` is this
+section, or at its "r_code" section: the residual as a span code); the tail ids are the prompt
+tokens after the ``n_tokens`` the sections cover, which the consumer runs itself over the cache it
+built (a recomputed tail, as CacheBlend recomputes tokens; none: ``n_tail`` 0). ``payload_len`` is this
 formula for sections that are not entropy coded (a coded section is never longer; a
 transform-coded one has no formula: its length is the data's); tests check it against real
 messages. ``spans`` walks the section headers alone. Kinds say what a section
@@ -39,8 +42,9 @@ from torch import Tensor
 
 from scdviz.scd import entropy, quant
 
-MAGIC = b"SCD2"
-HEADER = struct.Struct("<4sIIHBQH")  # then one byte per layer: its mode
+MAGIC = b"SCD3"
+HEADER = struct.Struct("<4sIIHBQHH")  # then one byte per layer (its mode), then the tail ids (u32)
+TAIL_ID = struct.Struct("<I")
 MODES = ("raw", "code", "patch", "recompute")  # a layer's mode byte is its index here
 SINKS = ("send", "recompute")  # the sink byte is its index here
 SECTION = struct.Struct("<HBBBHIH")
@@ -84,11 +88,13 @@ class Layout:
     modes: list[str] = field(default_factory=list)  # (L,) one of MODES per layer; empty: no plan
     sink: str = "send"  # token-0 handling, one of SINKS
     calibration: int = 0  # Calibration.tag of the codes' calibration; 0: none
+    tail: list[int] = field(default_factory=list)  # ids of the prompt tokens after the cache, run by the consumer
 
     def header(self, n_sections: int) -> bytes:
         """The header bytes of a message with this layout."""
-        return HEADER.pack(MAGIC, self.n_tokens, self.token0, n_sections, SINKS.index(self.sink), self.calibration,
-                           len(self.modes)) + bytes(MODES.index(m) for m in self.modes)
+        return (HEADER.pack(MAGIC, self.n_tokens, self.token0, n_sections, SINKS.index(self.sink), self.calibration,
+                            len(self.modes), len(self.tail)) + bytes(MODES.index(m) for m in self.modes)
+                + b"".join(TAIL_ID.pack(t) for t in self.tail))
 
 
 @dataclass
@@ -131,14 +137,15 @@ def section_len(rows: int, cols: int, bits: int, group: int, axis: str) -> int:
     return SECTION.size + quant.packed_len(rows * cols, bits) + 4 * quant.n_groups(rows, cols, group, axis)
 
 
-def header_len(n_layers: int) -> int:
-    """Bytes of a message's header for a plan of ``n_layers`` layers."""
-    return HEADER.size + n_layers
+def header_len(n_layers: int, tail: int = 0) -> int:
+    """Bytes of a message's header for a plan of ``n_layers`` layers and a recomputed tail of ``tail`` tokens."""
+    return HEADER.size + n_layers + TAIL_ID.size * tail
 
 
-def payload_len(sections: list[Section], n_layers: int = 0) -> int:
-    """Bytes of the message holding these sections for a plan of ``n_layers`` layers (the format's formula)."""
-    return header_len(n_layers) + sum(section_len(*s.data.shape, s.bits, s.group, s.axis) for s in sections)
+def payload_len(sections: list[Section], n_layers: int = 0, tail: int = 0) -> int:
+    """Bytes of the message holding these sections for a plan of ``n_layers`` layers and a recomputed tail of
+    ``tail`` tokens (the format's formula)."""
+    return header_len(n_layers, tail) + sum(section_len(*s.data.shape, s.bits, s.group, s.axis) for s in sections)
 
 
 def encode(layout: Layout, sections: list[Section]) -> bytes:
@@ -195,14 +202,15 @@ def layout(payload: bytes) -> tuple[Layout, int, int]:
                          f"{MAGIC[3:].decode()} (its header says how each layer was sent): encode it again")
     if len(payload) < HEADER.size or payload[:4] != MAGIC:
         raise ValueError("not an SCD payload (bad magic)")
-    _, n_tokens, token0, n_sections, sink, calibration, n_layers = HEADER.unpack_from(payload, 0)
-    modes = payload[HEADER.size : HEADER.size + n_layers]
-    if len(modes) < n_layers:
+    _, n_tokens, token0, n_sections, sink, calibration, n_layers, n_tail = HEADER.unpack_from(payload, 0)
+    end = header_len(n_layers, n_tail)
+    if len(payload) < end:
         raise ValueError("truncated SCD payload")
+    modes = payload[HEADER.size : HEADER.size + n_layers]
     if sink >= len(SINKS) or any(m >= len(MODES) for m in modes):
         raise ValueError("damaged SCD payload header (unknown sink or layer mode)")
-    return (Layout(n_tokens, token0, [MODES[m] for m in modes], SINKS[sink], calibration), n_sections,
-            HEADER.size + n_layers)
+    tail = [TAIL_ID.unpack_from(payload, HEADER.size + n_layers + TAIL_ID.size * i)[0] for i in range(n_tail)]
+    return Layout(n_tokens, token0, [MODES[m] for m in modes], SINKS[sink], calibration, tail), n_sections, end
 
 
 def spans(payload: bytes) -> tuple[Layout, list[Span]]:

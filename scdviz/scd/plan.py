@@ -15,6 +15,10 @@ Layer modes:
 Token 0 (the attention sink): ``sink="send"`` transfers it like any token;
 ``sink="recompute"`` leaves it out of every K/V/code section and the consumer
 recomputes its own K, V for it with a 1-token forward.
+A recomputed tail (``tail``, on any plan): the last ``tail`` tokens of the transferred prefix are
+not sent; the consumer runs them itself, every layer, over the cache it built from the rest
+(CacheBlend recomputes chosen tokens; here the latest, which the continuation reads most), so
+their K, V and everything they attend through are the consumer's own.
 
 Every method (raw reuse, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full) is a Plan run
 by the one machinery in scdviz.scd.transfer. Every plan decision lives here: the method
@@ -64,8 +68,11 @@ class Plan:
     rate_target: float = 0.0  # > 0: steps are relative; the producer scales them to this many payload bytes/token
     resid_code: bool = False  # a recompute run's entering residual travels as the calibration's span code
     span_rank: int = 0  # rank of those span codes (0: the full stored rank)
+    tail: int = 0  # the consumer recomputes the last this-many prefix tokens itself (not sent)
 
     def __post_init__(self) -> None:
+        if self.tail < 0:
+            raise ValueError(f"a recomputed tail is a number of tokens, 0 or more; got {self.tail}")
         bad = sorted(set(self.modes) - set(MODES))
         if bad:
             raise ValueError(f"unknown layer mode(s) {bad}; use {MODES}")
@@ -99,12 +106,15 @@ class Plan:
         return payload.recompute_runs(self.modes)
 
 
-def prefill_share(modes: list[str]) -> float:
+def prefill_share(modes: list[str], tail_share: float = 0.0) -> float:
     """The consumer's own compute for a plan of these layer modes as a share of its prefill's: the decoder
-    layers it runs itself (recompute layers; "own": the oracle's) over all of them. Every layer costs the
-    same; decoding codes, patches' projections and the 1-token sink are left out (each well under 1% of a
-    layer's compute on the built-in pair: see ``distil.footprint``)."""
-    return sum(m in ("recompute", "own") for m in modes) / len(modes)
+    layers it runs itself (recompute layers; "own": the oracle's) over all of them, for the tokens it
+    did not recompute whole, plus ``tail_share`` (the recomputed tail's share of the prefix tokens), which
+    runs every layer. Every layer and every token cost the same (the tail's attention over the whole prefix
+    is counted as a token's average); decoding codes, patches' projections and the 1-token sink are left
+    out (each well under 1% of a layer's compute on the built-in pair: see ``distil.footprint``)."""
+    layers = sum(m in ("recompute", "own") for m in modes) / len(modes)
+    return tail_share + (1 - tail_share) * layers
 
 
 SENT = " (token 0 sent)"  # label suffix of a plan that sends the producer's token 0
@@ -154,6 +164,23 @@ def span_sweep(calib: Calibration, starts: list[int] | None = None) -> list[Plan
     spans = [(starts[0], stop) for stop in [*starts[1:], calib.n_layers]] if starts else []
     spans += [(start, calib.n_layers) for start in starts[1:]]
     return [span_plan(calib, start, stop, aligned) for start, stop in spans for aligned in (True, False)]
+
+
+TAILS = (16, 32, 64)  # the tail sweep's recomputed tails (tokens), bench scd --tails
+
+
+def with_tail(plan: Plan, tail: int) -> Plan:
+    """``plan`` with the consumer recomputing the last ``tail`` prefix tokens itself (named for it)."""
+    return dataclasses.replace(plan, name=f"{plan.name} + last {tail} recomputed", tail=tail)
+
+
+def tail_sweep(calib: Calibration, tails: tuple[int, ...] = TAILS, budgets: tuple[float, ...] = ()) -> list[Plan]:
+    """Raw KV (CacheBlend's way: the producer's cache, the latest tokens recomputed), SCD reuse-only at the
+    operating point and SCD transform coded at each of ``budgets`` (needs the rate curves), each with each
+    recomputed tail: KL against bytes and against the consumer's compute."""
+    bases = [raw_plan(calib.n_layers), operating_plan(calib, patch_k=0, name="SCD reuse-only")]
+    bases += [tc_plan(calib, b) for b in budgets]
+    return [with_tail(p, t) for p in bases for t in tails]
 
 
 def scd_plan(

@@ -87,7 +87,7 @@ def flat(x: Tensor) -> Tensor:
 
 def heads(x: Tensor, n_kv: int) -> Tensor:
     """(T, Hkv*D) -> (1, Hkv, T, D)."""
-    return x.reshape(x.shape[0], n_kv, -1).transpose(0, 1).unsqueeze(0)
+    return x.reshape(x.shape[0], n_kv, x.shape[1] // n_kv).transpose(0, 1).unsqueeze(0)
 
 
 def producer_state(model, prefix: Tensor) -> ProducerState:
@@ -111,8 +111,14 @@ def host_state(ids: Tensor, keys_pre: list[Tensor], keys: list[Tensor], values: 
 
 
 def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
-    """The producer's message for ``plan`` (calib: a Calibration for code/patch layers)."""
-    rows = slice(1, None) if plan.sink == "recompute" else slice(None)
+    """The producer's message for ``plan`` (calib: a Calibration for code/patch layers). With a recomputed tail
+    (``plan.tail``) the sections cover the prefix without its last ``tail`` tokens, whose ids the header carries."""
+    n_tokens = state.ids.shape[1]
+    cut = n_tokens - plan.tail
+    if plan.tail and cut < 1:
+        raise ValueError(f"a recomputed tail of {plan.tail} tokens leaves {cut} of this {n_tokens}-token prefix; "
+                         "a tail must leave token 0 (the consumer builds its cache on it)")
+    rows = slice(1 if plan.sink == "recompute" else 0, cut)
     sections: list[Section] = []
     for layer, mode in enumerate(plan.modes):
         if mode == "raw":
@@ -141,11 +147,11 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
             z = code.encode(state.resid[start][rows], plan.span_rank or code.max_rank)
             sections.append(Section(start, "r_code", z, plan.code_bits, plan.code_group, "channel", plan.entropy))
         else:
-            sections.append(Section(start, "resid", state.resid[start]))
-    n_tokens = state.ids.shape[1]
+            sections.append(Section(start, "resid", state.resid[start][: cut]))
     uses_codes = any(m in ("code", "patch") for m in plan.modes) or (plan.resid_code and bool(plan.runs()))
-    head = Layout(n_tokens, int(state.ids[0, 0]), list(plan.modes), plan.sink, calib.tag if uses_codes else 0)
-    if plan.rate_target:
+    head = Layout(cut, int(state.ids[0, 0]), list(plan.modes), plan.sink, calib.tag if uses_codes else 0,
+                  state.ids[0, cut:].tolist())
+    if plan.rate_target:  # bytes per prefix token: the recomputed tail's tokens count, as every token does
         return _rate_controlled(head, sections, int(plan.rate_target * n_tokens))
     return payload.encode(head, sections)
 
@@ -177,7 +183,9 @@ def _rate_controlled(head: Layout, sections: list[Section], allowed: int) -> byt
 def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> Received:
     """Build the consumer's cache from a payload, timing the consumer's compute.
 
-    The payload's header says what to do at each layer and with token 0; ``calib`` (the
+    The payload's header says what to do at each layer, with token 0 and with the prefix tokens it left
+    out (a recomputed tail: the consumer runs them over the cache it built, so the cache covers the whole
+    prefix); ``calib`` (the
     calibration the header names) decodes its REUSE and PATCH codes, and applies its trained
     corrections (``Calibration.correct``) or ``corrections`` instead (training them: the cache then
     carries their autograd graph). ValueError for a message with codes and no calibration, or codes
@@ -232,6 +240,10 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
     if head.sink == "recompute":
         _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
     cache = hf.make_cache(model, keys, values)
+    if head.tail:  # the consumer runs the tail itself over what it received: the cache grows to the whole prefix
+        tail = torch.arange(msg.n_tokens, msg.n_tokens + len(head.tail), device=hf.device_of(model)).unsqueeze(0)
+        trained = torch.is_grad_enabled() and any(t.requires_grad for t in (*keys, *values))  # training through it
+        hf.forward(model, hf.ids_tensor(head.tail, hf.device_of(model)), cache=cache, positions=tail, grad=trained)
     return Received(cache, timing.clock(hf.device_of(model)) - t0)
 
 

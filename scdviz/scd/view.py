@@ -4,11 +4,13 @@
 ``transfer_view(pair, codec, text)`` makes one benchmark window of the text (its last
 ``cont_len`` tokens the teacher-forced continuation) and runs ``scdviz.scd.bench.bench`` on
 it, so its numbers equal ``python -m scdviz bench scd`` on that window. No sweeps over
-held-out text here (``bench.run``), except the span sweep when the calibration has span codes.
+held-out text here (``bench.run``), except the span sweep when the calibration has span codes and the
+tail sweep at the one tail asked for.
 """
 
 from __future__ import annotations
 
+from scdviz import settings
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
 from scdviz.scd import bench, calibration
@@ -30,20 +32,22 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
 
 
 def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
-               cont_len: int = 32, gen_tokens: int = 24, max_tokens: int = 1024,
-               budget: float | None = None, coder: str = "transform", progress: bool | Reporter = False
-               ) -> bench.BenchReport:
+               cont_len: int = 32, gen_tokens: int = 24, budget: float | None = None, coder: str = "transform",
+               progress: bool | Reporter = False, tail: int = 0) -> bench.BenchReport:
     """The SCD tab's view of one text: ``bench`` on the one window made from it.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
     (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
     ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full. ``progress``: a reporter
-    (``scdviz.progress``) told each method as it runs.
+    (``scdviz.progress``) told each method as it runs. ``tail`` > 0: also raw KV and SCD reuse-only with the
+    consumer recomputing the last ``tail`` prompt tokens itself (the bench's tail sweep, one tail). A text of
+    more tokens than ``SCDVIZ_MAX_PROMPT_TOKENS`` (default 1024) is refused before any work.
     """
     if isinstance(calib, Codec):
         calib, plan = calib.calibration, calib.plan
-    window = window_of(pair, text, cont_len, max_tokens)
+    window = window_of(pair, text, cont_len, settings.max_prompt_tokens())
     cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=False, budget=budget, coder=coder,
-                               sent_rows=False, qa_answer_len=0, spans=bool(calib.spans))
+                               sent_rows=False, qa_answer_len=0, spans=bool(calib.spans),
+                               tails=[tail] if tail else [])
     return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=progress, scd_full=plan)
