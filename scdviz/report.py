@@ -353,6 +353,31 @@ def scd_qa(record: str = "lodo_test.json") -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
+def scd_tail(record: str = "tail_test.json") -> str:
+    """A recomputed tail (test slice): raw KV, SCD reuse-only and transform coded at 3,840 B/token, each without
+    and with the consumer recomputing the prompt's last tokens, beside DroidSpeak's 2 recomputed layers: KL
+    against raw reuse and against the same method without the tail, the consumer's compute, QA."""
+    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        plain = {r["method"]: r for r in _scd_rows(rel, "method") + _scd_rows(rel, "budget sweep")}
+        raw = plain["raw KV"]
+        tc = next(m for m in plain if m.startswith("SCD transform-coded") and not m.endswith(")"))
+        shown = [plain[m] for m in ("raw KV", "DroidSpeak recompute", "SCD reuse-only", tc)]
+        for r in shown + _scd_rows(rel, "tail sweep"):
+            base = plain.get(r["method"].split(" + last ")[0])
+            qa = _paired(raw["qa_f1_items"], r["qa_f1_items"], _passages(r)) if r is not raw else None
+            out.append([spec, SCD_NAMES.get(r["method"], r["method"]), str(r.get("tail", 0)),
+                        f"{r['prefill_share']:.1%}" if "prefill_share" in r else "",
+                        _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}", "" if r is raw else _ratio(raw, r),
+                        _ratio(base, r) if base is not None and base is not r else "", f"{r['top1']:.3f}",
+                        _f(r.get("qa_f1"), 3),
+                        "" if qa is None else f"{qa['diff']:+.3f} {_ci(*qa['diff_ci'], 3, sign=True)}"])
+    head = ["specialist", "method", "tail (tokens)", "consumer compute (share of its prefill)", "bytes/token", "KL",
+            "KL / raw KV [95% CI]", "KL / without the tail [95% CI]", "top-1", "QA F1", "QA − raw (paired) [95% CI]"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
 def scd_ttft() -> str:
     """Time to first token, measured (medians of interleaved rounds)."""
     rel = "scd/jargon/ttft.json"
@@ -637,6 +662,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-lodo": scd_lodo,
     "scd-qa": scd_qa,
     "scd-ttft": scd_ttft,
+    "scd-tail": scd_tail,
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
     "evict-domains": evict_domains,

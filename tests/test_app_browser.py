@@ -183,6 +183,15 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
     assert "as sent" not in page.locator("#scd-plan").inner_text()
     page.get_by_role("tab", name="Drift and error").click()
     _shot(page, "scd-drift", tmp_path_factory)
+    page.locator("#scd-budget input").fill("0")  # the controls' plan again, with the prompt's last 32 recomputed
+    page.locator("#scd-tail input[type=number]").fill("32")
+    page.locator("#scd-run").click()
+    page.locator("#scd-table span.text", has_text="SCD reuse-only + last 32 recomputed").first.wait_for(timeout=300_000)
+    assert "raw KV + last 32 recomputed" in page.locator("#scd-table").inner_text()
+    page.get_by_role("tab", name="Quality").click()
+    _plots_drawn(page, "scd", ("compute",))
+    assert "SCD reuse-only + last 32 recomputed" in page.locator("#scd-compute").inner_text()
+    _shot(page, "scd-tail", tmp_path_factory)
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):

@@ -141,3 +141,23 @@ def test_a_visitor_trains_a_correction_stage_that_only_they_then_use(builtin_pai
     assert (mine.corrections is not None) == kept and (mine.tag != shipped.closed_form().tag) == kept
     assert mine.tag != shipped.tag  # trained again from the closed form: the shipped stage is not the visitor's
     assert calibration.Calibration.load(folder, builtin_pair).tag == mine.tag
+
+
+def test_a_recomputed_tail_adds_its_rows_with_their_compute(builtin_pair):
+    """The SCD tab's "Recompute the last N prompt tokens": raw KV and SCD reuse-only with the tail beside the
+    lineup, their compute share the tail's share of the prefix, lower KL than without it; a tail longer than
+    the prompt gets a message naming the limit."""
+    from scdviz import data
+    from scdviz.app import webapp as app
+
+    key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
+    text = data.load_split("jargon", "eval")[3][:1200]
+    req = ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, False, recompute_tail=24)
+    table = app.scd_run(key, None, req)["table"].set_index("method")
+    for base in ("raw KV", "SCD reuse-only"):
+        tailed = table.loc[f"{base} + last 24 recomputed"]
+        assert tailed["kl"] < table.loc[base, "kl"] and table.loc[base, "prefill_share"] == 0
+        assert 0.05 < tailed["prefill_share"] < 0.25  # 24 of the prompt's ~250 tokens
+    with pytest.raises(ValueError, match="a recomputed tail is 1 to"):
+        app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, False,
+                                          recompute_tail=500))

@@ -109,7 +109,7 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
         round(1000 * (r.oracle_seconds if r.method == "oracle" else
                       link.ttft(r.payload_bytes_per_token * r.prompt_tokens, r.consumer_seconds + r.encode_seconds,
                                 own)), 1)
-        for r in report.methods]
+        for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (spans, tail)
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
     res = report.methods
