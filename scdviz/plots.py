@@ -111,7 +111,7 @@ def _layout(fig: go.Figure, title: str, x: str, y: str, log_y: bool = False) -> 
                       height=380 + (22 * max(0, rows - 1) if below else 0), colorway=list(COLORS),
                       margin=dict(l=60, r=20, t=50, b=50), legend=legend, hoverlabel=dict(namelength=-1))
     if log_y:  # every tick a whole number ("0.02", not a bare "2" between decades; no SI prefix such as µ)
-        fig.update_yaxes(type="log", tickformat=".2~g")
+        fig.update_yaxes(type="log", tickformat=".2~g", dtick="D2")  # labels at 1, 2, 5 per decade: never crowded
     return fig
 
 
@@ -335,6 +335,7 @@ def compute_axis(table: pd.DataFrame) -> go.Figure:
                                                                                       "bytes_per_token"),
                     ("KL", "kl"), ("top-1", "top1")])
     paint(fig)
+    fig.update_xaxes(tickformat=".0%")
     return _layout(fig, "Consumer compute vs quality (lower left is better)",
                    "share of its own prefill the consumer computes", "KL(oracle ‖ method), nats/token", log_y=True)
 

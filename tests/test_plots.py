@@ -237,6 +237,8 @@ def test_the_compute_axis_puts_each_method_at_its_share_of_the_prefill():
     assert points == {"raw KV": (0.0, 0.23), "DroidSpeak recompute": (0.067, 0.2),
                       "SCD span 23-29 (aligned)": (0.233, 0.078)}
     assert "share of the prefill: 0.233" in fig.data[2].hovertext[0]
+    assert fig.layout.xaxis.tickformat == ".0%"  # the share as a percentage of the prefill
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.dtick == "D2"  # KL labelled at 1, 2, 5 per decade
 
 
 def test_many_methods_get_distinct_colours():
