@@ -1037,6 +1037,28 @@ def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair
             distil.trained_plans(tiny_calib, distil.DistilConfig(budgets=[3840.0]))
 
 
+def test_a_correction_trained_with_a_recomputed_tail_lowers_that_plans_kl(tiny_pair, tiny_calib):
+    """``tails`` adds each trained plan with the consumer recomputing its last prompt tokens; trained there,
+    the tail plan's validation KL falls below its closed form's, and the kept corrections reproduce it when
+    a payload of that plan is received again (the tail's tokens are not sent, the correction still reaches
+    the rest). A tail that leaves no prompt token but token 0 is refused by name."""
+    from scdviz.scd import distil
+    from scdviz.scd import plan as plans
+
+    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
+                              budgets=[], tails=[8])
+    at = distil.trained_plans(tiny_calib, cfg)
+    assert [(p.name, p.tail) for p in at] == [(plans.operating_plan(tiny_calib).name, 0),
+                                              (plans.operating_plan(tiny_calib).name + " + last 8 recomputed", 8)]
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=at[1:])
+    by = log["val_kl_by_plan"][at[1].name]
+    assert log["best_epoch"] > 0 and by[log["best_epoch"]] < by[0]
+    assert _validation_kl(tiny_pair, tiny_calib, cfg, at[1], out) == pytest.approx(by[log["best_epoch"]], rel=1e-5)
+    assert _validation_kl(tiny_pair, tiny_calib, cfg, at[1], tiny_calib) == pytest.approx(by[0], rel=1e-5)
+    with pytest.raises(ValueError, match="--tails are 1 to 39"):
+        distil.DistilConfig(prompt_len=40, tails=[40])
+
+
 def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny_calib):
     """With a correction stage, every SCD plan runs twice on the same prompts: with the correction, and as
     "(closed form)", whose numbers equal a bench of the calibration before training exactly. The closed

@@ -62,6 +62,9 @@ class DistilConfig:
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.05, "AdamW weight decay")
     clip: float = opt(1.0, "gradient norm clip")
+    tails: list[int] = opt([], "also train at each of these plans with the consumer recomputing the last this-many "
+                           "prompt tokens itself (`bench scd --tails`): the correction learns what the tail reads "
+                           "of the received prefix (e.g. 32 64)")
     spans: bool = opt(False, "also train at the aligned span plan of each of the calibration's span codes "
                       "(`python -m scdviz span`): each span's aligner (a correction of its decoded residual, same "
                       "form) trained through the consumer's own layers")
@@ -85,11 +88,15 @@ class DistilConfig:
             raise ValueError(f"--recall-target is 'oracle' or 'quote', got {self.recall_target!r}")
         if any(not b > 0 for b in self.budgets):
             raise ValueError(f"--budgets must be positive bytes per token, got {self.budgets}")
+        if any(not 1 <= t < self.prompt_len for t in self.tails):  # a tail leaves token 0
+            raise ValueError(f"--tails are 1 to {self.prompt_len - 1} prompt tokens (--prompt-len "
+                             f"{self.prompt_len}; token 0 stays), got {self.tails}")
 
 
 def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
     """The operating points the correction is trained at: the calibration's own plan, then the
-    transform-coded plan at each of ``cfg.budgets``, then (``cfg.spans``) the aligned span plans."""
+    transform-coded plan at each of ``cfg.budgets``, then each of those with each recomputed tail of
+    ``cfg.tails``, then (``cfg.spans``) the aligned span plans."""
     if cfg.budgets and calib.rate is None:
         raise ValueError("--budgets trains at transform-coded plans, which need the calibration's rate curves: run "
                          "`python -m scdviz rate` on it first, or pass --budgets with no value")
@@ -97,7 +104,8 @@ def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
         raise ValueError("--spans trains the span aligners of the calibration's span codes, and it has none: fit them "
                          "with `python -m scdviz span` first")
     spans = [plans.span_plan(calib, s) for s in sorted(calib.spans)] if cfg.spans else []
-    return [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets] + spans
+    coded = [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets]
+    return coded + [plans.with_tail(p, t) for p in coded for t in cfg.tails] + spans
 
 
 def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
