@@ -357,6 +357,8 @@ def scd_tail(record: str = "tail_test.json") -> str:
     """A recomputed tail (test slice): raw KV, SCD reuse-only and transform coded at 3,840 B/token, each without
     and with the consumer recomputing the prompt's last tokens, beside DroidSpeak's 2 recomputed layers: KL
     against raw reuse and against the same method without the tail, the consumer's compute, QA."""
+    from scdviz.scd.plan import untailed  # lazily, as the commands: plans import torch
+
     rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
     out = []
     for rel, spec in zip(rels, SPECIALISTS, strict=True):
@@ -365,7 +367,7 @@ def scd_tail(record: str = "tail_test.json") -> str:
         tc = next(m for m in plain if m.startswith("SCD transform-coded") and not m.endswith(")"))
         shown = [plain[m] for m in ("raw KV", "DroidSpeak recompute", "SCD reuse-only", tc)]
         for r in shown + _scd_rows(rel, "tail sweep"):
-            base = plain.get(r["method"].split(" + last ")[0])
+            base = plain.get(untailed(r["method"]))
             qa = _paired(raw["qa_f1_items"], r["qa_f1_items"], _passages(r)) if r is not raw else None
             out.append([spec, SCD_NAMES.get(r["method"], r["method"]), str(r.get("tail", 0)),
                         f"{r['prefill_share']:.1%}" if "prefill_share" in r else "",

@@ -1077,12 +1077,16 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
     fresh.__dict__.pop("tag", None)
     assert tiny_calib.tag == fresh.tag  # calibrate names the calibration after its final stats (rate included)
     assert trained.closed_form().tag == tiny_calib.tag != trained.tag and tiny_calib.closed_form() is tiny_calib
-    cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0)
+    cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, tails=[4])
     torch.manual_seed(0)
-    both = {r.method: r for r in bench.bench(tiny_pair, trained, [_window(48, 7)], cfg, progress=False).methods}
+    got = bench.bench(tiny_pair, trained, [_window(48, 7)], cfg, progress=False)
+    both = {r.method: r for r in got.methods + got.sweeps}
     torch.manual_seed(0)
-    before = {r.method: r for r in bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False).methods}
+    got = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False)
+    before = {r.method: r for r in got.methods + got.sweeps}
+    assert "SCD reuse-only + last 4 recomputed" in before  # the tail sweep's SCD rows have their twins too
     assert set(both) == set(before) | {m + plans.CLOSED for m in before if m.startswith("SCD")}
+    assert plans.untailed("SCD reuse-only + last 4 recomputed" + plans.CLOSED) == "SCD reuse-only" + plans.CLOSED
     for m in (m for m in before if m.startswith("SCD")):
         assert both[m + plans.CLOSED].kl_per_prompt == before[m].kl_per_prompt
         assert both[m].kl_per_prompt != before[m].kl_per_prompt  # the correction changed what the consumer got

@@ -210,8 +210,9 @@ def bench(
         swept, calibs = plans.with_closed_form(plans.span_sweep(calib), calib)
         report.sweeps += measure.run_methods(pair, calibs, cases, swept, "span sweep", progress=progress)
     if cfg.tails:
-        tailed = plans.tail_sweep(calib, tuple(cfg.tails), tuple(budgets) if calib.rate else ())
-        report.sweeps += measure.run_methods(pair, calib, cases, tailed, "tail sweep", progress=progress)
+        tailed, calibs = plans.with_closed_form(
+            plans.tail_sweep(calib, tuple(cfg.tails), tuple(budgets) if calib.rate else ()), calib)
+        report.sweeps += measure.run_methods(pair, calibs, cases, tailed, "tail sweep", progress=progress)
     if cfg.rank_claim:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim",
                                              progress=progress)

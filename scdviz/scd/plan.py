@@ -29,6 +29,7 @@ sweeps and the app's controls. This module runs no model.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -172,6 +173,12 @@ TAILS = (16, 32, 64)  # the tail sweep's recomputed tails (tokens), bench scd --
 def with_tail(plan: Plan, tail: int) -> Plan:
     """``plan`` with the consumer recomputing the last ``tail`` prefix tokens itself (named for it)."""
     return dataclasses.replace(plan, name=f"{plan.name} + last {tail} recomputed", tail=tail)
+
+
+def untailed(name: str) -> str:
+    """The name of the same plan without its recomputed tail (``with_tail``'s suffix removed; a closed-form twin
+    stays one): what a tailed row is compared against."""
+    return re.sub(r" \+ last \d+ recomputed", "", name)
 
 
 def tail_sweep(calib: Calibration, tails: tuple[int, ...] = TAILS, budgets: tuple[float, ...] = ()) -> list[Plan]:
