@@ -175,6 +175,32 @@ def with_tail(plan: Plan, tail: int) -> Plan:
     return dataclasses.replace(plan, name=f"{plan.name} + last {tail} recomputed", tail=tail)
 
 
+RAW_LAYER_BITS = 4  # bits of the producer's K, V at raw layers inside an SCD plan (4-bit KV keeps raw reuse's recall)
+
+
+def with_raw(plan: Plan, layers: list[int], bits: int = RAW_LAYER_BITS) -> Plan:
+    """``plan`` with ``layers`` sent as the producer's own K, V (quantised to ``bits`` as 4-bit KV is, or fp16)
+    instead of their code: where the consumer's quote recall reads the producer's keys better than its own (on
+    austen-qkv layers 20 and 26, chosen on the dev slice by ``python -m research.recall_layers``)."""
+    bad = sorted({layer for layer in layers if not 0 <= layer < len(plan.modes)})
+    if bad or not layers:
+        raise ValueError(f"raw layers are 0 to {len(plan.modes) - 1}, at least one; got {list(layers)}")
+    if bits not in (4, 8, 16):
+        raise ValueError(f"raw layers travel in 4, 8 or 16 bits; got {bits}")
+    modes = ["raw" if i in set(layers) else m for i, m in enumerate(plan.modes)]
+    label = " ".join(str(layer) for layer in sorted(set(layers)))
+    return dataclasses.replace(plan, modes=modes, raw_bits=bits,
+                               name=f"{plan.name} + raw layers {label}" + (f" ({bits}-bit)" if bits < 16 else ""))
+
+
+def raw_layer_sweep(calib: Calibration, layers: list[int], bits: int = RAW_LAYER_BITS,
+                    budgets: tuple[float, ...] = ()) -> list[Plan]:
+    """SCD reuse-only, SCD full (the operating point) and SCD transform coded at each of ``budgets`` (a hard
+    limit that the raw layers' bytes count in), each with ``layers`` sent raw (``with_raw``)."""
+    bases = [operating_plan(calib, patch_k=0, name="SCD reuse-only"), operating_plan(calib, name="SCD full")]
+    return [with_raw(p, layers, bits) for p in bases + [tc_plan(calib, b) for b in budgets]]
+
+
 def untailed(name: str) -> str:
     """The name of the same plan without its recomputed tail (``with_tail``'s suffix removed; a closed-form twin
     stays one): what a tailed row is compared against."""

@@ -1,0 +1,71 @@
+"""Fast tier: raw layers inside an SCD plan (``plans.with_raw``): chosen layers travel as the producer's own
+K, V (quantised as 4-bit KV is, or fp16) instead of their REUSE code, on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_scd import make_pair, perturbed, small_cfg
+
+from scdviz.models import hf
+from scdviz.scd import calibrate as cal
+from scdviz.scd import payload, transfer
+from scdviz.scd import plan as plans
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return make_pair(tiny_model("llama"), perturbed(1))
+
+
+@pytest.fixture(scope="module")
+def tiny_calib(tiny_pair, texts):
+    return cal.calibrate(small_cfg(texts), tiny_pair, progress=False)
+
+
+def _window(n: int = 48, seed: int = 3) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_raw_layers_are_the_producers_kv_and_the_rest_the_plans_own(tiny_pair, tiny_calib, bits):
+    """At the raw layers the consumer's cache is exactly raw reuse's at those bits (4-bit KV, or the
+    producer's fp16 K, V); at every other layer exactly the SCD plan's; the payload's header says "raw"
+    there and nothing else changes."""
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    n = hf.n_layers(tiny_pair.consumer)
+    base = plans.operating_plan(tiny_calib, patch_k=0, name="SCD reuse-only")
+    mixed = plans.with_raw(base, [1], bits)
+    assert mixed.modes == ["raw" if i == 1 else m for i, m in enumerate(base.modes)] and "code" in mixed.modes
+    assert mixed.name == "SCD reuse-only + raw layers 1" + (" (4-bit)" if bits == 4 else "")
+    raw = plans.raw_plan(n, bits=bits)
+    got, own, reuse = (hf.cache_kv(transfer.transferred(tiny_pair.consumer, case.state, p, tiny_calib))
+                       for p in (mixed, raw, base))
+    for layer in range(n):
+        want = own if layer == 1 else reuse
+        for side in (0, 1):  # keys, values
+            assert torch.equal(got[side][layer], want[side][layer]), (layer, side)
+    blob = transfer.build_payload(case.state, mixed, tiny_calib)
+    assert payload.decode(blob).layout.modes == mixed.modes
+
+
+def test_raw_layers_are_refused_outside_the_model_and_swept_by_the_bench(tiny_pair, tiny_calib):
+    """A raw layer the model does not have is refused by name, in the plan and in the bench (before any
+    work); the bench's "raw layers" group holds reuse-only, full and transform coded at each budget with
+    those layers raw, the budget still a hard limit on the real payload."""
+    from scdviz.scd import bench
+
+    n = tiny_calib.n_layers
+    with pytest.raises(ValueError, match=f"raw layers are 0 to {n - 1}"):
+        plans.with_raw(plans.operating_plan(tiny_calib), [n])
+    cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, raw_layers=[0],
+                               budgets=(30.0,))
+    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False)
+    rows = report.table().set_index("method")
+    swept = rows[rows["group"] == "raw layers"]
+    assert list(swept.index) == [p.name for p in plans.raw_layer_sweep(tiny_calib, [0], 4, (30.0,))]
+    assert swept.loc["SCD transform-coded @30 B/token + raw layers 0 (4-bit)", "bytes_per_token"] <= 30.0
+    with pytest.raises(ValueError, match=f"--raw-layers are 0 to {n - 1}"):
+        bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], bench.ScdBenchConfig(
+            cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, raw_layers=[n]), progress=False)
