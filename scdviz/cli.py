@@ -435,7 +435,7 @@ def _write(cmd, record: records.BenchRecord) -> None:
     if cmd.out:
         path = _check_writable(Path(cmd.out), cmd.maintainer)
         path.parent.mkdir(parents=True, exist_ok=True)
-        toml = path.with_suffix(".toml")
+        toml = path.parent / f"{records.stem(path)}.toml"
     else:
         folder = runs.new("bench", cmd.name or runs.auto_name(kind))
         path, toml = folder / "record.json", folder / "config.toml"

@@ -5,11 +5,14 @@ the Results tab opens: ``kind`` ("scd" or "evict") says which bench made it (nob
 guesses from column names), ``settings`` are the full settings of the run (sources and
 config, as the CLI parsed them; the run's ``config.toml`` reruns it), ``seed`` the seed,
 ``versions`` the packages, git commit, hardware and device it ran on, ``seconds`` its wall
-time, ``rows`` the bench's rows. NaN and infinities become JSON null.
+time, ``rows`` the bench's rows. NaN and infinities become JSON null. A file named ``*.json.gz`` holds
+the same JSON gzipped (shipped records that would not otherwise fit the tree; written byte for byte the
+same every time).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import platform
@@ -20,6 +23,8 @@ from pathlib import Path
 
 KINDS = ("scd", "evict", "ttft", "cost")
 FORMAT = "scdviz-bench/1"
+SUFFIXES = (".json", ".json.gz")  # a record's file name ends in one of these
+MAX_UNPACKED = 64 * 2**20  # bytes a gzipped record may unpack to (a shipped one is under 1 MB)
 _PACKAGES = ("torch", "transformers", "kvpress", "peft", "safetensors", "gradio")
 
 
@@ -134,11 +139,48 @@ def dumps(obj: dict) -> str:
     return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
+def is_record_name(name: str) -> bool:
+    """Whether a file name is a record's (``SUFFIXES``)."""
+    return name.lower().endswith(SUFFIXES)
+
+
+def without_suffix(name: str) -> str:
+    """``name`` (a file name or a path as text) without its record suffix, ``.json`` or ``.json.gz``."""
+    return next((name[: -len(s)] for s in sorted(SUFFIXES, key=len, reverse=True) if name.lower().endswith(s)), name)
+
+
+def stem(path: str | Path) -> str:
+    """A record file's name without ``.json`` or ``.json.gz`` (its ``.toml`` config is ``stem + ".toml"``)."""
+    name = Path(path).name
+    return without_suffix(name) if is_record_name(name) else Path(path).stem
+
+
+def _gzipped(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
 def write(record: BenchRecord, path: str | Path) -> Path:
-    """Write strict JSON (no NaN), laid out by ``dumps``."""
+    """Write strict JSON (no NaN), laid out by ``dumps``; gzipped when the name ends in ``.gz`` (no time
+    stamp in the gzip header: the same record gives the same bytes)."""
     path = Path(path)
-    path.write_text(dumps(finite(asdict(record))))
+    text = dumps(finite(asdict(record)))
+    if _gzipped(path):
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
     return path
+
+
+def _unpacked(path: Path) -> bytes:
+    """A gzipped file's content; ValueError for one that is not gzip or unpacks past ``MAX_UNPACKED``."""
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read(MAX_UNPACKED + 1)
+    except (gzip.BadGzipFile, EOFError, OSError) as err:
+        raise ValueError(f"{path.name} is not a gzipped file: {err}") from None
+    if len(data) > MAX_UNPACKED:
+        raise ValueError(f"{path.name} unpacks to more than {MAX_UNPACKED // 2**20} MB: not a benchmark record")
+    return data
 
 
 def from_json(obj, name: str = "the file") -> BenchRecord:
@@ -160,7 +202,7 @@ def read(path: str | Path) -> BenchRecord:
     """Read a record file; ValueError for a file that is not one."""
     path = Path(path)
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads((_unpacked(path) if _gzipped(path) else path.read_bytes()).decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path.name} is not a JSON file: {err}") from None
     except RecursionError:  # json nests one Python call per level

@@ -115,7 +115,7 @@ def command(path: Path, record: records.BenchRecord) -> str:
                          for k, v in record.settings.items() if k in RESEARCH_FLAGS)
         return f"python -m research.{record.settings['research']} {flags} --out {Path(path).name}"
     mine = _flat(_live(record.settings))
-    for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != Path(path).stem):
+    for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != records.stem(path)):
         if _same_settings(mine, _flat(_live(tomllib.loads(toml.read_text())))):
             return f"python -m scdviz bench {record.kind} --config {_rel(toml)}"
     defaults = _cli_defaults(record.kind)
@@ -353,7 +353,7 @@ def scd_qa(record: str = "lodo_test.json") -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
-def scd_tail(record: str = "tail_test.json") -> str:
+def scd_tail(record: str = "tail_test.json.gz") -> str:
     """A recomputed tail (test slice): raw KV, SCD reuse-only and transform coded at 3,840 B/token, each without
     and with the consumer recomputing the prompt's last tokens, beside DroidSpeak's 2 recomputed layers: KL
     against raw reuse and against the same method without the tail, the consumer's compute, QA."""

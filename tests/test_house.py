@@ -151,16 +151,38 @@ def test_record_is_strict_json_with_settings_versions_and_seed(tmp_path):
         records.BenchRecord("speed", {}, 0, rows)
 
 
+def test_a_gzipped_record_reads_as_its_json_and_a_bomb_is_refused(tmp_path, monkeypatch):
+    """``*.json.gz``: the same record as the JSON (read back equal, the same bytes on every write: no time
+    stamp), its config named by the stem; a file that is not gzip, or unpacks past the cap, is refused."""
+    import gzip
+
+    rec = records.BenchRecord("scd", {"bench": {"limit": 3}}, 0, [{"row": "measured", "kl": 0.5}])
+    plain, packed = records.write(rec, tmp_path / "r.json"), records.write(rec, tmp_path / "r.json.gz")
+    assert records.read(packed) == records.read(plain) and gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    first = packed.read_bytes()
+    assert records.write(rec, tmp_path / "r.json.gz").read_bytes() == first
+    assert records.stem(packed) == records.stem(plain) == "r" and records.is_record_name("R.JSON.GZ")
+    (tmp_path / "not.json.gz").write_text("{}")
+    with pytest.raises(ValueError, match="not a gzipped file"):
+        records.read(tmp_path / "not.json.gz")
+    monkeypatch.setattr(records, "MAX_UNPACKED", 100)
+    with pytest.raises(ValueError, match="unpacks to more than"):
+        records.read(packed)
+
+
 def test_shipped_records_and_artefacts_are_current():
     """Every shipped bench file is a record of its kind; every shipped artefact loads in this format."""
     from scdviz import settings
     from scdviz.scd import calibration
 
-    for path in [*settings.ASSETS_DIR.glob("scd/*/*.json"), *settings.ASSETS_DIR.glob("policy/bench/*.json")]:
+    shipped = [p for pattern in ("scd/*/*", "policy/bench/*") for p in settings.ASSETS_DIR.glob(pattern)
+               if records.is_record_name(p.name)]
+    assert any(p.name.endswith(".json.gz") for p in shipped)  # gzipped records are checked as the others
+    for path in shipped:
         rec = records.read(path)
         scd = path.relative_to(settings.ASSETS_DIR).parts[0] == "scd"
-        kind = "ttft" if path.name == "ttft.json" else "cost" if path.name.endswith("cost.json") else \
-            "scd" if scd else "evict"
+        name = records.stem(path)
+        kind = "ttft" if name == "ttft" else "cost" if name.endswith("cost") else "scd" if scd else "evict"
         assert rec.kind == kind, path
         assert set(config.from_dict(commands.BENCHES[rec.kind], rec.settings)[1]) <= commands.RETIRED_SETTINGS, path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):

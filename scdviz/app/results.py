@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from scdviz import settings
+from scdviz import records, settings
 from scdviz.app import hosting
 from scdviz.app.inputs import UserError
 from scdviz.app.session import Session
@@ -18,7 +18,8 @@ from scdviz.app.session import Session
 def shipped_results() -> list[Path]:
     """Benchmark records shipped in assets/ (read-only)."""
     assets = settings.ASSETS_DIR
-    return sorted([*assets.glob("scd/*/*.json"), *assets.glob("policy/bench/*.json")])
+    return sorted(p for pattern in ("scd/*/*", "policy/bench/*") for p in assets.glob(pattern)
+                  if records.is_record_name(p.name))
 
 
 def shipped_records() -> dict[str, Path]:
@@ -41,10 +42,11 @@ MAX_SHOWN = 1_000  # rows the table shows (the CSV export keeps all)
 
 
 def _bench_file(path, roots: tuple[Path, ...]) -> Path:
-    """A benchmark file a user named: allowed (hosted mode: under ``roots`` only), .json or .csv, not too big."""
+    """A benchmark file a user named: allowed (hosted mode: under ``roots`` only), a record (.json, .json.gz) or
+    .csv, not too big."""
     p = hosting.user_file(path, "benchmark file", roots=roots)
-    if p.suffix.lower() not in (".json", ".csv"):
-        raise UserError(f"{p.name}: open a .json or .csv file from `python -m scdviz bench ... --out`")
+    if not (records.is_record_name(p.name) or p.suffix.lower() == ".csv"):
+        raise UserError(f"{p.name}: open a .json, .json.gz or .csv file from `python -m scdviz bench ... --out`")
     if p.stat().st_size > settings.max_upload_mb() * 2**20:
         raise UserError(f"{p.name} is larger than {settings.max_upload_mb()} MB (SCDVIZ_MAX_UPLOAD_MB)")
     return p
@@ -60,8 +62,6 @@ def _sized(name: str, n_rows: int, n_columns: int) -> None:
 
 
 def _read_json(p: Path):
-    from scdviz import records
-
     try:
         rec = records.read(p)
     except ValueError as err:
@@ -76,8 +76,6 @@ def _read_json(p: Path):
 def _read_csv(p: Path):
     """A CSV export: every row has a known ``bench_kind``."""
     import pandas as pd
-
-    from scdviz import records
 
     try:
         _sized(p.name, 0, len(pd.read_csv(p, nrows=0).columns))  # the header first
@@ -103,10 +101,8 @@ def load_results(path, upload_roots: tuple[Path, ...] = ()):
     """
     import pandas as pd
 
-    from scdviz import records
-
     p = _bench_file(path, (settings.ASSETS_DIR, *upload_roots))
-    if p.suffix.lower() == ".json":
+    if records.is_record_name(p.name):
         record = _read_json(p)
         return pd.DataFrame(record.rows), record.kind
     df = _read_csv(p)
@@ -124,11 +120,9 @@ def read_records(path, upload_roots: tuple[Path, ...] = (), label: str | None = 
 
     Paths are checked as in ``load_results``; ``roots`` adds allowed folders (the runs folder).
     """
-    from scdviz import records
-
     p = _bench_file(path, (settings.ASSETS_DIR, *upload_roots, *roots))
-    name = label or p.stem
-    if p.suffix.lower() == ".json":
+    name = label or records.stem(p)
+    if records.is_record_name(p.name):
         return [(name, _read_json(p))]
     df = _read_csv(p)
     keys = ["record", "bench_kind"] if "record" in df.columns else ["bench_kind"]
@@ -172,7 +166,7 @@ def open_records(shipped=None, uploads=None, local=None,
     for name in shipped:
         if name not in known:
             raise UserError(f"{name!r} is not a shipped record; choose one of the list")
-        out += read_records(known[name], label=name.removeprefix("assets/").removesuffix(".json"))
+        out += read_records(known[name], label=records.without_suffix(name.removeprefix("assets/")))
     for name in local:
         if name not in mine:
             raise UserError(f"no bench run named {name!r} in {runs_root_shown()}; press ↻ to list the runs again")
