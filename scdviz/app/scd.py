@@ -63,14 +63,14 @@ def get_calibration(pair: Pair, session: Session | None = None):
         return _SHIPPED_CALIBS[key]
 
 
-def _parse_layers(text: str, n_layers: int) -> list[int]:
+def _parse_layers(text: str, n_layers: int, what: str = "manual patch layers") -> list[int]:
     try:
         layers = [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
-        raise UserError(f"manual patch layers must be integers separated by commas, got {text!r}") from None
+        raise UserError(f"{what} must be integers separated by commas, got {text!r}") from None
     bad = [x for x in layers if not 0 <= x < n_layers]
     if bad:
-        raise UserError(f"manual patch layers must be between 0 and {n_layers - 1}, got {bad}")
+        raise UserError(f"{what} must be between 0 and {n_layers - 1}, got {bad}")
     return layers
 
 
@@ -94,13 +94,15 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
     ordered = len(calib.patch_order if placement == "selected" else calib.drift_order)
     asked, patch_k = patch_k, min(patch_k, ordered)  # "up to k": a gated calibration may order fewer
     manual = _parse_layers(req.manual_layers, calib.n_layers)
+    raw_layers = _parse_layers(req.raw_layers, calib.n_layers, "raw layers")
     assert coder in bench.CODERS, coder  # the request offers only the bench's coders
     if budget and calib.rate is None:
         raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: "
                         "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
     report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, budget=budget or None, coder=coder,
-                                progress=progress, tail=req.recompute_tail)
+                                progress=progress, sweeps={"tails": [req.recompute_tail] if req.recompute_tail else [],
+                                                           "raw_layers": raw_layers})
     plan = report.plans["SCD full"]
     full = next(r for r in report.methods if r.method == "SCD full")
     table = report.table()
@@ -109,7 +111,7 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
         round(1000 * (r.oracle_seconds if r.method == "oracle" else
                       link.ttft(r.payload_bytes_per_token * r.prompt_tokens, r.consumer_seconds + r.encode_seconds,
                                 own)), 1)
-        for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (spans, tail)
+        for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (spans, tail, raw)
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
     res = report.methods

@@ -31,23 +31,31 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
     return list(ids)
 
 
+SWEEPS = ("tails", "raw_layers")  # the bench sweeps transfer_view can add (ScdBenchConfig fields)
+
+
 def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
                cont_len: int = 32, gen_tokens: int = 24, budget: float | None = None, coder: str = "transform",
-               progress: bool | Reporter = False, tail: int = 0) -> bench.BenchReport:
+               progress: bool | Reporter = False, sweeps: dict | None = None) -> bench.BenchReport:
     """The SCD tab's view of one text: ``bench`` on the one window made from it.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
     (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
     ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full. ``progress``: a reporter
-    (``scdviz.progress``) told each method as it runs. ``tail`` > 0: also raw KV and SCD reuse-only with the
-    consumer recomputing the last ``tail`` prompt tokens itself (the bench's tail sweep, one tail). A text of
+    (``scdviz.progress``) told each method as it runs. ``sweeps``: the bench's sweeps to add, by their
+    ``ScdBenchConfig`` field: ``{"tails": [32]}`` (raw KV and SCD reuse-only with the consumer recomputing the
+    last 32 prompt tokens itself), ``{"raw_layers": [20, 26]}`` (SCD reuse-only and full with those layers sent
+    as the producer's 4-bit K, V). A text of
     more tokens than ``SCDVIZ_MAX_PROMPT_TOKENS`` (default 1024) is refused before any work.
     """
     if isinstance(calib, Codec):
         calib, plan = calib.calibration, calib.plan
+    unknown = sorted(set(sweeps or {}) - set(SWEEPS))
+    if unknown:
+        raise ValueError(f"transfer_view adds the sweeps {list(SWEEPS)}; not {unknown}")
     window = window_of(pair, text, cont_len, settings.max_prompt_tokens())
     cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=False, budget=budget, coder=coder,
                                sent_rows=False, qa_answer_len=0, spans=bool(calib.spans),
-                               tails=[tail] if tail else [])
+                               **{k: list(v) for k, v in (sweeps or {}).items()})
     return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=progress, scd_full=plan)
