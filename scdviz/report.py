@@ -380,6 +380,32 @@ def scd_tail(record: str = "tail_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
+def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
+    """Quote recall from two layers sent raw (austen-qkv, test slice): the lineup's SCD plans without and with
+    layers 20 and 26 as the producer's 4-bit K, V (chosen on dev), with their closed-form twins: bytes, KL
+    against raw reuse and against the same plan without the raw layers, top-1, QA F1 and its paired
+    difference from raw reuse's."""
+    from scdviz.scd.plan import CLOSED  # lazily, as the commands: plans import torch
+
+    plain = {r["method"]: r for r in _scd_rows(record, "method")}
+    raw = plain["raw KV"]
+    shown = ("raw KV", "oracle", "SCD reuse-only", "SCD full", "SCD reuse-only" + CLOSED, "SCD full" + CLOSED)
+    rows = [plain[m] for m in shown] + _scd_rows(record, "raw layers")
+    out = []
+    for r in rows:
+        trained = r["method"].removesuffix(CLOSED)
+        base = plain.get(trained.split(" + raw layers ")[0] + (CLOSED if r["method"].endswith(CLOSED) else ""))
+        qa = _paired(raw["qa_f1_items"], r["qa_f1_items"], _passages(r)) if r is not raw else None
+        out.append([SCD_NAMES.get(r["method"], r["method"]), _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}",
+                    "" if r is raw or r["method"] == "oracle" else _ratio(raw, r),
+                    _ratio(base, r) if base is not None and base is not r else "", f"{r['top1']:.3f}",
+                    _f(r.get("qa_f1"), 3),
+                    "" if qa is None else f"{qa['diff']:+.3f} {_ci(*qa['diff_ci'], 3, sign=True)}"])
+    head = ["method", "bytes/token", "KL", "KL / raw KV [95% CI]", "KL / without the raw layers [95% CI]", "top-1",
+            "QA F1", "QA − raw (paired) [95% CI]"]
+    return _table(head, out) + "\n\n" + _source_line([record])
+
+
 def scd_ttft() -> str:
     """Time to first token, measured (medians of interleaved rounds)."""
     rel = "scd/jargon/ttft.json"
@@ -665,6 +691,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-qa": scd_qa,
     "scd-ttft": scd_ttft,
     "scd-tail": scd_tail,
+    "scd-recall": scd_recall,
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
     "evict-domains": evict_domains,
