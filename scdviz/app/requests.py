@@ -84,8 +84,8 @@ class ScdRequest(Request):
     recompute_tail: int = control(0, "Recompute the last N prompt tokens (0 = none: adds raw KV and SCD reuse-only "
                                   "with them recomputed by the consumer)", "int", name="Recomputed tail", lo=0,
                                   hi=512, step=8, row="budget", props={"elem_id": "scd-tail"})
-    raw_layers: str = control("", "Layers sent raw inside SCD (e.g. 20, 26: austen-qkv's quote recall; adds SCD "
-                              "reuse-only and full with them as the producer's 4-bit K, V)", "text",
+    raw_layers: str = control("", "Layers sent raw inside SCD (e.g. 20, 26, picked for quote recall on austen-qkv's "
+                              "dev text; adds SCD reuse-only and full with them as the producer's 4-bit K, V)", "text",
                               name="Raw layers", hi=200, required=False, row="budget",
                               props={"elem_id": "scd-raw-layers"})
 

@@ -65,7 +65,7 @@ class ScdBenchConfig:
                                 "--budgets with these layers sent as the producer's own K, V (--raw-layer-bits) "
                                 "instead of codes, where quote recall reads the producer's keys better (austen-qkv: "
                                 "20 26, chosen on dev by `python -m research.recall_layers`)")
-    raw_layer_bits: int = opt(4, "bits of the raw layers' K, V (quantised as 4-bit KV is; 16: fp16)",
+    raw_layer_bits: int = opt(plans.RAW_LAYER_BITS, "bits of the raw layers' K, V (quantised as 4-bit KV is; 16: fp16)",
                               choices=(4, 8, 16))
     rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the "
                            "other way round (reuse-only)")
