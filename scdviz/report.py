@@ -302,7 +302,7 @@ def scd_rank_claim() -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
-def scd_lodo(record: str = "lodo_test.json") -> str:
+def scd_lodo(record: str = "lodo_test.json.gz") -> str:
     """Leave-one-domain-out (test slice): per held-out domain, raw reuse vs SCD (int4 operating point and
     transform coded)."""
     rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
@@ -331,7 +331,7 @@ def _own_domain(spec: str) -> str:
     return spec.split("-")[0]
 
 
-def scd_qa(record: str = "lodo_test.json") -> str:
+def scd_qa(record: str = "lodo_test.json.gz") -> str:
     """Context-QA token-F1 pooled over the six held-out domains of the leave-one-domain-out runs (test slice)."""
     rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
     out = []
