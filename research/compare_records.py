@@ -80,14 +80,14 @@ def vs_raw(path: str) -> None:
 
 def tails(path: str) -> None:
     """Each tailed method of one record against raw KV and against its untailed base (module docstring)."""
-    from scdviz.scd.plan import untailed
+    from scdviz.scd.plan import base_name
 
     rows = [r for r in records.read(path).rows if r.get("row") == "measured" and r.get("kl_per_prompt")]
     by = {(r["specialist"], r["domain"], r["method"]): r for r in rows}
     print("specialist domain method: KL / raw [95%, passages] | KL / without the tail [95%] | top-1 | "
           "QA F1 - raw [95%] | B/token | compute share")
     for (spec, dom, method), r in by.items():
-        base, raw = untailed(method), by.get((spec, dom, "raw KV"))
+        base, raw = base_name(method), by.get((spec, dom, "raw KV"))
         if base == method or raw is None:
             continue
         cut = r.get("passages")

@@ -353,11 +353,19 @@ def scd_qa(record: str = "lodo_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
+def _qa_vs_raw(raw: dict, row: dict) -> str:
+    """A row's context-QA token-F1 less raw reuse's, paired over items (passages resampled), with its interval."""
+    if row is raw:
+        return ""
+    qa = _paired(raw["qa_f1_items"], row["qa_f1_items"], _passages(row))
+    return f"{qa['diff']:+.3f} {_ci(*qa['diff_ci'], 3, sign=True)}"
+
+
 def scd_tail(record: str = "tail_test.json.gz") -> str:
     """A recomputed tail (test slice): raw KV, SCD reuse-only and transform coded at 3,840 B/token, each without
     and with the consumer recomputing the prompt's last tokens, beside DroidSpeak's 2 recomputed layers: KL
     against raw reuse and against the same method without the tail, the consumer's compute, QA."""
-    from scdviz.scd.plan import untailed  # lazily, as the commands: plans import torch
+    from scdviz.scd.plan import base_name  # lazily, as the commands: plans import torch
 
     rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
     out = []
@@ -367,14 +375,12 @@ def scd_tail(record: str = "tail_test.json.gz") -> str:
         tc = next(m for m in plain if m.startswith("SCD transform-coded") and not m.endswith(")"))
         shown = [plain[m] for m in ("raw KV", "DroidSpeak recompute", "SCD reuse-only", tc)]
         for r in shown + _scd_rows(rel, "tail sweep"):
-            base = plain.get(untailed(r["method"]))
-            qa = _paired(raw["qa_f1_items"], r["qa_f1_items"], _passages(r)) if r is not raw else None
+            base = plain.get(base_name(r["method"]))
             out.append([spec, SCD_NAMES.get(r["method"], r["method"]), str(r.get("tail", 0)),
                         f"{r['prefill_share']:.1%}" if "prefill_share" in r else "",
                         _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}", "" if r is raw else _ratio(raw, r),
                         _ratio(base, r) if base is not None and base is not r else "", f"{r['top1']:.3f}",
-                        _f(r.get("qa_f1"), 3),
-                        "" if qa is None else f"{qa['diff']:+.3f} {_ci(*qa['diff_ci'], 3, sign=True)}"])
+                        _f(r.get("qa_f1"), 3), _qa_vs_raw(raw, r)])
     head = ["specialist", "method", "tail (tokens)", "consumer compute (share of its prefill)", "bytes/token", "KL",
             "KL / raw KV [95% CI]", "KL / without the tail [95% CI]", "top-1", "QA F1", "QA − raw (paired) [95% CI]"]
     return _table(head, out) + "\n\n" + _source_line(rels)
@@ -385,7 +391,7 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     layers 20 and 26 as the producer's 4-bit K, V (chosen on dev), with their closed-form twins: bytes, KL
     against raw reuse and against the same plan without the raw layers, top-1, QA F1 and its paired
     difference from raw reuse's."""
-    from scdviz.scd.plan import CLOSED  # lazily, as the commands: plans import torch
+    from scdviz.scd.plan import CLOSED, base_name  # lazily, as the commands: plans import torch
 
     plain = {r["method"]: r for r in _scd_rows(record, "method")}
     raw = plain["raw KV"]
@@ -393,14 +399,11 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     rows = [plain[m] for m in shown] + _scd_rows(record, "raw layers")
     out = []
     for r in rows:
-        trained = r["method"].removesuffix(CLOSED)
-        base = plain.get(trained.split(" + raw layers ")[0] + (CLOSED if r["method"].endswith(CLOSED) else ""))
-        qa = _paired(raw["qa_f1_items"], r["qa_f1_items"], _passages(r)) if r is not raw else None
+        base = plain.get(base_name(r["method"]))
         out.append([SCD_NAMES.get(r["method"], r["method"]), _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}",
                     "" if r is raw or r["method"] == "oracle" else _ratio(raw, r),
                     _ratio(base, r) if base is not None and base is not r else "", f"{r['top1']:.3f}",
-                    _f(r.get("qa_f1"), 3),
-                    "" if qa is None else f"{qa['diff']:+.3f} {_ci(*qa['diff_ci'], 3, sign=True)}"])
+                    _f(r.get("qa_f1"), 3), _qa_vs_raw(raw, r)])
     head = ["method", "bytes/token", "KL", "KL / raw KV [95% CI]", "KL / without the raw layers [95% CI]", "top-1",
             "QA F1", "QA − raw (paired) [95% CI]"]
     return _table(head, out) + "\n\n" + _source_line([record])

@@ -39,6 +39,7 @@ def test_raw_layers_are_the_producers_kv_and_the_rest_the_plans_own(tiny_pair, t
     mixed = plans.with_raw(base, [1], bits)
     assert mixed.modes == ["raw" if i == 1 else m for i, m in enumerate(base.modes)] and "code" in mixed.modes
     assert mixed.name == "SCD reuse-only + raw layers 1" + (" (4-bit)" if bits == 4 else "")
+    assert plans.base_name(mixed.name + plans.CLOSED) == base.name + plans.CLOSED  # what its row is compared with
     raw = plans.raw_plan(n, bits=bits)
     got, own, reuse = (hf.cache_kv(transfer.transferred(tiny_pair.consumer, case.state, p, tiny_calib))
                        for p in (mixed, raw, base))

@@ -1086,7 +1086,7 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
     before = {r.method: r for r in got.methods + got.sweeps}
     assert "SCD reuse-only + last 4 recomputed" in before  # the tail sweep's SCD rows have their twins too
     assert set(both) == set(before) | {m + plans.CLOSED for m in before if m.startswith("SCD")}
-    assert plans.untailed("SCD reuse-only + last 4 recomputed" + plans.CLOSED) == "SCD reuse-only" + plans.CLOSED
+    assert plans.base_name("SCD reuse-only + last 4 recomputed" + plans.CLOSED) == "SCD reuse-only" + plans.CLOSED
     for m in (m for m in before if m.startswith("SCD")):
         assert both[m + plans.CLOSED].kl_per_prompt == before[m].kl_per_prompt
         assert both[m].kl_per_prompt != before[m].kl_per_prompt  # the correction changed what the consumer got

@@ -202,10 +202,13 @@ def raw_layer_sweep(calib: Calibration, layers: list[int], bits: int = RAW_LAYER
     return [with_raw(p, layers, bits) for p in bases + [tc_plan(calib, b) for b in budgets]]
 
 
-def untailed(name: str) -> str:
-    """The name of the same plan without its recomputed tail (``with_tail``'s suffix removed; a closed-form twin
-    stays one): what a tailed row is compared against."""
-    return re.sub(r" \+ last \d+ recomputed", "", name)
+_ADDED = re.compile(r" \+ (last \d+ recomputed|raw layers \d+( \d+)*( \(\d+-bit\))?)")  # with_tail's, with_raw's
+
+
+def base_name(name: str) -> str:
+    """The name of the plan a tailed or raw-layer plan was made from (``with_tail``'s and ``with_raw``'s suffix
+    removed; a closed-form twin stays one): what such a row is compared against."""
+    return _ADDED.sub("", name)
 
 
 def tail_sweep(calib: Calibration, tails: tuple[int, ...] = TAILS, budgets: tuple[float, ...] = ()) -> list[Plan]:
