@@ -82,6 +82,26 @@ def test_ridge_solution_recovers_an_exact_linear_teacher():
     assert (normal.solve(1e4) - truth).abs().mean() > (normal.solve(1e-9) - truth).abs().mean()  # shrinkage
 
 
+def test_ridge_solution_at_the_real_width_on_two_threads_equals_each_layers_own_solve():
+    # torch's batched LU solve failed on CPU with 2 threads at this size; the solve must not depend on it
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 700, 580, dtype=torch.float64, generator=gen)
+    y = torch.randn(4, 3, 700, dtype=torch.float64, generator=gen)
+    normal = NormalEquations(x.transpose(-1, -2) @ x, (x.transpose(-1, -2) @ y.unsqueeze(-1))[..., 0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = normal.solve(10.0)
+    finally:
+        torch.set_num_threads(threads)
+    eye = torch.eye(580, dtype=torch.float64)
+    eye[-1, -1] = 0  # the intercept is not shrunk
+    for layer, row in ((0, 0), (3, 2)):
+        a = normal.xtx[layer, row]
+        want = torch.linalg.solve(a + 10.0 * 1e-3 * a.diagonal().mean() * eye, normal.xty[layer, row])
+        torch.testing.assert_close(got[layer, row], want.float(), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("per_head", [True, False])
 def test_press_keeps_exactly_the_top_student_scores_with_sdpa_attention(per_head):
     model = tiny_model("llama")

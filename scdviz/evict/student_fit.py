@@ -177,7 +177,10 @@ class NormalEquations:
         eye[-1, -1] = 0
         scale = xtx.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
         out = torch.zeros(self.xty.shape, dtype=torch.float32)
-        out[..., cols] = torch.linalg.solve(xtx + ridge * 1e-3 * scale * eye, xty.unsqueeze(-1))[..., 0].float()
+        # Cholesky, not LU: the matrices are symmetric positive definite, and torch's batched LU solve fails on
+        # CPU with 2 threads at this size ("Pivots given to lu_solve...", torch 2.13 with MKL)
+        factor = torch.linalg.cholesky(xtx + ridge * 1e-3 * scale * eye)
+        out[..., cols] = torch.cholesky_solve(xty.unsqueeze(-1), factor)[..., 0].float()
         return out
 
 
