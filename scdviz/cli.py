@@ -308,13 +308,15 @@ def _fit_student(cmd: FitStudent) -> None:
     print(f"validation KL ({cmd.fit.val_contexts} calib contexts, kept {', '.join(map(str, cmd.fit.keeps))}): "
           f"H2O {log['val_heuristic']}" + (f"; while decoding: H2O {log['val_decode_heuristic']}"
                                            if "val_decode_heuristic" in log else ""))
-    chosen = (fitted.config.ridge, fitted.meta.get("decode_weight"))
+    chosen = (fitted.config.ridge, fitted.meta.get("decode_weight"), fitted.meta.get("listwise_penalty"))
     for row in log["val"]:
         decoding = f", decoding {row['decode_kl']} ({row['decode_kl'] / log['val_decode_heuristic']:.3f}x H2O)" \
             if "decode_kl" in row else ""
         weight = f" decode weight {row['decode_weight']:g}" if "decode_weight" in row else ""
-        print(f"  ridge {row['ridge']:g}{weight}: {row['kl']} ({row['kl']/log['val_heuristic']:.3f}x H2O){decoding} "
-              + ("<- chosen" if (row["ridge"], row.get("decode_weight")) == chosen else ""))
+        listwise = f", then listwise, penalty {row['listwise_penalty']:g}" if "listwise_penalty" in row else ""
+        here = (row["ridge"], row.get("decode_weight"), row.get("listwise_penalty"))
+        print(f"  ridge {row['ridge']:g}{weight}{listwise}: {row['kl']} ({row['kl']/log['val_heuristic']:.3f}x H2O)"
+              f"{decoding} " + ("<- chosen" if here == chosen and not fitted.meta.get("rl_steps") else ""))
     print(f"done in {log['seconds']} s; {fitted.meta['flops_per_token_layer']} FLOPs per token per layer")
     print(f"student saved to {folder}; bench it with: "
           f"python -m scdviz bench evict --policies {folder / 'best.safetensors'}")

@@ -105,6 +105,14 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
         log = json.loads((tmp_path / name / "log.json").read_text()) | {"val_heuristic": line}
         (tmp_path / name / "log.json").write_text(json.dumps(log | {"val": [{"step": 0, "kl": kl}]}))
     assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-w32"  # 0.83x its line vs 1.5x
+    assert bench.expensive_on_validation(both, question_len=16) == "distillcache-head-lookahead"
+    # a log validated on windows spread through the calib split (as the benchmark's contexts are) competes
+    # only with logs like it, however well first-window validations did
+    log = json.loads((tmp_path / "look" / "log.json").read_text())
+    log["config"]["spread"] = True
+    (tmp_path / "look" / "log.json").write_text(json.dumps(log))
+    assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-lookahead"  # 1.5x its line
+    assert bench.cheap_on_validation(both, question_len=16) == "distillcache-head-w32"  # no cheap one spread
 
 
 def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():

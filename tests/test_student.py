@@ -16,6 +16,7 @@ from scdviz.evict.policy import keep_count
 from scdviz.evict.student import Student, StudentConfig, StudentPress, is_student
 from scdviz.evict.student_fit import (
     FitConfig,
+    Lists,
     NormalEquations,
     accumulate,
     decode_episodes,
@@ -24,6 +25,8 @@ from scdviz.evict.student_fit import (
     design,
     design_parts,
     fit,
+    listwise_layer,
+    teacher_distribution,
     teacher_rows,
 )
 from scdviz.models import hf
@@ -200,7 +203,8 @@ def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(
     monkeypatch.chdir(tmp_path)
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
-                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=0, val_decode=0)
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=0, val_decode=0,
+                    listwise=())
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
     assert list(tmp_path.iterdir()) == []
     log = student.log
@@ -224,6 +228,56 @@ def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(
     closed = rl.stages["closed_form"]
     assert torch.equal(closed.weight, student.weight) and closed.meta["rl_steps"] == 0
     assert closed.meta["val_kl"] == log["closed_form_kl"]
+
+
+def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept_and_keeps_masked_weights_zero():
+    gen = torch.Generator().manual_seed(0)
+    n, t, d, rows = 6, 20, 5, 2
+    truth = torch.randn(rows, d + 4, generator=gen)
+    lists = Lists.empty(1)
+    for _ in range(n):
+        h = torch.randn(t + 4, d, generator=gen)  # the context's rows, then a decode state's 4 more
+        lists.hidden[0].append(h.half())
+        for now in (t, t + 4):
+            extra = torch.randn(rows, now, 4, generator=gen)
+            extra[..., 3] = 1  # the intercept column
+            scores = h[:now].half().float() @ truth[:, :d].T + (extra * truth[:, None, d:]).sum(-1).T
+            lists.add(0, extra, torch.softmax(scores.T, -1))
+    got = listwise_layer(lists, 0, torch.zeros(rows, d + 4), 0.0, 0.5, 200)
+    torch.testing.assert_close(got[:, : d + 3], truth[:, : d + 3], atol=2e-3, rtol=2e-3)  # softmax ignores the 1
+    penalised = listwise_layer(lists, 0, torch.zeros(rows, d + 4), 1.0, 0.5, 200)
+    assert penalised[:, :d].norm() < got[:, :d].norm()  # the L2 penalty shrinks the H_in weights
+    some = listwise_layer(lists, 0, torch.ones(rows, d + 4), 0.0, 0.5, 20, columns=[0, 1, d + 3])
+    assert (some[:, [2, 3, 4, d, d + 1, d + 2]] == 0).all() and (some[:, :2] != 0).all()
+    share = teacher_distribution(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), per_head=False)
+    torch.testing.assert_close(share, torch.tensor([[0.375, 0.625]]))  # the heads' mean, normalised
+
+
+def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_on_validation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=6, decode_every=3,
+                    decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
+                    listwise=(0.0, 1.0), listwise_iters=5)
+    student = fit(cfg, (model, _Words(), "tiny"), progress=False)
+    vals = student.log["val"]
+    assert [(v["ridge"] if "listwise_penalty" not in v else None, v.get("listwise_penalty")) for v in vals][:2] == \
+        [(0.1, None), (1000.0, None)] and [v["listwise_penalty"] for v in vals[2:]] == [0.0, 1.0]
+    closed_row = min(vals[:2], key=lambda v: v["kl"] / student.log["val_heuristic"]
+                     + v["decode_kl"] / student.log["val_decode_heuristic"])
+    assert all(v["ridge"] == closed_row["ridge"] and v["decode_weight"] == 0.3 for v in vals[2:])  # from its pick
+    closed = student.stages["closed_form"]
+    assert closed.config.ridge == closed_row["ridge"] and student.log["closed_form_kl"] == closed_row["kl"]
+    choice = {id(v): v["kl"] / student.log["val_heuristic"] + v["decode_kl"] / student.log["val_decode_heuristic"]
+              for v in vals}
+    best = min(vals, key=lambda v: choice[id(v)])
+    assert student.meta["val_kl"] == best["kl"] and student.meta["listwise_penalty"] == best.get("listwise_penalty")
+    assert closed.meta["listwise_penalty"] is None
+    assert bench.student_name(closed) == "distillcache-student-decode-closed-form"
+    assert bench.student_name(student) == ("distillcache-student-decode" if "listwise_penalty" in best
+                                           else "distillcache-student-decode-closed-form")
+    assert not torch.equal(student.weight, closed.weight) == ("listwise_penalty" in best)
 
 
 def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):
@@ -332,7 +386,7 @@ def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_driv
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=2, val_contexts=2, context_len=40, teacher_len=8,
                     cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=6, decode_every=3,
-                    val_decode=2, val_decode_tokens=10, decode_interval=4)
+                    val_decode=2, val_decode_tokens=10, decode_interval=4, listwise=())
     samples = trainer.prepare(model, _Words(), trainer.TrainConfig(out="x", corpora=cfg.corpora, context_len=40,
                                                                    cont_len=4, question_len=2), "calib", 2, False,
                               hidden=True)

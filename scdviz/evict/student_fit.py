@@ -83,6 +83,13 @@ class FitConfig:
     spread: bool = opt(True, "draw each corpus's windows evenly through its split (as the benchmark's eval contexts "
                        "are) instead of its first ones: the train and calib splits interleave passages of one "
                        "text, so their first windows come from neighbouring parts of it")
+    listwise: tuple[float, ...] = opt((1e-3,), "then the listwise stage (future teacher): from the chosen closed "
+                                      "form, the weights minimising the cross-entropy between the teacher's "
+                                      "attention, normalised over each context (and decode state), and the softmax "
+                                      "of the scores, plus this L2 penalty on the H_in weights (L-BFGS, per layer); "
+                                      "each penalty validated like a ridge strength, the closed form kept when none "
+                                      "beats it; empty: none")
+    listwise_iters: int = opt(40, "listwise stage: L-BFGS iterations per layer")
     rl_steps: int = opt(200, "then REINFORCE steps on the seed's reward (-KL of the continuation for each of "
                         "`samples` Gumbel top-B kept sets, leave-one-out baseline), from the closed form; 0: none "
                         "(per-head students; a per-layer one stays at its closed form)")
@@ -99,19 +106,29 @@ class FitConfig:
 REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's reconstruction request (kvpress)
 
 
-def teacher_rows(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0,
-                 center: bool = True) -> Tensor:
-    """(R, T) the regression target of one layer: log of its future attention (Hkv, T) (or any teacher score), or
-    of ``weight`` x the reconstruction score + (1 - weight) x that, each normalised per row; centred per row
-    (``center``)."""
+def teacher_score(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0) -> Tensor:
+    """(R, T) one layer's teacher score: its future attention (Hkv, T) (or any teacher score), or ``weight`` x the
+    reconstruction score + (1 - weight) x that, each normalised per row; a per-layer student's is the heads' mean."""
     y = future.float()
     if recall is not None and weight > 0:
         def share(x: Tensor) -> Tensor:
             return x.float() / x.float().sum(-1, keepdim=True).clamp_min(1e-12)
         y = weight * share(recall) + (1 - weight) * share(y)
-    y = y if per_head else y.mean(0, keepdim=True)
-    y = (y + 1e-7).log()
+    return y if per_head else y.mean(0, keepdim=True)
+
+
+def teacher_rows(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0,
+                 center: bool = True) -> Tensor:
+    """(R, T) the regression target of one layer: log of ``teacher_score``, centred per row (``center``)."""
+    y = (teacher_score(future, per_head, recall, weight) + 1e-7).log()
     return y - y.mean(-1, keepdim=True) if center else y
+
+
+def teacher_distribution(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0
+                         ) -> Tensor:
+    """(R, T) the listwise stage's target: ``teacher_score`` normalised to sum to 1 per row."""
+    y = teacher_score(future, per_head, recall, weight)
+    return y / y.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
 def design_parts(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, now: int
@@ -184,6 +201,61 @@ class NormalEquations:
         return out
 
 
+@dataclass
+class Lists:
+    """The listwise stage's data: per layer and training context the layer's inputs (rows, d) in float16 (the
+    context's, then its generation's up to the last decode state), and per scored list (the prefill, or a decode
+    state of ``now`` tokens, keyed by ``now``) the extra columns (R, now, 4) and the teacher's distribution
+    (R, now), context by context. H_in'w is computed once per context and sliced for every list."""
+
+    hidden: list[list[Tensor]]
+    extra: list[dict[int, list[Tensor]]]
+    target: list[dict[int, list[Tensor]]]
+
+    @classmethod
+    def empty(cls, n_layers: int) -> Lists:
+        return cls([[] for _ in range(n_layers)], [{} for _ in range(n_layers)], [{} for _ in range(n_layers)])
+
+    def add(self, layer: int, extra: Tensor, target: Tensor) -> None:
+        """One list of ``layer``: extra (R, now, 4), target (R, now); its hidden rows are the context's."""
+        now = extra.shape[1]
+        self.extra[layer].setdefault(now, []).append(extra.float().cpu())
+        self.target[layer].setdefault(now, []).append(target.float().cpu())
+
+
+def listwise_layer(lists: Lists, layer: int, start: Tensor, penalty: float, decode_weight: float, iters: int,
+                   columns: list[int] | None = None) -> Tensor:
+    """(R, F) one layer's listwise weights: from ``start`` (R, F), L-BFGS on the mean over lists of
+    CE(teacher || softmax(scores)), the decode states' lists weighted ``decode_weight`` against the prefill's 1,
+    plus ``penalty`` x the mean over rows of ||w_H||^2; weights outside ``columns`` stay 0."""
+    h = torch.stack(lists.hidden[layer]).float()  # (N, rows, d)
+    d = h.shape[-1]
+    prefill = min(lists.extra[layer])
+    groups = [(n, torch.stack(lists.extra[layer][n]), torch.stack(lists.target[layer][n]),
+               1.0 if n == prefill else decode_weight) for n in sorted(lists.extra[layer])]
+    total = sum(c for *_, c in groups)
+    mask = torch.ones_like(start)
+    if columns is not None:
+        mask = torch.zeros_like(start)
+        mask[:, columns] = 1
+    w = (start.float() * mask).clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([w], lr=1, max_iter=iters, line_search_fn="strong_wolfe", history_size=20)
+
+    def closure():
+        opt.zero_grad()
+        weight = w * mask
+        base = torch.einsum("ntd,rd->nrt", h, weight[:, :d])  # (N, R, rows)
+        loss = penalty * (weight[:, :d] ** 2).sum(-1).mean()
+        for n, extra, target, c in groups:
+            scores = base[..., :n] + (extra * weight[None, :, None, d:]).sum(-1)
+            loss = loss - c / total * (target * torch.log_softmax(scores, -1)).sum(-1).mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return (w * mask).detach()
+
+
 def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> list[list[int]]:
     """``count`` windows of ``length`` tokens, equally many from each corpus's ``split``."""
     per = -(-count // len(cfg.corpora))
@@ -195,9 +267,11 @@ def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> l
     return out[:count]
 
 
-def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: bool | Reporter = True) -> NormalEquations:
+def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: bool | Reporter = True,
+               lists: Lists | None = None) -> NormalEquations:
     """The normal equations over ``cfg.contexts`` training contexts: per context an SDPA prefill (H_in and
-    values of every layer) and the teacher's continuation over the full cache with eager attention."""
+    values of every layer) and the teacher's continuation over the full cache with eager attention; with
+    ``lists``, the listwise stage's data is collected there too."""
     n_layers, rows, f = student.weight.shape
     normal = NormalEquations.zeros(n_layers, rows, f)
     if cfg.decode_len:
@@ -232,16 +306,21 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
             future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
         for layer in range(n_layers):
             h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions.to(ids.device), t)
-            normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head,
-                                                     None if recall is None else recall[layer], cfg.recall,
+            mixed = None if recall is None else recall[layer]
+            normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head, mixed, cfg.recall,
                                                      center=not kvzip_plus))
+            if lists is not None:
+                lists.hidden[layer].append(h.half().cpu())
+                lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head, mixed,
+                                                             cfg.recall))
         normal.rows += t
         if cfg.decode_len:
-            _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace)
+            _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace, lists)
     return normal
 
 
-def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEquations, first, trace) -> None:
+def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEquations, first, trace,
+                       lists: Lists | None = None) -> None:
     """Rows of one context's decode states: the model generates ``cfg.decode_len`` tokens greedily after the
     prefill ``trace`` (full cache, ``first`` the next token); at every ``decode_every``-th of them each cached token
     (context and generated) is regressed on the attention the rest of the generation pays it, at its age then."""
@@ -259,6 +338,9 @@ def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEq
             hidden = torch.cat([trace.h_in[layer][0], dec.h_in[layer][0, :s]], 0)
             h, extra = design_parts(student, hidden, values[layer][0, :, :now], positions, now)
             normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
+            if lists is not None:  # the context's hidden rows grow to this state's
+                lists.hidden[layer][-1] = h.half().cpu()
+                lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head))
         normal.rows += now
 
 
@@ -337,7 +419,8 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
                          "--recall")
     t0 = time.perf_counter()
     base = Student.for_model(model, cfg.student)
-    normal = accumulate(model, tokenizer, cfg, base, progress)
+    lists = Lists.empty(hf.n_layers(model)) if cfg.listwise and cfg.teacher == "future" else None
+    normal = accumulate(model, tokenizer, cfg, base, progress, lists)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
     log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows,
            "decode_rows": normal.decode.rows if normal.decode else 0}
@@ -354,47 +437,64 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         log["val_decode_heuristic"] = round(sum(h2o_decode) / len(h2o_decode), 5)
         log["h2o_decode_per_context"] = [round(v, 6) for v in h2o_decode]
     best, best_kl, best_choice, best_weight, best_decode = None, math.inf, math.inf, None, None
+    closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode  # the ridge pick
     d = base.hidden
     columns = None if cfg.inputs == "all" else [*range(d), d + 3]  # KVzap's: H_in and the intercept
     weights = cfg.decode_weights if normal.decode else (1.0,)
-    for ridge, weight in steps([(r, w) for r in cfg.ridges for w in weights],
-                               "student: ridge strengths (and decode-state weights) on validation", progress):
-        student = Student.for_model(model, dataclasses.replace(cfg.student, ridge=float(ridge)))
-        with torch.no_grad():
-            student.weight.copy_(normal.solve(float(ridge), columns, float(weight)))
+    candidates = [(r, w, None) for r in cfg.ridges for w in weights] + [(None, None, p) for p in
+                                                                         (cfg.listwise if lists else ())]
+    for ridge, weight, penalty in steps(candidates, "student: ridge strengths (and decode-state weights), then the "
+                                        "listwise stage, on validation", progress):
+        if penalty is None:
+            student = Student.for_model(model, dataclasses.replace(cfg.student, ridge=float(ridge)))
+            with torch.no_grad():
+                student.weight.copy_(normal.solve(float(ridge), columns, float(weight)))
+        else:  # the listwise stage, from the closed form chosen so far
+            ridge, weight = closed.config.ridge, closed_weight
+            student = Student.for_model(model, closed.config)
+            with torch.no_grad():
+                student.weight.copy_(torch.stack([
+                    listwise_layer(lists, layer, closed.weight[layer].detach(), float(penalty),
+                                   float(weight if normal.decode else 1.0), cfg.listwise_iters, columns)
+                    for layer in range(student.weight.shape[0])]))
         kls = trainer.validation_kls(model, scorer(student), True, val, cfg.keeps)
         mean = sum(kls) / len(kls)
         by_keep = {f"{k:g}": round(sum(kls[i::len(cfg.keeps)]) / len(kls[i::len(cfg.keeps)]), 5)
                    for i, k in enumerate(cfg.keeps)}
         entry = {"ridge": float(ridge), "kl": round(mean, 5), "kl_by_keep": by_keep,
-                 "kl_per_context": [round(v, 6) for v in kls]} | ({"decode_weight": weight} if normal.decode else {})
+                 "kl_per_context": [round(v, 6) for v in kls]} | ({"decode_weight": weight} if normal.decode else {}) \
+            | ({} if penalty is None else {"listwise_penalty": float(penalty)})
         choice = mean
         if episodes:  # the same student held while decoding; each KL over H2O's on the same contexts
             dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, student)
             entry |= {"decode_kl": round(sum(dec) / len(dec), 5), "decode_kl_per_context": [round(v, 6) for v in dec]}
             choice = mean / max(log["val_heuristic"], 1e-12) + sum(dec) / max(sum(h2o_decode), 1e-12)
         log["val"].append(entry)
+        student.meta = {"listwise_penalty": None if penalty is None else float(penalty)}
         if choice < best_choice:
             best, best_kl, best_choice, best_weight, best_decode = student, mean, choice, weight, entry.get("decode_kl")
+        if penalty is None:  # the closed form so far
+            closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
-    log["closed_form_kl"] = round(best_kl, 5)
-    steps_kept, closed, closed_decode = 0, best, best_decode
+    log["closed_form_kl"] = round(closed_kl, 5)
+    steps_kept = 0
     if cfg.rl_steps and cfg.student.per_head:
         best, best_kl, steps_kept = reinforce(model, tokenizer, cfg, best, best_kl, val, scorer, log, progress)
-    if episodes and best is not closed:  # REINFORCE moved it: its decode-time validation too
+    if episodes and steps_kept:  # REINFORCE moved it: its decode-time validation too
         dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, best)
         best_decode = log["rl"]["decode_kl"] = round(sum(dec) / len(dec), 5)
     log["seconds"] = round(time.perf_counter() - t0, 1)
-    for one, kl, kept, decoding in ((closed, log["closed_form_kl"], 0, closed_decode),
-                                    (best, best_kl, steps_kept, best_decode)):
+    for one, kl, kept, decoding, weight in ((closed, log["closed_form_kl"], 0, closed_decode, closed_weight),
+                                            (best, best_kl, steps_kept, best_decode, best_weight)):
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
         one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
-                    "decode_weight": best_weight if normal.decode else None,
+                    "listwise_penalty": one.meta.get("listwise_penalty"),
+                    "decode_weight": weight if normal.decode else None,
                     "val_decode_kl": decoding, "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
                     "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2])}
         one.log = log
-    best.stages = {"closed_form": closed}  # the distilled stage alone (the same student when REINFORCE kept no step)
+    best.stages = {"closed_form": closed}  # the ridge fit alone (the same student when nothing after it was kept)
     return best.eval()
 
 
