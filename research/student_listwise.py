@@ -1,14 +1,16 @@
-"""Is the student's loss, not its inputs, what keeps it behind H2O? (validation only)
+"""Is it the student's loss or its inputs that keeps it behind H2O? (validation only)
 
-``research.student_window`` found that a ridge fit of the centred log future attention stays at
-0.96x H2O's validation KL even with H2O's own score among its inputs: least squares on log scores
-spends its fit on the long tail of tokens nobody reads, while top-B only needs the readable ones
-ranked. This probe fits the same linear students (same spread train contexts, teacher and design
-columns) by a listwise loss instead: per context and row, the cross-entropy between the softmax of
-the scores over the context and the future attention normalised to a distribution (the student's
-softmax distils the teacher's distribution; a weight of 1 on log H2O's score reproduces H2O's
-ranking), an L2 penalty on the H_in weights, L-BFGS from the ridge solution. It scores each on the
-fit's validation contexts (calib) at 25 % and 12.5 % kept against H2O's top-B.
+The student (scdviz.evict.student) reads no attention: a linear map of H_in, log ||v||, log(1 + pos),
+log(n - pos). This probe fits, on the same spread train contexts and future-attention teacher as
+``fit-student --decode-len 0``, three designs: the student; the student plus log of SnapKV's window
+attention (the last W prompt queries, per KV head: the group's query heads averaged, the rows
+summed / W; cheap: W rows, not T); the student plus log of H2O's own score (every query row: not
+cheap), a reference of what attention history can add. Each is fitted two ways: ridge regression
+of the centred log future attention (fit-student's closed form), and a listwise loss from there:
+per context and row, the cross-entropy between the softmax of the scores over the context and the
+future attention normalised to a distribution (a weight of 1 on log H2O's score reproduces H2O's
+ranking), an L2 penalty on the H_in weights, L-BFGS. It scores each on the fit's validation
+contexts (calib) at 25 % and 12.5 % kept against H2O's top-B.
 
     SCDVIZ_THREADS=2 python -m research.student_listwise [--contexts 120] [--penalties 0 1e-3 1e-2]
 
@@ -21,6 +23,23 @@ import argparse
 import time
 
 import torch
+
+EPS = 1e-6
+
+
+def window_attention(attn, window: int, n_kv: int):
+    """(Hkv, T) the attention the last ``window`` query rows of a causal prefill (1, H, T, T) pay, summed / window,
+    averaged over each KV head's query heads."""
+    a = attn[0, :, -window:, :].float().sum(1) / window  # (H, T)
+    return a.view(n_kv, -1, a.shape[-1]).mean(1)
+
+
+def columns(extra, cols):
+    """extra (R, T, 4) [log v, log1p pos, log age, 1] with the logs of ``cols`` ((Hkv or 1, T) each) before the 1."""
+    rows, t = extra.shape[:2]
+    added = [c.log() if c.shape[0] == rows else c.mean(0, keepdim=True).log() for c in cols]
+    added = [c.expand(rows, t).unsqueeze(-1) for c in added]
+    return torch.cat([extra[..., :3], *added, extra[..., 3:]], -1)
 
 
 def listwise_fit(h, extra, target, start, penalty: float, iters: int):
@@ -44,7 +63,6 @@ def listwise_fit(h, extra, target, start, penalty: float, iters: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from research.student_window import columns, window_attention
     from scdviz import metrics
     from scdviz.evict import features as F
     from scdviz.evict import student_fit as sf
@@ -78,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         for a in attn_layers:
             w = window_attention(a, args.window, n_kv)
             h2o = F.prefill_layer_features(a, torch.ones(1, n_kv, t, 1), t, n_kv)[0, ..., 0]
-            out.append({args.window: w + 1e-6, t: h2o + 1e-6})
+            out.append({args.window: w + EPS, t: h2o + EPS})
         return out
 
     normal = {name: sf.NormalEquations.zeros(n_layers, rows, f + len(ws)) for name, ws in designs.items()}
