@@ -275,7 +275,7 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     assert student.meta["val_kl"] == best["kl"] and student.meta["listwise_penalty"] == best.get("listwise_penalty")
     assert closed.meta["listwise_penalty"] is None
     assert bench.student_name(closed) == "distillcache-student-decode-closed-form"
-    assert bench.student_name(student) == ("distillcache-student-decode" if "listwise_penalty" in best
+    assert bench.student_name(student) == ("distillcache-student-decode-listwise" if "listwise_penalty" in best
                                            else "distillcache-student-decode-closed-form")
     assert not torch.equal(student.weight, closed.weight) == ("listwise_penalty" in best)
 

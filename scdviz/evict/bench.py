@@ -333,20 +333,21 @@ def _fitted(student: Student) -> dict:
 
 
 def student_name(student: Student) -> str:
-    """distillcache-student[-layer][-decode][-recallW][-sinkN][-closed-form]: one set per layer, the
+    """distillcache-student[-layer][-decode][-recallW][-sinkN][-listwise][-closed-form]: one set per layer, the
     reconstruction teacher's weight, a per-head student with no REINFORCE step kept (a per-layer one has its
     closed form only); KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``); -sinkN when its
     first N positions are always kept (``StudentConfig.sinks``); -decode when its fit also regressed decode states
-    (``FitConfig.decode_len``)."""
+    (``FitConfig.decode_len``); -listwise when its fit's listwise stage was kept (``FitConfig.listwise``)."""
     sinks = f"-sink{student.config.sinks}" if student.config.sinks else ""
     if surrogate(student):
         return "KVzap-linear" + ("" if student.config.per_head else "-layer") + sinks
     fitted = _fitted(student)
     recall, decode = fitted.get("recall") or 0, "-decode" if fitted.get("decode_len") else ""
-    closed = (student.config.per_head and not student.meta.get("rl_steps")
-              and student.meta.get("listwise_penalty") is None)
+    listwise = student.meta.get("listwise_penalty") is not None
+    closed = student.config.per_head and not student.meta.get("rl_steps") and not listwise
     return ("distillcache-student" + ("" if student.config.per_head else "-layer") + decode
-            + (f"-recall{recall:g}" if recall else "") + sinks + ("-closed-form" if closed else ""))
+            + (f"-recall{recall:g}" if recall else "") + sinks + ("-listwise" if listwise else "")
+            + ("-closed-form" if closed else ""))
 
 
 def _unique(name: str, taken: dict) -> str:
