@@ -79,6 +79,24 @@ def texts(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """The tiny SCD pair (test_scd's producer and a perturbed consumer), once per module."""
+    from test_scd import make_pair, perturbed
+
+    return make_pair(tiny_model("llama"), perturbed(1))
+
+
+@pytest.fixture(scope="module")
+def tiny_calib(tiny_pair, texts):
+    """A small SCD calibration of ``tiny_pair`` on ``texts``, once per module."""
+    from test_scd import small_cfg
+
+    from scdviz.scd import calibrate as cal
+
+    return cal.calibrate(small_cfg(texts), tiny_pair, progress=False)
+
+
 @pytest.fixture(scope="session")
 def builtin_pair():
     """The built-in producer with the jargon specialist (slow tier)."""

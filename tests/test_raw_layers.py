@@ -5,27 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_scd import make_pair, perturbed, small_cfg
+from test_scd import window_ids
 
 from scdviz.models import hf
-from scdviz.scd import calibrate as cal
 from scdviz.scd import payload, transfer
 from scdviz.scd import plan as plans
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    return make_pair(tiny_model("llama"), perturbed(1))
-
-
-@pytest.fixture(scope="module")
-def tiny_calib(tiny_pair, texts):
-    return cal.calibrate(small_cfg(texts), tiny_pair, progress=False)
-
-
-def _window(n: int = 48, seed: int = 3) -> list[int]:
-    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("bits", [4, 16])
@@ -33,7 +17,7 @@ def test_raw_layers_are_the_producers_kv_and_the_rest_the_plans_own(tiny_pair, t
     """At the raw layers the consumer's cache is exactly raw reuse's at those bits (4-bit KV, or the
     producer's fp16 K, V); at every other layer exactly the SCD plan's; the payload's header says "raw"
     there and nothing else changes."""
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(), 8)
     n = hf.n_layers(tiny_pair.consumer)
     base = plans.operating_plan(tiny_calib, patch_k=0, name="SCD reuse-only")
     mixed = plans.with_raw(base, [1], bits)
@@ -62,13 +46,13 @@ def test_raw_layers_are_refused_outside_the_model_and_swept_by_the_bench(tiny_pa
         plans.with_raw(plans.operating_plan(tiny_calib), [n])
     cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, raw_layers=[0],
                                budgets=(30.0,))
-    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False)
+    report = bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)], cfg, progress=False)
     rows = report.table().set_index("method")
     swept = rows[rows["group"] == "raw layers"]
     assert list(swept.index) == [p.name for p in plans.raw_layer_sweep(tiny_calib, [0], 4, (30.0,))]
     assert swept.loc["SCD transform-coded @30 B/token + raw layers 0 (4-bit)", "bytes_per_token"] <= 30.0
     with pytest.raises(ValueError, match=f"--raw-layers are 0 to {n - 1}"):
-        bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], bench.ScdBenchConfig(
+        bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)], bench.ScdBenchConfig(
             cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, raw_layers=[n]), progress=False)
 
 

@@ -55,17 +55,8 @@ def small_cfg(texts: str, **kw) -> calibration.CalibConfig:
     return calibration.CalibConfig(**{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def tiny_pair():
-    return make_pair(tiny_model("llama"), perturbed(1))
-
-
-@pytest.fixture(scope="module")
-def tiny_calib(tiny_pair, texts):
-    return cal.calibrate(small_cfg(texts), tiny_pair, progress=False)
-
-
-def _window(n: int = 48, seed: int = 3) -> list[int]:
+def window_ids(n: int = 48, seed: int = 3) -> list[int]:
+    """A seeded window of token ids of the tiny models' vocabulary (test_tail and test_raw_layers use it too)."""
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -181,7 +172,7 @@ def test_transform_coded_plan_is_a_hard_byte_limit_and_its_error_falls_as_the_bu
     assert tiny_calib.rate is not None
 
     calib = tiny_calib  # calibrated with its rate curves (rate_windows)
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(60), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(60), 8)
     n_tokens = case.state.ids.shape[1]
     full = plans.full_rank_plan(calib)
     exact = dataclasses.replace(full, code_bits=16)  # what the codes give with no quantisation at all
@@ -265,7 +256,7 @@ def test_same_model_full_rank_reproduces_the_oracle_logits(texts, sink):
     model = tiny_model("llama")
     pair = make_pair(model, model)
     calib = cal.calibrate(small_cfg(texts, ridge=0.0, selection="given", given=[1]), pair, progress=False)
-    case = transfer.prepare_case(model, model, _window(), 8)
+    case = transfer.prepare_case(model, model, window_ids(), 8)
     rk, rv = plans.full_ranks(calib)
     for plan in (plans.scd_plan(rk, rv, code_bits=16, sink=sink), plans.raw_plan(3, sink=sink),
                  plans.droidspeak_plan(3, [1, 2], sink)):
@@ -279,7 +270,7 @@ def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, t
     ones, zeros = torch.ones(d), torch.zeros(d)
     identity = Patch(layer, zeros, ones, zeros, ones, None, Aligner(d, 8).eval(), 0.0)
     calib = dataclasses.replace(tiny_calib, patches={layer: identity})
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(), 8)
     case.state = transfer.producer_state(tiny_pair.consumer, case.state.ids)  # the true consumer H_in
     rk, rv = plans.full_ranks(calib)
     plan = plans.scd_plan(rk, rv, [layer], code_bits=16)
@@ -290,7 +281,7 @@ def test_oracle_aligner_makes_the_patched_layer_kv_equal_the_oracle(tiny_pair, t
 
 
 def test_sink_recompute_gives_the_consumer_its_own_token0(tiny_pair):
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(), 8)
     plan = plans.raw_plan(3, sink="recompute")
     got = transfer.receive(tiny_pair.consumer, transfer.build_payload(case.state, plan)).cache
     sent = hf.forward(tiny_pair.producer, case.state.ids).cache.layers
@@ -302,7 +293,7 @@ def test_sink_recompute_gives_the_consumer_its_own_token0(tiny_pair):
 
 
 def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
-    cases = measure.prepare_cases(tiny_pair, [_window(48, s) for s in range(2)], 8, progress=False)
+    cases = measure.prepare_cases(tiny_pair, [window_ids(48, s) for s in range(2)], 8, progress=False)
     lineup = plans.lineup(tiny_calib)
     assert [p.name for p in lineup] == ["raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only", "SCD full"]
     for plan in lineup:
@@ -327,7 +318,7 @@ def test_every_method_runs_through_the_same_machinery(tiny_pair, tiny_calib):
 def test_saved_calibration_round_trips_and_refuses_another_pair(tiny_pair, tiny_calib, tmp_path):
     tiny_calib.save(tmp_path / "c")
     back = calibration.Calibration.load(tmp_path / "c", tiny_pair)
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(), 8)
     plan = plans.operating_plan(back)
     a = transfer.run_plan(tiny_pair.consumer, case, plan, tiny_calib)
     b = transfer.run_plan(tiny_pair.consumer, case, plan, back)
@@ -377,7 +368,7 @@ def test_aligners_keep_their_mlp_only_where_fitted_and_round_trip_exactly(tiny_c
 
 
 def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(138), 8)  # 128 code rows: whole groups
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(138), 8)  # 128 code rows
     for budget in (20.0, 40.0):
         plan = plans.operating_plan(tiny_calib, budget_bytes=budget)
         per_token = len(transfer.build_payload(case.state, plan, tiny_calib)) / case.state.ids.shape[1]
@@ -387,7 +378,7 @@ def test_budget_plan_fits_its_byte_budget(tiny_pair, tiny_calib):
 def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pair, tiny_calib):
     from scdviz.scd import bench
 
-    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)],
+    report = bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)],
                          bench.ScdBenchConfig(cont_len=8, gen_tokens=2, sweeps=True, budgets=(30.0,), sent_rows=True,
                                               qa_answer_len=0), progress=False)
     recs = bench.rows(report)
@@ -405,7 +396,7 @@ def test_bench_records_carry_the_issue_fields_and_a_labelled_projection(tiny_pai
     assert max(tc["sent"]["cols_k"] + tc["sent"]["cols_v"]) <= max(tiny_calib.key_codes[0].max_rank, 1)
     raw_row = next(r for r in measured if r["method"] == "raw KV")
     assert set(raw_row["sent"]["cols_k"]) == {tiny_pair.consumer_facts.kv_heads * tiny_pair.consumer_facts.head_dim}
-    claim = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)],
+    claim = bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)],
                         bench.ScdBenchConfig(cont_len=8, gen_tokens=0, rank_claim=True, sent_rows=False,
                                              qa_answer_len=0),
                         progress=False)
@@ -533,7 +524,7 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     """The consumer adds the stored refinement to the decoded rows; it survives save / load (fp16)."""
     assert tiny_calib.stats["joint_layers"], "the tiny pair's calibration should refine some layer"
     layer = tiny_calib.stats["joint_layers"][0]
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, 3), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(48, 3), 8)
     plan = plans.full_rank_plan(tiny_calib)
     plain = copy.deepcopy(tiny_calib)
     plain.joint = None
@@ -649,7 +640,7 @@ def test_paired_bootstrap_intervals_are_exact_on_exact_relations():
 
 
 def test_kivi_window_sends_the_recent_tokens_exactly(tiny_pair):
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, 3), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(48, 3), 8)
     plain, kivi = plans.raw_plan(3, bits=4), plans.raw_plan(3, bits=4, window=8)
     n = case.state.ids.shape[1] - 1  # token 0 recomputed
     d = case.state.keys[0].shape[1]
@@ -669,7 +660,7 @@ def test_context_qa_items_quote_the_prompt_and_raw_reuse_of_the_same_model_answe
     from scdviz import qa
 
     same = make_pair(tiny_model("llama"), tiny_model("llama"))
-    windows = [_window(48, s) for s in range(3)]
+    windows = [window_ids(48, s) for s in range(3)]
     cases = measure.prepare_cases(same, windows, 8, progress=False, qa_answer_len=4)
     for w, case in zip(windows, cases):
         prompt, item = w[:-8], case.qa_item
@@ -835,7 +826,7 @@ def test_error_by_rank_equals_decoding_every_rank():
 
 
 def test_rd_plan_is_a_hard_byte_limit_on_the_real_payload(tiny_pair, tiny_calib, tiny_curves):
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(60), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(60), 8)
     n_tokens = case.state.ids.shape[1]
     predicted = []
     for budget in (12.0, 20.0, 35.0, 60.0, 200.0):
@@ -922,7 +913,7 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(), 8)
     blob = transfer.build_payload(case.state, plan, tiny_calib)
     start = distil.initial(distil.row_spread(tiny_calib, [blob]), 3, 0)
     assert sorted(start) == [i for i, m in enumerate(plan.modes) if m == "code"]
@@ -1065,7 +1056,7 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
     form is the untrained calibration again (its tag), and raw KV, which sends no codes, runs once."""
     from scdviz.scd import bench, distil
 
-    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(), 8)
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(), 8)
     blob = transfer.build_payload(case.state, plans.operating_plan(tiny_calib), tiny_calib)
     start = distil.initial(distil.row_spread(tiny_calib, [blob]), 3, 0)
     g = torch.Generator().manual_seed(2)
@@ -1079,10 +1070,10 @@ def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny
     assert trained.closed_form().tag == tiny_calib.tag != trained.tag and tiny_calib.closed_form() is tiny_calib
     cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, tails=[4])
     torch.manual_seed(0)
-    got = bench.bench(tiny_pair, trained, [_window(48, 7)], cfg, progress=False)
+    got = bench.bench(tiny_pair, trained, [window_ids(48, 7)], cfg, progress=False)
     both = {r.method: r for r in got.methods + got.sweeps}
     torch.manual_seed(0)
-    got = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False)
+    got = bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)], cfg, progress=False)
     before = {r.method: r for r in got.methods + got.sweeps}
     assert "SCD reuse-only + last 4 recomputed" in before  # the tail sweep's SCD rows have their twins too
     assert set(both) == set(before) | {m + plans.CLOSED for m in before if m.startswith("SCD")}
@@ -1225,7 +1216,7 @@ def test_row_spread_accumulated_payload_by_payload_is_the_spread_of_all_rows_at_
     from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
-    blobs = [transfer.build_payload(transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, _window(48, s), 8)
+    blobs = [transfer.build_payload(transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(48, s), 8)
                                     .state, plan, tiny_calib) for s in (3, 4, 5)]
     got = distil.row_spread(tiny_calib, iter(blobs))  # one pass over a generator
     assert sorted(got) == [i for i, m in enumerate(plan.modes) if m == "code"]

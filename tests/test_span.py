@@ -10,18 +10,13 @@ import dataclasses
 import pytest
 import torch
 from conftest import tiny_model
-from test_scd import make_pair, perturbed, small_cfg
+from test_scd import make_pair, small_cfg
 
 from scdviz import metrics
 from scdviz.models import hf
 from scdviz.scd import calibrate as cal
 from scdviz.scd import calibration, payload, rrr, span, transfer
 from scdviz.scd import plan as plans
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    return make_pair(tiny_model("llama"), perturbed(1))
 
 
 @pytest.fixture(scope="module")

@@ -7,32 +7,16 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_scd import make_pair, perturbed, small_cfg
+from test_scd import window_ids
 
 from scdviz import metrics
 from scdviz.models import hf
-from scdviz.scd import calibrate as cal
 from scdviz.scd import payload, transfer
 from scdviz.scd import plan as plans
 
 
-@pytest.fixture(scope="module")
-def tiny_pair():
-    return make_pair(tiny_model("llama"), perturbed(1))
-
-
-@pytest.fixture(scope="module")
-def tiny_calib(tiny_pair, texts):
-    return cal.calibrate(small_cfg(texts), tiny_pair, progress=False)
-
-
-def _window(n: int = 48, seed: int = 3) -> list[int]:
-    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _case(pair, n: int = 48):
-    return transfer.prepare_case(pair.producer, pair.consumer, _window(n), 8)
+    return transfer.prepare_case(pair.producer, pair.consumer, window_ids(n), 8)
 
 
 def test_a_tail_over_the_whole_prefix_is_the_consumers_own_prefill(tiny_pair):
@@ -109,7 +93,7 @@ def test_the_bench_runs_the_tail_sweep_with_its_compute_axis(tiny_pair, tiny_cal
 
     cfg = bench.ScdBenchConfig(cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, tails=[4, 16],
                                budgets=(30.0,))
-    report = bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], cfg, progress=False)
+    report = bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)], cfg, progress=False)
     rows = report.table().set_index("method")
     swept = rows[rows["group"] == "tail sweep"]
     assert list(swept.index) == [p.name for p in plans.tail_sweep(tiny_calib, (4, 16), (30.0,))]
@@ -122,7 +106,7 @@ def test_the_bench_runs_the_tail_sweep_with_its_compute_axis(tiny_pair, tiny_cal
         assert swept.loc[f"SCD transform-coded @30 B/token + last {tail} recomputed", "bytes_per_token"] <= 30.0
     assert rows.loc["raw KV + last 4 recomputed", "bytes_per_token"] < rows.loc["raw KV", "bytes_per_token"]
     with pytest.raises(ValueError, match="recomputed tail is 1 to 38"):
-        bench.bench(tiny_pair, tiny_calib, [_window(48, 7)], bench.ScdBenchConfig(
+        bench.bench(tiny_pair, tiny_calib, [window_ids(48, 7)], bench.ScdBenchConfig(
             cont_len=8, gen_tokens=0, sent_rows=False, qa_answer_len=0, tails=[39]), progress=False)
 
 
@@ -131,7 +115,7 @@ def test_the_public_codec_carries_a_tail_through_its_bytes(tiny_pair, tiny_calib
     side channel) rebuilds a cache over the whole prefix, the consumer's own forward over the tail."""
     from scdviz.scd.codec import Codec
 
-    ids = torch.tensor([_window(40)])
+    ids = torch.tensor([window_ids(40)])
     codec = Codec.of(tiny_calib, tail=7)
     assert codec.plan.tail == 7 and codec.plan.name.endswith("+ last 7 recomputed")
     blob = codec.encode(tiny_pair.producer, ids)
