@@ -939,7 +939,7 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     assert all(torch.equal(back.corrections[i][n], kept[i][n]) for i in trained for n in trained[i])
     assert all(torch.equal(kept[i][n], trained[i][n]) for i in trained for n in ("s", "sigma", "tau"))
     for i in trained:  # int8 rows: each entry within half a step (absmax / 127) of the trained one, plus the
-        for n in calibration.CORRECTION_FACTORS:  # fp16 scale's rounding (2^-11 of it) times up to 127 steps
+        for n in set(calibration.CORRECTION_FACTORS) & set(trained[i]):  # fp16 scale's rounding (2^-11) x 127 steps
             step = trained[i][n].abs().amax(1, keepdim=True) / 127
             assert ((kept[i][n] - trained[i][n]).abs() <= (0.5 + 127 / 2048) * step + 1e-8).all()
     assert all(torch.equal(calibration.stored(kept)[i][n], kept[i][n]) for i in kept for n in kept[i])  # a fixed point
@@ -948,7 +948,7 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     assert art.version == 4 and art.tensors[f"c.{layer}.a"].dtype == torch.int8
     assert f"c.{layer}.tau" not in art.tensors  # equal to sigma (as distil makes it): not stored twice
     tensors = {k: v for k, v in art.tensors.items() if not (k.startswith("c.") and k.endswith("_scale"))}
-    tensors |= {f"c.{i}.{n}": trained[i][n] for i in trained for n in (*calibration.CORRECTION_FACTORS, "tau")}
+    tensors |= {f"c.{i}.{n}": trained[i][n] for i in trained for n in ("a", "b", "tau")}  # format 3: no MLP
     monkeypatch.setitem(artefact.VERSIONS, calibration.KIND, 3)
     artefact.save(old / calibration.FILE, calibration.KIND, tensors, art.identity, art.config, art.meta)
     monkeypatch.undo()
@@ -1050,6 +1050,95 @@ def test_a_correction_trained_with_a_recomputed_tail_lowers_that_plans_kl(tiny_p
         distil.DistilConfig(prompt_len=40, tails=[40])
 
 
+def test_a_cut_prompt_is_the_prefix_of_one_prefill_and_one_teacher_forced_pass(tiny_pair, tiny_calib):
+    """``--min-prompt`` cuts a training window anew at each step from one producer prefill and one consumer pass:
+    the producer's state of a shorter prompt is the whole state's prefix (causal), ``read_by`` keeps what a
+    payload reads (byte-identical payloads, every other tensor dropped), and a cut's target is the one a
+    window of that prompt prepares (the same fed tokens, positions and quoted truth; logits to float16)."""
+    from scdviz.scd import distil
+
+    window, cont, prompt = window_ids(48), 8, 40
+    ids = torch.tensor([window])
+    at = [plans.operating_plan(tiny_calib), _low_rank_plan(tiny_calib)]
+    src, whole = distil.source(tiny_pair, window, prompt, 24, False, None, at)
+    for n in (24, 31, 40):
+        short = transfer.producer_state(tiny_pair.producer, ids[:, : n - 1])
+        cut = whole.prefix(n - 1)
+        for mine, theirs in zip(cut.keys_pre + cut.values + cut.h_in, short.keys_pre + short.values + short.h_in,
+                                strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+        for p in at:  # what training holds (float16) encodes as the whole state's prefix does, within a step
+            kept = transfer.build_payload(src.state.prefix(n - 1).cast(torch.float32), p, tiny_calib)
+            assert kept == transfer.build_payload(transfer.read_by(cut, at).cast(torch.float16).cast(torch.float32),
+                                                  p, tiny_calib)
+            assert transfer.build_payload(transfer.read_by(cut, at), p, tiny_calib) == transfer.build_payload(
+                cut, p, tiny_calib)
+        case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window[: n + cont], cont)
+        got, want = src.target(n, cont, "cpu"), distil.Target.of(case)
+        assert torch.equal(got.fed, want.fed) and got.start == want.start
+        torch.testing.assert_close(got.oracle_logits, want.oracle_logits, rtol=2e-3, atol=2e-3)
+    assert src.logits.dtype == torch.float16 and src.logits.shape[0] == len(window) - 24
+    read = [i for i, t in enumerate(src.state.h_in) if t is not None]
+    assert read == [i for i, m in enumerate(at[0].modes) if m == "patch"] and not any(src.state.keys)
+    with pytest.raises(ValueError, match="prompts of 24 to 40 tokens, not 23"):
+        src.target(23, cont, "cpu")
+    quoted, _ = distil.source(tiny_pair, window, prompt, prompt, True, 3, None)
+    assert quoted.state is None and quoted.logits.dtype == torch.float32
+    assert torch.equal(quoted.target(prompt, cont, "cpu").truth, torch.tensor(window[prompt:]))
+    with pytest.raises(ValueError, match="--min-prompt is 10 to --prompt-len"):
+        distil.DistilConfig(prompt_len=40, tails=[8], min_prompt=9)
+
+
+def test_training_on_cut_prompts_meets_new_continuations_and_lowers_validation_kl(tiny_pair, tiny_calib):
+    """With ``min_prompt`` most steps train on a cut prompt (recall windows stay whole), validation stays on
+    whole windows, and it falls below the closed form's as whole-window training does."""
+    from scdviz import qa
+    from scdviz.scd import distil
+
+    lead = tiny_pair.tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]
+    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40,
+                              cont_len=len(lead) + 16, lr=1e-2, budgets=[], min_prompt=20, recall=0.25,
+                              recall_target="oracle")
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[_low_rank_plan(tiny_calib)])
+    plain = cfg.epochs * (log["train_windows"] - log["recall_windows"][0])  # steps on windows that may be cut
+    assert log["recall_windows"][0] > 0 and plain // 2 < log["cut_steps"] <= plain
+    assert log["best_epoch"] > 0 and min(log["val_kl"]) < 0.8 * log["val_kl"][0]
+    # validation's oracle is one pass over each window, the check's a prefill and a continuation: float32 apart
+    assert _validation_kl(tiny_pair, tiny_calib, cfg, _low_rank_plan(tiny_calib), out) == pytest.approx(
+        min(log["val_kl"]), rel=1e-3)
+
+
+def test_a_gated_mlp_correction_trains_through_the_consumer_and_survives_save_and_load(tiny_pair, tiny_calib, tmp_path):
+    """``--mlp h`` adds a gated MLP to each layer's correction: trained, validation falls below the closed form's,
+    the kept (int8-stored) tensors reproduce it, and a saved calibration loads them back exactly."""
+    from scdviz.scd import distil
+
+    plan = _low_rank_plan(tiny_calib)
+    cfg = distil.DistilConfig(rank=4, mlp=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8,
+                              lr=1e-2, budgets=[])
+    out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan])
+    assert log["best_epoch"] > 0 and min(log["val_kl"]) < 0.8 * log["val_kl"][0]
+    assert all({"g", "u", "w"} <= set(p) and p["w"].abs().sum() > 0 for p in out.corrections.values())
+    assert _validation_kl(tiny_pair, tiny_calib, cfg, plan, out) == pytest.approx(min(log["val_kl"]), rel=1e-3)
+    out.save(tmp_path)
+    back = calibration.Calibration.load(tmp_path, tiny_pair).corrections
+    assert back.keys() == out.corrections.keys()
+    for layer, p in out.corrections.items():  # the kept tensors are the stored ones: they come back exactly
+        assert back[layer].keys() == p.keys() and all(torch.equal(back[layer][k], p[k]) for k in p)
+
+
+def test_the_cosine_schedule_falls_from_the_learning_rate_to_zero_by_hand():
+    """``--schedule cosine``: lr (1 + cos(pi k / total)) / 2 at step k, so 4 steps of lr 2 are 2, 1.707, 1, 0.293;
+    'constant' keeps lr; any other name is refused by name."""
+    from scdviz.scd import distil
+
+    cos = distil.DistilConfig(schedule="cosine", lr=2.0)
+    assert [distil.learning_rate(cos, k, 4) for k in range(4)] == pytest.approx([2, 1 + 0.5**0.5, 1, 1 - 0.5**0.5])
+    assert {distil.learning_rate(distil.DistilConfig(lr=2.0), k, 4) for k in range(4)} == {2.0}
+    with pytest.raises(ValueError, match="--schedule is 'constant' or 'cosine'"):
+        distil.DistilConfig(schedule="linear")
+
+
 def test_a_trained_calibration_is_benched_beside_its_closed_form(tiny_pair, tiny_calib):
     """With a correction stage, every SCD plan runs twice on the same prompts: with the correction, and as
     "(closed form)", whose numbers equal a bench of the calibration before training exactly. The closed
@@ -1143,6 +1232,31 @@ def test_a_correction_stage_footprint_is_counted_by_hand():
     got = distil.footprint(spans, consumer_params=1000, layers=4)  # spans counted apart, the dearest one's FLOPs
     assert got["layers"] == 1 and got["spans"] == 2 and got["flops_per_token"] == 128
     assert got["span_flops_per_token"] == 2 * 6 + 6 + 2 * 6 * 3 + 2 * 3 * 6 + 6
+    start = distil.initial({0: torch.ones(8)}, 3, 0, mlp=2)
+    gated = distil.footprint(start, consumer_params=1000, layers=4)
+    # a gated MLP of width 2: g, u (8 x 2) int8 with 8 fp16 scales each, w (2 x 8) with 2; 6 D h + 2 h FLOPs
+    saved = calibration.correction_tensors(start[0])
+    assert sum(t.nbytes for t in saved.values()) == 24 + 16 + 24 + 6 + 2 * 8 * 4 + 2 * (16 + 16) + 16 + 4
+    assert gated["flops_per_token"] == 128 + 6 * 8 * 2 + 2 * 2
+
+
+def test_a_gated_mlp_correction_is_the_linear_one_plus_its_gated_term_by_hand():
+    """``corrected`` with g, u, w: x (1 + s) + ((x / sigma) a b) tau + ((silu(x' g) * (x' u)) w) tau, x' = x / sigma,
+    computed here by hand; with w = 0, as training starts, it is the linear correction exactly."""
+    gen = torch.Generator().manual_seed(0)
+    x, d, r, h = torch.randn(5, 6, generator=gen), 6, 2, 3
+    shapes = {"a": (d, r), "b": (r, d), "s": (d,), "g": (d, h), "u": (d, h), "w": (h, d)}
+    p = {k: torch.randn(*shape, generator=gen) for k, shape in shapes.items()}
+    p |= {"sigma": torch.rand(d, generator=gen) + 0.5, "tau": torch.rand(d, generator=gen) + 0.5}
+    calib = calibration.Calibration.__new__(calibration.Calibration)
+    xs = x / p["sigma"]
+    linear = x * (1 + p["s"]) + (xs @ p["a"] @ p["b"]) * p["tau"]
+    gated = linear + ((torch.nn.functional.silu(xs @ p["g"]) * (xs @ p["u"])) @ p["w"]) * p["tau"]
+    torch.testing.assert_close(calib.corrected(0, x, {0: p}), gated)
+    lin = {k: v for k, v in p.items() if k not in ("g", "u", "w")}
+    started = p | {"w": torch.zeros(h, d)}
+    torch.testing.assert_close(calib.corrected(0, x, {0: started}), calib.corrected(0, x, {0: lin}))
+    torch.testing.assert_close(calib.corrected(0, x, {0: lin}), linear)
 
 
 def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tiny_calib):

@@ -176,15 +176,20 @@ class Calibration:
                   corrections: dict[int | str, dict[str, Tensor]] | None = None) -> Tensor:
         """Rows x (N, D) -> ``y = x (1 + s) + ((x / sigma) a b) tau`` with the trained correction of ``key``
         (scdviz.scd.distil; the identity when b and s are 0, where its training starts; tau, the output's
-        scale per column, is 1 when absent), or x itself when there is none. ``corrections``: use these
-        instead of the calibration's own."""
+        scale per column, is 1 when absent), plus ``((silu(x' g) * (x' u)) w) tau`` (x' = x / sigma) where it
+        has a gated MLP (g, u: (D, h), w: (h, D), 0 at the start), or x itself when there is none.
+        ``corrections``: use these instead of the calibration's own."""
         p = ((self.corrections if corrections is None else corrections) or {}).get(key)
         if p is None:
             return rows
         p = {k: v.to(device=rows.device, dtype=rows.dtype) for k, v in p.items()}
         a = p["a"] / p["sigma"][:, None]  # the scales folded into the (D, r) and (r, D) factors, not the N rows
-        b = p["b"] * p["tau"] if "tau" in p else p["b"]
-        return torch.addmm(rows * (1 + p["s"]), rows @ a, b)
+        tau = p["tau"] if "tau" in p else 1.0
+        out = torch.addmm(rows * (1 + p["s"]), rows @ a, p["b"] * tau)
+        if "w" not in p:
+            return out
+        g, u = p["g"] / p["sigma"][:, None], p["u"] / p["sigma"][:, None]
+        return torch.addmm(out, torch.nn.functional.silu(rows @ g) * (rows @ u), p["w"] * tau)
 
     def span_for(self, layer: int) -> LinearCode:
         """The span code of the residual entering ``layer``; ValueError when this calibration has none there."""
@@ -384,9 +389,10 @@ def span_key(layer: int) -> str:
     return f"span{layer}"
 
 
-CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau")  # a trained correction's tensors (Calibration.correct;
-# "tau", the output's scale, is absent from the first ones: scale 1)
-CORRECTION_FACTORS = ("a", "b")  # saved as int8 rows with an fp16 scale each (``{name}_scale``); fp32 before
+CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau", "g", "u", "w")  # a trained correction's tensors
+# (Calibration.corrected; "tau", the output's scale, is absent from the first ones: scale 1; the gated MLP's
+# g, u, w only where one was trained)
+CORRECTION_FACTORS = ("a", "b", "g", "u", "w")  # saved as int8 rows with an fp16 scale each (``{name}_scale``)
 
 
 def correction_tensors(params: dict[str, Tensor]) -> dict[str, Tensor]:

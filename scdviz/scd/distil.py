@@ -27,6 +27,7 @@ so payloads of the two never mix) and a log; ``save`` / ``load`` are the calibra
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, replace
@@ -43,6 +44,8 @@ from scdviz.scd import transfer
 from scdviz.scd.calibration import Calibration, correction_tensors, domains_of, stored
 
 RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
+SCHEDULES = ("constant", "cosine")  # DistilConfig.schedule
+TRAINED = ("a", "b", "s", "g", "u", "w")  # a correction's trained tensors (the linear part, the gated MLP's)
 
 
 @dataclass
@@ -52,6 +55,8 @@ class DistilConfig:
     lowest calib-split validation KL; the recall share and target chosen on the austen-qkv dev slice."""
 
     rank: int = opt(32, "rank r of each layer's correction")
+    mlp: int = opt(0, "hidden width h of a gated MLP added to each layer's correction, ((silu(x' g) * (x' u)) w) "
+                   "tau with x' = x / sigma, w starting at 0 (0: none, the linear correction alone)")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
                                "calibration's own operating point (needs its rate curves; none: that point only)")
     epochs: int = opt(6, "passes over the training windows (the epoch with the lowest validation KL is kept)")
@@ -59,7 +64,13 @@ class DistilConfig:
     val_windows: int = opt(2, "validation windows per domain (calib split), which choose the epoch")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens scored per window")
+    min_prompt: int = opt(0, "cut each training window's prompt anew at every step, to a length drawn evenly from "
+                          "this to --prompt-len (the producer is causal: one prefill serves every cut; recall and "
+                          "validation windows stay whole): each epoch meets other continuations of the same text. "
+                          "0: every window whole")
     lr: float = opt(1e-4, "AdamW learning rate")
+    schedule: str = opt("constant", "the learning rate over the run: 'constant', or 'cosine' (from --lr down to 0 at "
+                        "the last step, half a cosine)", choices=SCHEDULES)
     weight_decay: float = opt(0.05, "AdamW weight decay")
     clip: float = opt(1.0, "gradient norm clip")
     tails: list[int] = opt([], "also train at each of these plans with the consumer recomputing the last this-many "
@@ -79,11 +90,15 @@ class DistilConfig:
     seed: int = opt(0, "initialisation and window order")
 
     def __post_init__(self) -> None:
+        if self.mlp < 0:
+            raise ValueError(f"--mlp is a hidden width, 0 (none) or more; got {self.mlp}")
         for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.recall <= 1:
             raise ValueError(f"--recall is a share of the windows, from 0 to 1; got {self.recall}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule is 'constant' or 'cosine', got {self.schedule!r}")
         if self.recall_target not in RECALL_TARGETS:
             raise ValueError(f"--recall-target is 'oracle' or 'quote', got {self.recall_target!r}")
         if any(not b > 0 for b in self.budgets):
@@ -91,6 +106,11 @@ class DistilConfig:
         if any(not 1 <= t < self.prompt_len for t in self.tails):  # a tail leaves token 0
             raise ValueError(f"--tails are 1 to {self.prompt_len - 1} prompt tokens (--prompt-len "
                              f"{self.prompt_len}; token 0 stays), got {self.tails}")
+        shortest = max(self.tails, default=0) + 2  # a cut prompt's prefix (all but its last token) keeps token 0
+        if self.min_prompt and not shortest <= self.min_prompt <= self.prompt_len:
+            raise ValueError(f"--min-prompt is {shortest} to --prompt-len ({self.prompt_len}) tokens"
+                             f"{' (the longest --tails, token 0 and the fed token)' if self.tails else ''}, "
+                             f"or 0; got {self.min_prompt}")
 
 
 def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
@@ -155,10 +175,10 @@ def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]
     return prompt + lead + prompt[start : start + copied]
 
 
-def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
-    """The corrections training starts from (the identity: b = s = 0), for each code layer in ``spread``;
-    sigma (the input's scale) and tau (the output's): ``spread[layer]``, the spread of each column (D,) of
-    that layer's refined rows (``row_spread``)."""
+def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0) -> dict:
+    """The corrections training starts from (the identity: b = s = 0, and w = 0 with a gated MLP of hidden width
+    ``mlp``), for each code layer in ``spread``; sigma (the input's scale) and tau (the output's):
+    ``spread[layer]``, the spread of each column (D,) of that layer's refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     keys = [*sorted(k for k in spread if isinstance(k, int)), *sorted(k for k in spread if isinstance(k, str))]
@@ -168,7 +188,48 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
         out[layer] = {"a": torch.randn(d, rank, generator=g, device="cpu") / d**0.5,
                       "b": torch.zeros(rank, d, device="cpu"), "s": torch.zeros(d, device="cpu"), "sigma": sigma,
                       "tau": sigma.clone()}
+        if mlp:
+            out[layer] |= {"g": torch.randn(d, mlp, generator=g, device="cpu") / d**0.5,
+                           "u": torch.randn(d, mlp, generator=g, device="cpu") / d**0.5,
+                           "w": torch.zeros(mlp, d, device="cpu")}
     return out
+
+
+@dataclass
+class Source:
+    """A training window as training keeps it: the consumer's own logits (on the host; those of every
+    continuation it may be cut for, in float16 when there are many), the window's ids, whether it is a recall
+    window, and, when its prompt is cut anew at each step (``DistilConfig.min_prompt``), the producer's state of
+    its whole prompt (what the trained plans read, ``transfer.read_by``), of which a cut's state is a prefix."""
+
+    ids: torch.Tensor  # (1, L) the window: prompt, then continuation
+    logits: torch.Tensor  # (m, V) the consumer's own teacher-forced logits at positions L - 1 - m .. L - 2
+    recall: bool
+    quote: int | None  # a recall window scored against its quote: where the quoted answer starts
+    state: transfer.ProducerState | None = None
+
+    def target(self, prompt: int, cont_len: int, device) -> Target:
+        """The window cut after its first ``prompt`` tokens, scored on the ``cont_len`` tokens after them."""
+        start, first = prompt - 1, self.ids.shape[1] - 1 - self.logits.shape[0]
+        if start < first or prompt + cont_len > self.ids.shape[1]:
+            raise ValueError(f"this window keeps the continuations of prompts of {first + 1} to "
+                             f"{self.ids.shape[1] - cont_len} tokens, not {prompt}")
+        oracle = self.logits[start - first : start - first + cont_len].to(device).float()
+        truth = None if self.quote is None else self.ids[0, prompt : prompt + cont_len]
+        return Target(self.ids[:, start : start + cont_len], start, oracle, truth, self.quote)
+
+
+def source(pair: Pair, window: list[int], prompt_len: int, shortest: int, recall: bool, quote: int | None,
+           at: list[plans.Plan] | None) -> tuple[Source, transfer.ProducerState]:
+    """(the ``Source`` of a window of ``prompt_len`` prompt tokens whose cuts go down to ``shortest`` (it keeps the
+    state ``at`` reads when ``at`` is given), the producer's whole state of its prompt): the producer's prefill
+    of the prompt less its last token and the consumer's one teacher-forced pass over the window."""
+    ids = torch.tensor([window], dtype=torch.long, device="cpu")  # host-side ids; hf moves them to the model
+    state = transfer.producer_state(pair.producer, ids[:, : prompt_len - 1])
+    logits = hf.forward(pair.consumer, ids[:, :-1]).logits[0, shortest - 1 :]
+    kept = transfer.read_by(state, at).cast(torch.float16) if at is not None else None  # float32 again to encode
+    dtype = torch.float16 if shortest < prompt_len else torch.float32  # a cut window's logits are many
+    return Source(ids, logits.detach().to("cpu", dtype), recall, quote, kept), state
 
 
 @dataclass
@@ -226,13 +287,16 @@ def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_pa
     """What a correction stage costs: its size as saved (MB: the factors a, b as int8 rows with an fp16 scale
     each, the rest float32, tau only where it differs from sigma) and the consumer's FLOPs per received
     prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
-    output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
+    output scale D more, with D = 2 d_kv; a gated MLP of width h adds 6 D h for its three products and 2 h for
+    silu and the gate), also as a fraction of the consumer's own prefill (2 x its
     parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
     ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
     size = sum(t.nbytes for p in corrections.values() for t in correction_tensors(p).values())  # as saved
 
     def cost(p) -> int:
-        return 2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
+        mlp = 6 * p["w"].numel() + 2 * p["w"].shape[0] if "w" in p else 0  # three products, silu and the gate
+        return (2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
+                + mlp)
 
     codes = [p for k, p in corrections.items() if isinstance(k, int)]
     spans = [p for k, p in corrections.items() if isinstance(k, str)]
@@ -240,6 +304,14 @@ def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_pa
     return {"layers": len(codes), "of_layers": layers, "mb": round(size / 1e6, 3),
             "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5),
             "spans": len(spans), "span_flops_per_token": max((cost(p) for p in spans), default=0)}
+
+
+def learning_rate(cfg: DistilConfig, k: int, total: int) -> float:
+    """The learning rate of step ``k`` (from 0) of ``total``: ``cfg.lr`` throughout, or (cosine) from it at the
+    first step down half a cosine to 0 after the last."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * k / total))
 
 
 def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.Tensor, clip: float) -> float:
@@ -275,21 +347,25 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     device = hf.device_of(pair.consumer)
     answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
 
-    def prepared(ws, what):
-        targets, blobs = [], []
+    def prepared(ws, what, cuts):
+        sources, blobs = [], []
         for w, recall in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
                                progress):
-            case = transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len)
-            targets.append(Target.of(case, answer if recall else None))
-            blobs.append([transfer.build_payload(case.state, p, calib) for p in at])
-        return targets, blobs  # the cases themselves are dropped: memory stays ~7 MB a window
+            shortest = cfg.min_prompt if cuts and not recall else cfg.prompt_len
+            src, state = source(pair, w, cfg.prompt_len, shortest, recall, answer if recall else None,
+                                at if shortest < cfg.prompt_len else None)
+            sources.append(src)
+            blobs.append([transfer.build_payload(state, p, calib) for p in at])
+        return sources, blobs  # ~4 MB a whole window; ~30 MB a cut one (its logits, code layers' K, V in float16)
 
-    train, val = prepared(train_w, "training"), prepared(val_w, "validation")
-    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed)
-    params = {layer: {k: v.to(device).requires_grad_(k in ("a", "b", "s")) for k, v in p.items()}
+    train, val = prepared(train_w, "training", bool(cfg.min_prompt)), prepared(val_w, "validation", False)
+    val = ([s.target(cfg.prompt_len, cfg.cont_len, device) for s in val[0]], val[1])
+    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed, cfg.mlp)
+    params = {layer: {k: v.to(device).requires_grad_(k in TRAINED) for k, v in p.items()}
               for layer, p in start.items()}
-    trained = [t for p in params.values() for k, t in p.items() if k in ("a", "b", "s")]  # sigma, tau: fixed
+    trained = [t for p in params.values() for k, t in p.items() if k in TRAINED]  # sigma, tau: fixed
     opt_ = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total_steps = cfg.epochs * len(train_w)
 
     def validation() -> list[float]:
         """Mean validation KL at each plan."""
@@ -306,11 +382,11 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     log = {"config": config.to_dict(cfg), "plans": [p.name for p in at], "train_windows": len(train_w),
            "val_windows": len(val_w), "recall_windows": [sum(r for _, r in train_w), sum(r for _, r in val_w)],
            "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "train_kl": [],
-           "best_epoch": 0}
+           "best_epoch": 0, "cut_steps": 0}
     record(validation())
     best: dict = {}
     order = list(range(len(train_w)))
-    rng = random.Random(cfg.seed)
+    rng, cut_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)
     schedule = [(epoch, n) for epoch in range(cfg.epochs) for n in range(len(order))]  # one bar, every step
     for epoch, n in steps(schedule, f"distil: steps through the consumer ({cfg.epochs} epochs, validation after "
                           "each)", progress):
@@ -318,7 +394,13 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
             rng.shuffle(order)
             total = 0.0
         i, j = order[n], (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
-        loss = continuation_kl(pair, train[0][i], train[1][i][j], calib, params, True)
+        src = train[0][i]
+        prompt = cut_rng.randint(cfg.min_prompt, cfg.prompt_len) if src.state is not None else cfg.prompt_len
+        blob = (train[1][i][j] if prompt == cfg.prompt_len
+                else transfer.build_payload(src.state.prefix(prompt - 1).cast(torch.float32), at[j], calib))
+        log["cut_steps"] += prompt < cfg.prompt_len
+        loss = continuation_kl(pair, src.target(prompt, cfg.cont_len, device), blob, calib, params, True)
+        opt_.param_groups[0]["lr"] = learning_rate(cfg, epoch * len(order) + n, total_steps)
         step(opt_, trained, loss, cfg.clip)
         total += float(loss.detach())
         if n < len(order) - 1:
