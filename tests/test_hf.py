@@ -142,6 +142,9 @@ def test_rows_attention_gives_eager_probabilities_and_sdpa_output(tiny):
     assert tiny.config._attn_implementation not in ("eager", hf.ROWS)  # restored
     last = hf.forward(tiny, ids, last_logits=True).logits  # the LM head on the last position only
     torch.testing.assert_close(last, got["eager"][0].logits[:, -1:])
+    tail = hf.forward(tiny, ids, last_logits=5).logits  # an int: the last 5 positions
+    assert tail.shape[1] == 5
+    torch.testing.assert_close(tail, got["eager"][0].logits[:, -5:])
 
 
 def test_attention_probabilities_need_eager_and_sum_to_one(tiny):

@@ -351,7 +351,7 @@ def forward(
     capture: frozenset | set = frozenset(),
     attentions: bool = False,
     attention_mask: Tensor | None = None,
-    last_logits: bool = False,
+    last_logits: bool | int = False,
     grad: bool = False,
 ) -> Trace:
     """Run the model on ``input_ids`` (B, T) and return a Trace.
@@ -363,7 +363,8 @@ def forward(
     capture: subset of {"keys_pre", "h_in", "resid"}.
     attentions: also capture attention probabilities (needs eager or ``ROWS`` attention).
     attention_mask: (B, T_cache + T) 1 for the keys each row may read, 0 for padding (None: all).
-    last_logits: the LM head on the last position only (logits (B, 1, V)): a prefill that needs no more.
+    last_logits: the LM head on the last position only (logits (B, 1, V)): a prefill that needs no more; an int
+      n: on the last n positions (B, n, V).
     grad: record the autograd graph (training something upstream of the model through it, the model's
       own weights frozen: take gradients with ``torch.autograd.grad`` so none lands on a shared model).
     """
@@ -381,7 +382,7 @@ def forward(
         raise ValueError("attention probabilities need eager attention: call hf.set_eager(model) first")
     with _hooks(model, frozenset(capture), attentions, lists), torch.set_grad_enabled(grad):
         out = model(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True,
-                    attention_mask=attention_mask, logits_to_keep=1 if last_logits else 0)
+                    attention_mask=attention_mask, logits_to_keep=int(last_logits))
     nl = n - 1
     return Trace(
         logits=out.logits,

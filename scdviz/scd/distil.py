@@ -226,7 +226,7 @@ def source(pair: Pair, window: list[int], prompt_len: int, shortest: int, recall
     of the prompt less its last token and the consumer's one teacher-forced pass over the window."""
     ids = torch.tensor([window], dtype=torch.long, device="cpu")  # host-side ids; hf moves them to the model
     state = transfer.producer_state(pair.producer, ids[:, : prompt_len - 1])
-    logits = hf.forward(pair.consumer, ids[:, :-1]).logits[0, shortest - 1 :]
+    logits = hf.forward(pair.consumer, ids[:, :-1], last_logits=ids.shape[1] - shortest).logits[0]  # from shortest - 1
     kept = transfer.read_by(state, at).cast(torch.float16) if at is not None else None  # float32 again to encode
     dtype = torch.float16 if shortest < prompt_len else torch.float32  # a cut window's logits are many
     return Source(ids, logits.detach().to("cpu", dtype), recall, quote, kept), state
