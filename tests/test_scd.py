@@ -1060,7 +1060,7 @@ def test_a_cut_prompt_is_the_prefix_of_one_prefill_and_one_teacher_forced_pass(t
     window, cont, prompt = window_ids(48), 8, 40
     ids = torch.tensor([window])
     at = [plans.operating_plan(tiny_calib), _low_rank_plan(tiny_calib)]
-    src, whole = distil.source(tiny_pair, window, prompt, 24, False, None, at)
+    src, whole = distil.source(tiny_pair, window, prompt, 24, None, at)
     for n in (24, 31, 40):
         short = transfer.producer_state(tiny_pair.producer, ids[:, : n - 1])
         cut = whole.prefix(n - 1)
@@ -1082,7 +1082,7 @@ def test_a_cut_prompt_is_the_prefix_of_one_prefill_and_one_teacher_forced_pass(t
     assert read == [i for i, m in enumerate(at[0].modes) if m == "patch"] and not any(src.state.keys)
     with pytest.raises(ValueError, match="prompts of 24 to 40 tokens, not 23"):
         src.target(23, cont, "cpu")
-    quoted, _ = distil.source(tiny_pair, window, prompt, prompt, True, 3, None)
+    quoted, _ = distil.source(tiny_pair, window, prompt, prompt, 3, None)
     assert quoted.state is None and quoted.logits.dtype == torch.float32
     assert torch.equal(quoted.target(prompt, cont, "cpu").truth, torch.tensor(window[prompt:]))
     with pytest.raises(ValueError, match="--min-prompt is 10 to --prompt-len"):

@@ -41,11 +41,11 @@ from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
-from scdviz.scd.calibration import Calibration, correction_tensors, domains_of, stored
+from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, correction_tensors, domains_of, stored
 
 RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
 SCHEDULES = ("constant", "cosine")  # DistilConfig.schedule
-TRAINED = ("a", "b", "s", "g", "u", "w")  # a correction's trained tensors (the linear part, the gated MLP's)
+TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its factors (linear, gated MLP) and scale
 
 
 @dataclass
@@ -198,13 +198,12 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0)
 @dataclass
 class Source:
     """A training window as training keeps it: the consumer's own logits (on the host; those of every
-    continuation it may be cut for, in float16 when there are many), the window's ids, whether it is a recall
-    window, and, when its prompt is cut anew at each step (``DistilConfig.min_prompt``), the producer's state of
-    its whole prompt (what the trained plans read, ``transfer.read_by``), of which a cut's state is a prefix."""
+    continuation it may be cut for, in float16 when there are many), the window's ids, and, when its prompt is
+    cut anew at each step (``DistilConfig.min_prompt``), the producer's state of its whole prompt (what the
+    trained plans read, ``transfer.read_by``), of which a cut's state is a prefix."""
 
     ids: torch.Tensor  # (1, L) the window: prompt, then continuation
     logits: torch.Tensor  # (m, V) the consumer's own teacher-forced logits at positions L - 1 - m .. L - 2
-    recall: bool
     quote: int | None  # a recall window scored against its quote: where the quoted answer starts
     state: transfer.ProducerState | None = None
 
@@ -219,7 +218,7 @@ class Source:
         return Target(self.ids[:, start : start + cont_len], start, oracle, truth, self.quote)
 
 
-def source(pair: Pair, window: list[int], prompt_len: int, shortest: int, recall: bool, quote: int | None,
+def source(pair: Pair, window: list[int], prompt_len: int, shortest: int, quote: int | None,
            at: list[plans.Plan] | None) -> tuple[Source, transfer.ProducerState]:
     """(the ``Source`` of a window of ``prompt_len`` prompt tokens whose cuts go down to ``shortest`` (it keeps the
     state ``at`` reads when ``at`` is given), the producer's whole state of its prompt): the producer's prefill
@@ -229,7 +228,7 @@ def source(pair: Pair, window: list[int], prompt_len: int, shortest: int, recall
     logits = hf.forward(pair.consumer, ids[:, :-1], last_logits=ids.shape[1] - shortest).logits[0]  # from shortest - 1
     kept = transfer.read_by(state, at).cast(torch.float16) if at is not None else None  # float32 again to encode
     dtype = torch.float16 if shortest < prompt_len else torch.float32  # a cut window's logits are many
-    return Source(ids, logits.detach().to("cpu", dtype), recall, quote, kept), state
+    return Source(ids, logits.detach().to("cpu", dtype), quote, kept), state
 
 
 @dataclass
@@ -352,7 +351,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
         for w, recall in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
                                progress):
             shortest = cfg.min_prompt if cuts and not recall else cfg.prompt_len
-            src, state = source(pair, w, cfg.prompt_len, shortest, recall, answer if recall else None,
+            src, state = source(pair, w, cfg.prompt_len, shortest, answer if recall else None,
                                 at if shortest < cfg.prompt_len else None)
             sources.append(src)
             blobs.append([transfer.build_payload(state, p, calib) for p in at])
