@@ -7,7 +7,9 @@ each layer and feature set, a ridge map (strength 1e-3, 1e-2 or 0.1 of the mean 
 the best kept) from the features to the consumer's pre-RoPE K and V, fitted without one domain and
 scored on it (leave-one-domain-out); prints the relative squared error. Feature sets: the
 producer's K, V (the REUSE code's input); its normalised H_in; H_in with the previous token's, an
-exponential moving average (0.9) or the causal running mean of H_in (context); H_in with K, V.
+exponential moving average (0.9) or the causal running mean of H_in (context); H_in with K, V; K, V
+with the previous token's K, V, with the previous layer's K, V (the rows a consumer also receives), and
+with both those and the running mean of K, V.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from scdviz import data
 from scdviz.models.pair import load_pair
 from scdviz.scd import transfer
 
-KINDS = ("code", "h", "h+prev", "h+ema.9", "h+cummean", "h+kv", "h+kv+cummean", "kv+cummeankv")
+KINDS = ("code", "h", "h+prev", "h+ema.9", "h+cummean", "h+kv", "h+kv+cummean", "kv+cummeankv", "kv+prevtok",
+         "kv+prevlayer", "kv+prevlayer+cummeankv")
 
 
 def ema(z: torch.Tensor, decay: float) -> torch.Tensor:
@@ -33,12 +36,15 @@ def ema(z: torch.Tensor, decay: float) -> torch.Tensor:
 
 
 def features(row, kind: str, mean, std) -> torch.Tensor:
-    _, hp, kp, vp = row[:4]
+    _, hp, kp, vp, _, below = row
     z, kv = (hp - mean) / std, torch.cat([kp, vp], 1)
     return {"code": lambda: kv, "h": lambda: z, "h+prev": lambda: torch.cat([z, torch.cat([z[:1], z[:-1]])], 1),
             "h+ema.9": lambda: torch.cat([z, ema(z, 0.9)], 1), "h+cummean": lambda: torch.cat([z, ema(z, 1.0)], 1),
             "h+kv": lambda: torch.cat([z, kv], 1), "h+kv+cummean": lambda: torch.cat([z, kv, ema(z, 1.0)], 1),
-            "kv+cummeankv": lambda: torch.cat([kv, ema(kv, 1.0)], 1)}[kind]()
+            "kv+cummeankv": lambda: torch.cat([kv, ema(kv, 1.0)], 1),
+            "kv+prevtok": lambda: torch.cat([kv, torch.cat([kv[:1], kv[:-1]])], 1),
+            "kv+prevlayer": lambda: torch.cat([kv, below], 1),
+            "kv+prevlayer+cummeankv": lambda: torch.cat([kv, below, ema(kv, 1.0)], 1)}[kind]()
 
 
 def ridge(x, y, lam):
@@ -65,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
             p, c = transfer.producer_state(pair.producer, ids), transfer.producer_state(pair.consumer, ids)
             for layer in layers:
                 rows[layer].append((fold, p.h_in[layer][1:], p.keys_pre[layer][1:], p.values[layer][1:],
-                                    torch.cat([c.keys_pre[layer][1:], c.values[layer][1:]], 1)))
+                                    torch.cat([c.keys_pre[layer][1:], c.values[layer][1:]], 1),
+                                    torch.cat([p.keys_pre[layer - 1][1:], p.values[layer - 1][1:]], 1)))
     for layer in layers:
         rs = rows[layer]
         allh = torch.cat([r[1] for r in rs])

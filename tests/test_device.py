@@ -98,7 +98,8 @@ def _distil_paths(pair, calib, case, dtype) -> None:
 
     plan = plans.operating_plan(calib)
     cfg = distil.DistilConfig(rank=2, epochs=2, train_windows=2, val_windows=1, prompt_len=32, cont_len=8, budgets=[],
-                              min_prompt=16, schedule="cosine")  # cut prompts: their state and logits held, moved back
+                              min_prompt=16, schedule="cosine", mlp=2, attn=1)  # cut prompts: their state and logits
+    # held, moved back; the gated MLP and the causal attention terms in the model's dtype and device
     _, log = distil.distil(pair, calib, cfg, progress=False, at=[plan, plans.span_plan(calib, 1)])
     assert all(math.isfinite(x) for x in log["val_kl"] + log["train_kl"]) and log["cut_steps"] > 0
     blob = transfer.build_payload(case.state, plan, calib)

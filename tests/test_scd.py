@@ -1108,17 +1108,21 @@ def test_training_on_cut_prompts_meets_new_continuations_and_lowers_validation_k
         min(log["val_kl"]), rel=1e-3)
 
 
-def test_a_gated_mlp_correction_trains_through_the_consumer_and_survives_save_and_load(tiny_pair, tiny_calib, tmp_path):
-    """``--mlp h`` adds a gated MLP to each layer's correction: trained, validation falls below the closed form's,
+@pytest.mark.parametrize("extra,factors,last", [({"mlp": 4}, {"g", "u", "w"}, "w"),
+                                                ({"attn": 2}, {"aq", "ak", "av", "ao"}, "ao")])
+def test_a_wider_correction_trains_through_the_consumer_and_survives_save_and_load(tiny_pair, tiny_calib, tmp_path,
+                                                                                   extra, factors, last):
+    """``--mlp h`` adds a gated MLP to each layer's correction, ``--attn H`` a causal attention over the rows:
+    trained, validation falls below the closed form's, the added term's output factor (``last``) moved off 0,
     the kept (int8-stored) tensors reproduce it, and a saved calibration loads them back exactly."""
     from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
-    cfg = distil.DistilConfig(rank=4, mlp=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8,
-                              lr=1e-2, budgets=[])
+    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8,
+                              lr=1e-2, budgets=[], **extra)
     out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan])
     assert log["best_epoch"] > 0 and min(log["val_kl"]) < 0.8 * log["val_kl"][0]
-    assert all({"g", "u", "w"} <= set(p) and p["w"].abs().sum() > 0 for p in out.corrections.values())
+    assert all(factors <= set(p) and p[last].abs().sum() > 0 for p in out.corrections.values())
     assert _validation_kl(tiny_pair, tiny_calib, cfg, plan, out) == pytest.approx(min(log["val_kl"]), rel=1e-3)
     out.save(tmp_path)
     back = calibration.Calibration.load(tmp_path, tiny_pair).corrections
@@ -1238,6 +1242,12 @@ def test_a_correction_stage_footprint_is_counted_by_hand():
     saved = calibration.correction_tensors(start[0])
     assert sum(t.nbytes for t in saved.values()) == 24 + 16 + 24 + 6 + 2 * 8 * 4 + 2 * (16 + 16) + 16 + 4
     assert gated["flops_per_token"] == 128 + 6 * 8 * 2 + 2 * 2
+    # an attention of 1 head: aq, ak, av (8 x dh), ao (dh x 8); 8 D W for its products, 2 (n + 1) W over n tokens
+    dh = calibration.ATTN_HEAD_DIM
+    attn = distil.footprint(distil.initial({0: torch.ones(8)}, 3, 0, attn=1), consumer_params=1000, layers=4, tokens=9)
+    assert attn["flops_per_token"] == 128 + 8 * 8 * dh + 2 * 10 * dh
+    saved = calibration.correction_tensors(distil.initial({0: torch.ones(8)}, 3, 0, attn=1)[0])
+    assert sum(t.nbytes for t in saved.values()) == 24 + 16 + 24 + 6 + 2 * 8 * 4 + 3 * (8 * dh + 16) + dh * 8 + 2 * dh
 
 
 def test_a_gated_mlp_correction_is_the_linear_one_plus_its_gated_term_by_hand():
@@ -1257,6 +1267,37 @@ def test_a_gated_mlp_correction_is_the_linear_one_plus_its_gated_term_by_hand():
     started = p | {"w": torch.zeros(h, d)}
     torch.testing.assert_close(calib.corrected(0, x, {0: started}), calib.corrected(0, x, {0: lin}))
     torch.testing.assert_close(calib.corrected(0, x, {0: lin}), linear)
+
+
+def test_an_attention_correction_is_the_linear_one_plus_its_causal_context_term_by_hand():
+    """``corrected`` with aq, ak, av, ao (2 heads of ATTN_HEAD_DIM): x (1 + s) + ((x / sigma) a b) tau + c ao tau,
+    where each head's c_t = sum over j <= t of softmax_j(q_t . k_j / sqrt(dh)) v_j with q, k, v = (x / sigma)
+    aq, ak, av, computed here by a loop over rows; ao = 0 leaves the linear correction exactly; and a row's
+    correction does not change when a later row does (causal: a cut prompt's rows are its prefix's)."""
+    dh = calibration.ATTN_HEAD_DIM
+    gen = torch.Generator().manual_seed(0)
+    n, d, r, w = 6, 5, 2, 2 * dh
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    shapes = {"a": (d, r), "b": (r, d), "s": (d,), "aq": (d, w), "ak": (d, w), "av": (d, w), "ao": (w, d)}
+    p = {k: torch.randn(*shape, generator=gen, dtype=torch.float64) for k, shape in shapes.items()}
+    p |= {k: torch.rand(d, generator=gen, dtype=torch.float64) + 0.5 for k in ("sigma", "tau")}
+    calib = calibration.Calibration.__new__(calibration.Calibration)
+    xs = x / p["sigma"]
+    linear = x * (1 + p["s"]) + (xs @ p["a"] @ p["b"]) * p["tau"]
+    q, k, v = (xs @ p[name] for name in ("aq", "ak", "av"))
+    c = torch.zeros(n, w, dtype=torch.float64)
+    for t in range(n):
+        for h in range(2):
+            cols = slice(h * dh, (h + 1) * dh)
+            weights = torch.softmax(k[: t + 1, cols] @ q[t, cols] / dh**0.5, 0)
+            c[t, cols] = weights @ v[: t + 1, cols]
+    torch.testing.assert_close(calib.corrected(0, x, {0: p}), linear + (c @ p["ao"]) * p["tau"])
+    started = p | {"ao": torch.zeros(w, d, dtype=torch.float64)}
+    torch.testing.assert_close(calib.corrected(0, x, {0: started}), linear)
+    later = x.clone()
+    later[4:] += 1.0
+    torch.testing.assert_close(calib.corrected(0, later, {0: p})[:4], calib.corrected(0, x, {0: p})[:4])
+    assert not torch.allclose(calib.corrected(0, later, {0: p})[4:], calib.corrected(0, x, {0: p})[4:])
 
 
 def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tiny_calib):

@@ -177,7 +177,10 @@ class Calibration:
         """Rows x (N, D) -> ``y = x (1 + s) + ((x / sigma) a b) tau`` with the trained correction of ``key``
         (scdviz.scd.distil; the identity when b and s are 0, where its training starts; tau, the output's
         scale per column, is 1 when absent), plus ``((silu(x' g) * (x' u)) w) tau`` (x' = x / sigma) where it
-        has a gated MLP (g, u: (D, h), w: (h, D), 0 at the start), or x itself when there is none.
+        has a gated MLP (g, u: (D, h), w: (h, D), 0 at the start), plus ``context(x) ao tau`` where it has a
+        causal attention over the rows (``context``; ao: (H ATTN_HEAD_DIM, D), 0 at the start), or x itself
+        when there is none. The rows are the prefix's tokens in order: the attention term of a row reads only
+        the rows up to it, so a prompt's corrected rows are those of its longer prompts' prefix.
         ``corrections``: use these instead of the calibration's own."""
         p = ((self.corrections if corrections is None else corrections) or {}).get(key)
         if p is None:
@@ -186,10 +189,12 @@ class Calibration:
         a = p["a"] / p["sigma"][:, None]  # the scales folded into the (D, r) and (r, D) factors, not the N rows
         tau = p["tau"] if "tau" in p else 1.0
         out = torch.addmm(rows * (1 + p["s"]), rows @ a, p["b"] * tau)
-        if "w" not in p:
-            return out
-        g, u = p["g"] / p["sigma"][:, None], p["u"] / p["sigma"][:, None]
-        return torch.addmm(out, torch.nn.functional.silu(rows @ g) * (rows @ u), p["w"] * tau)
+        if "w" in p:
+            g, u = p["g"] / p["sigma"][:, None], p["u"] / p["sigma"][:, None]
+            out = torch.addmm(out, torch.nn.functional.silu(rows @ g) * (rows @ u), p["w"] * tau)
+        if "ao" in p:
+            out = torch.addmm(out, context(rows, p), p["ao"] * tau)
+        return out
 
     def span_for(self, layer: int) -> LinearCode:
         """The span code of the residual entering ``layer``; ValueError when this calibration has none there."""
@@ -389,10 +394,26 @@ def span_key(layer: int) -> str:
     return f"span{layer}"
 
 
-CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau", "g", "u", "w")  # a trained correction's tensors
+CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau", "g", "u", "w", "aq", "ak", "av", "ao")  # a correction's tensors
 # (Calibration.corrected; "tau", the output's scale, is absent from the first ones: scale 1; the gated MLP's
-# g, u, w only where one was trained)
-CORRECTION_FACTORS = ("a", "b", "g", "u", "w")  # saved as int8 rows with an fp16 scale each (``{name}_scale``)
+# g, u, w and the causal attention's aq, ak, av, ao only where one was trained)
+CORRECTION_FACTORS = ("a", "b", "g", "u", "w", "aq", "ak", "av", "ao")  # saved as int8 rows with an fp16 scale each
+ATTN_HEAD_DIM = 8  # width of each head of a correction's causal attention (``context``)
+
+
+def context(rows: Tensor, p: dict[str, Tensor]) -> Tensor:
+    """The causal attention term of a correction: rows x (N, D) in token order -> (N, H ATTN_HEAD_DIM), for each
+    head softmax((x' aq)(x' ak)^T / sqrt(ATTN_HEAD_DIM), masked to the rows up to each one) (x' av), with
+    x' = x / sigma; ``p``'s tensors on the rows' device and dtype. What one row of decoded codes cannot hold:
+    how the consumer's own attention mixes the context into each token (the drift its fine-tuned layers add)."""
+    n, width = rows.shape[0], p["aq"].shape[1]
+    heads = width // ATTN_HEAD_DIM
+
+    def proj(name: str) -> Tensor:
+        return (rows @ (p[name] / p["sigma"][:, None])).view(n, heads, ATTN_HEAD_DIM).transpose(0, 1)
+
+    out = torch.nn.functional.scaled_dot_product_attention(proj("aq"), proj("ak"), proj("av"), is_causal=True)
+    return out.transpose(0, 1).reshape(n, width)
 
 
 def correction_tensors(params: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -41,11 +41,18 @@ from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
-from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, correction_tensors, domains_of, stored
+from scdviz.scd.calibration import (
+    ATTN_HEAD_DIM,
+    CORRECTION_FACTORS,
+    Calibration,
+    correction_tensors,
+    domains_of,
+    stored,
+)
 
 RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
 SCHEDULES = ("constant", "cosine")  # DistilConfig.schedule
-TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its factors (linear, gated MLP) and scale
+TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its factors (linear, MLP, attention), scale
 
 
 @dataclass
@@ -57,6 +64,9 @@ class DistilConfig:
     rank: int = opt(32, "rank r of each layer's correction")
     mlp: int = opt(0, "hidden width h of a gated MLP added to each layer's correction, ((silu(x' g) * (x' u)) w) "
                    "tau with x' = x / sigma, w starting at 0 (0: none, the linear correction alone)")
+    attn: int = opt(0, "heads of a causal attention over the prefix's rows added to each layer's correction, "
+                    "context(x) ao tau, each of width calibration.ATTN_HEAD_DIM, ao starting at 0 (0: none): what "
+                    "no single row holds, how the consumer's attention mixes the context into each token")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
                                "calibration's own operating point (needs its rate curves; none: that point only)")
     epochs: int = opt(6, "passes over the training windows (the epoch with the lowest validation KL is kept)")
@@ -92,6 +102,8 @@ class DistilConfig:
     def __post_init__(self) -> None:
         if self.mlp < 0:
             raise ValueError(f"--mlp is a hidden width, 0 (none) or more; got {self.mlp}")
+        if self.attn < 0:
+            raise ValueError(f"--attn is a number of heads, 0 (none) or more; got {self.attn}")
         for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -175,9 +187,10 @@ def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]
     return prompt + lead + prompt[start : start + copied]
 
 
-def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0) -> dict:
-    """The corrections training starts from (the identity: b = s = 0, and w = 0 with a gated MLP of hidden width
-    ``mlp``), for each code layer in ``spread``; sigma (the input's scale) and tau (the output's):
+def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0, attn: int = 0) -> dict:
+    """The corrections training starts from (the identity: b = s = 0, w = 0 with a gated MLP of hidden width
+    ``mlp``, ao = 0 with a causal attention of ``attn`` heads), for each code layer in ``spread``; sigma (the
+    input's scale) and tau (the output's):
     ``spread[layer]``, the spread of each column (D,) of that layer's refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -192,6 +205,10 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0)
             out[layer] |= {"g": torch.randn(d, mlp, generator=g, device="cpu") / d**0.5,
                            "u": torch.randn(d, mlp, generator=g, device="cpu") / d**0.5,
                            "w": torch.zeros(mlp, d, device="cpu")}
+        if attn:
+            width = attn * ATTN_HEAD_DIM
+            out[layer] |= {k: torch.randn(d, width, generator=g, device="cpu") / d**0.5 for k in ("aq", "ak", "av")}
+            out[layer]["ao"] = torch.zeros(width, d, device="cpu")
     return out
 
 
@@ -282,20 +299,24 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
     return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}
 
 
-def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
+def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int,
+              tokens: int = 256) -> dict:
     """What a correction stage costs: its size as saved (MB: the factors a, b as int8 rows with an fp16 scale
     each, the rest float32, tau only where it differs from sigma) and the consumer's FLOPs per received
     prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
     output scale D more, with D = 2 d_kv; a gated MLP of width h adds 6 D h for its three products and 2 h for
-    silu and the gate), also as a fraction of the consumer's own prefill (2 x its
+    silu and the gate; a causal attention of width W = H ATTN_HEAD_DIM adds 8 D W for its four products and,
+    for scores and weighted sum over the (tokens + 1) / 2 rows a token of a ``tokens``-token prefix reads on
+    average, 2 (tokens + 1) W), also as a fraction of the consumer's own prefill (2 x its
     parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
     ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
     size = sum(t.nbytes for p in corrections.values() for t in correction_tensors(p).values())  # as saved
 
     def cost(p) -> int:
         mlp = 6 * p["w"].numel() + 2 * p["w"].shape[0] if "w" in p else 0  # three products, silu and the gate
+        attn = 8 * p["ao"].numel() + 2 * (tokens + 1) * p["ao"].shape[0] if "ao" in p else 0
         return (2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
-                + mlp)
+                + mlp + attn)
 
     codes = [p for k, p in corrections.items() if isinstance(k, int)]
     spans = [p for k, p in corrections.items() if isinstance(k, str)]
@@ -359,7 +380,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
 
     train, val = prepared(train_w, "training", bool(cfg.min_prompt)), prepared(val_w, "validation", False)
     val = ([s.target(cfg.prompt_len, cfg.cont_len, device) for s in val[0]], val[1])
-    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed, cfg.mlp)
+    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed, cfg.mlp, cfg.attn)
     params = {layer: {k: v.to(device).requires_grad_(k in TRAINED) for k, v in p.items()}
               for layer, p in start.items()}
     trained = [t for p in params.values() for k, t in p.items() if k in TRAINED]  # sigma, tau: fixed
@@ -411,7 +432,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
             best = {layer: {k: v.cpu() for k, v in p.items()} for layer, p in stored(params).items()}
     log["seconds"] = round(time.perf_counter() - t0, 1)
     facts = pair.consumer_facts
-    log["footprint"] = footprint(best or params, facts.params, facts.layers)
+    log["footprint"] = footprint(best or params, facts.params, facts.layers, cfg.prompt_len)
     if not log["best_epoch"]:  # no epoch beat the closed form: it is the result, under its own tag
         return calib.closed_form(), log
     out = replace(calib, corrections=best, stats={**calib.stats, "distil": log})  # a new tag: payloads never mix
