@@ -704,6 +704,42 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
                                                 progress=False), progress=False)
 
 
+def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_without_the_domain(tiny_pair, monkeypatch):
+    """--lodo with a calibration that carries a trained correction stage: each held-out domain's calibration is
+    the closed form made again without it, then the stage trained again with the loaded stage's own recipe
+    (its log's config) on the remaining domains only; the bench measures it beside its closed form."""
+    import dataclasses
+
+    from scdviz.scd import bench, distil
+
+    base = cal.calibrate(small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2), tiny_pair, progress=False)
+    recipe = distil.DistilConfig(rank=2, epochs=1, train_windows=2, val_windows=1, prompt_len=40, cont_len=8,
+                                 lr=1e-2, budgets=[], recall=0.0, seed=3)
+    trained, _ = distil.distil(tiny_pair, base, recipe, progress=False)
+    assert trained.corrections and bench.distil_recipe(trained) == recipe and bench.distil_recipe(base) is None
+    seen, real = [], distil.distil
+
+    def spy(pair, calib, cfg, progress=True, at=None):
+        seen.append((calib.stats["domains"], calib.corrections, cfg))
+        return real(pair, calib, cfg, progress, at)
+
+    monkeypatch.setattr(distil, "distil", spy)
+    run = bench.ScdBenchConfig(lodo=True, domains=["bible"], limit=2, prompt_len=40, cont_len=8, gen_tokens=0,
+                               sent_rows=False, qa_answer_len=3)
+    (report,) = bench.reports(run, tiny_pair, trained, progress=False)
+    assert [(d, c, cfg) for d, c, cfg in seen] == [(["jargon"], None, recipe)]  # trained from the fold's closed form
+    names = [r.method for r in report.methods]
+    assert report.calibrated_on == ["jargon"] and any(n.endswith("(closed form)") for n in names)
+    closed = next(r for r in report.methods if r.method == "SCD reuse-only (closed form)")
+    assert next(r for r in report.methods if r.method == "SCD reuse-only").kl != closed.kl  # the stage was applied
+    seen.clear()
+    bench.reports(run, tiny_pair, base, progress=False)  # a closed form alone is refitted as before: no training
+    assert seen == []
+    with pytest.raises(ValueError, match="carries no recipe"):
+        bare = dataclasses.replace(trained, stats={k: v for k, v in trained.stats.items() if k != "distil"})
+        bench.reports(run, tiny_pair, bare, progress=False)
+
+
 def test_lineup_names_are_unique_even_when_no_patch_survives(tiny_calib):
     import dataclasses
 

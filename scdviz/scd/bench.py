@@ -27,7 +27,7 @@ from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
 from scdviz.records import BenchRecord
 from scdviz.scd import calibrate as cal
-from scdviz.scd import calibration, measure, rate
+from scdviz.scd import calibration, distil, measure, rate
 from scdviz.scd import plan as plans
 from scdviz.scd.plan import SINKS, Plan
 
@@ -43,7 +43,8 @@ class ScdBenchConfig:
     domains: list[str] = opt([], "shipped corpora whose eval splits are measured, one report each (default: the "
                              "specialist's own training corpus, else every calibration domain)")
     lodo: bool = opt(False, "leave-one-domain-out: for each calibration domain (or each of --domains), calibrate again "
-                     "without it (same settings) and measure on its eval split")
+                     "without it (same settings; a trained correction stage is trained again with its own recipe, "
+                     "and its closed form measured beside it) and measure on its eval split")
     slice: str = opt("dev", "the slice of each eval split measured (scdviz.data): dev while you iterate; test only "
                      "for the final run of a shipped artefact, from a clean committed tree", choices=data.SLICES)
     limit: int = opt(16, "prompts per domain, spread evenly through the slice")
@@ -292,12 +293,16 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
     domains = (list(cfg.domains) or seen) if cfg.lodo else eval_domains(cfg, name, calib)
 
     def refit(others: list[str]) -> calibration.Calibration:
-        """The loaded calibration's settings, made again on ``others`` only."""
+        """The loaded calibration's settings, made again on ``others`` only: its closed form, then, when it
+        carries a trained correction stage, that stage trained again with its own recipe on the same domains
+        (the bench then measures both, the closed form as the "(closed form)" twins)."""
         torch.manual_seed(cfg.seed)  # seeded before the calibration, as each domain's measurement is
-        rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets else 0
+        recipe = distil_recipe(calib)
+        rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets or (recipe and recipe.budgets) else 0
         texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
-        return cal.calibrate(dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
-                                                 texts=texts, rate_windows=rate_windows), pair, progress)
+        fitted = cal.calibrate(dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
+                                                   texts=texts, rate_windows=rate_windows), pair, progress)
+        return fitted if recipe is None else distil.distil(pair, fitted, recipe, progress)[0]
 
     def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
         if not cfg.lodo:  # with lodo, refit seeded before calibrating
@@ -311,6 +316,17 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
 
     return protocol.by_domain(domains, measure_on, calib, fit=refit if cfg.lodo else None, seen=seen,
                               what="calibration")
+
+
+def distil_recipe(calib: calibration.Calibration) -> distil.DistilConfig | None:
+    """The recipe of ``calib``'s trained correction stage (its log's config), None when it has none."""
+    if not calib.corrections:
+        return None
+    saved = calib.stats.get("distil", {}).get("config")
+    if saved is None:
+        raise ValueError("this calibration's trained stage carries no recipe (its distil log has no config): "
+                         "train it again with `python -m scdviz distil` to measure it leave-one-domain-out")
+    return config.from_dict(distil.DistilConfig, saved, "the calibration's distil recipe")[0]
 
 
 def _clusters(report: BenchReport) -> list[str] | None:
