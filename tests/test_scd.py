@@ -1266,7 +1266,7 @@ def test_a_correction_stage_footprint_is_counted_by_hand():
 
     got = distil.footprint(distil.initial({0: torch.ones(8), 3: torch.ones(8)}, 3, 0), consumer_params=1000, layers=4)
     assert got["layers"] == 2 and got["of_layers"] == 4
-    assert got["mb"] == round(2 * (24 + 16 + 24 + 6 + 2 * 8 * 4) / 1e6, 3)
+    assert got["bytes"] == 2 * (24 + 16 + 24 + 6 + 2 * 8 * 4) and got["mb"] == round(got["bytes"] / 1e6, 3)
     assert got["flops_per_token"] == 2 * (16 + 8 + 48 + 48 + 8) and got["of_prefill"] == round(256 / 2000, 5)
     spans = distil.initial({0: torch.ones(8), "span2": torch.ones(6), "span1": torch.ones(4)}, 3, 0)
     got = distil.footprint(spans, consumer_params=1000, layers=4)  # spans counted apart, the dearest one's FLOPs

@@ -301,15 +301,15 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
 
 def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int,
               tokens: int = 256) -> dict:
-    """What a correction stage costs: its size as saved (MB: the factors a, b as int8 rows with an fp16 scale
-    each, the rest float32, tau only where it differs from sigma) and the consumer's FLOPs per received
-    prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D, the
-    output scale D more, with D = 2 d_kv; a gated MLP of width h adds 6 D h for its three products and 2 h for
-    silu and the gate; a causal attention of width W = H ATTN_HEAD_DIM adds 8 D W for its four products and,
-    for scores and weighted sum over the (tokens + 1) / 2 rows a token of a ``tokens``-token prefix reads on
-    average, 2 (tokens + 1) W), also as a fraction of the consumer's own prefill (2 x its
-    parameters per token). Span aligners (string keys, D = d) are counted apart: ``spans`` of them, and
-    ``span_flops_per_token`` the dearest one's (a payload feeds one span; its code layers are fewer)."""
+    """What a correction stage costs: its size as saved (bytes, and MB to 3 decimals: the factors as int8 rows with
+    an fp16 scale each, the rest float32, tau only where it differs from sigma) and the consumer's FLOPs per
+    received prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D,
+    the output scale D more, with D = 2 d_kv; a gated MLP of width h adds 6 D h for its three products and 2 h for
+    silu and the gate; a causal attention of width W = H ATTN_HEAD_DIM adds 8 D W for its four products and, for
+    scores and weighted sum over the (tokens + 1) / 2 rows a token of a ``tokens``-token prefix reads on average, 2
+    (tokens + 1) W), also as a fraction of the consumer's own prefill (2 x its parameters per token). Span aligners
+    (string keys, D = d) are counted apart: ``spans`` of them, and ``span_flops_per_token`` the dearest one's (a
+    payload feeds one span; its code layers are fewer)."""
     size = sum(t.nbytes for p in corrections.values() for t in correction_tensors(p).values())  # as saved
 
     def cost(p) -> int:
@@ -321,7 +321,7 @@ def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_pa
     codes = [p for k, p in corrections.items() if isinstance(k, int)]
     spans = [p for k, p in corrections.items() if isinstance(k, str)]
     flops = sum(cost(p) for p in codes)
-    return {"layers": len(codes), "of_layers": layers, "mb": round(size / 1e6, 3),
+    return {"layers": len(codes), "of_layers": layers, "bytes": int(size), "mb": round(size / 1e6, 3),
             "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5),
             "spans": len(spans), "span_flops_per_token": max((cost(p) for p in spans), default=0)}
 
