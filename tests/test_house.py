@@ -182,7 +182,7 @@ def test_shipped_records_and_artefacts_are_current():
         rec = records.read(path)
         scd = path.relative_to(settings.ASSETS_DIR).parts[0] == "scd"
         name = records.stem(path)
-        kind = "ttft" if name == "ttft" else "cost" if name.endswith("cost") else "scd" if scd else "evict"
+        kind = "ttft" if name.startswith("ttft") else "cost" if name.endswith("cost") else "scd" if scd else "evict"
         assert rec.kind == kind, path
         assert set(config.from_dict(commands.BENCHES[rec.kind], rec.settings)[1]) <= commands.RETIRED_SETTINGS, path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
