@@ -190,8 +190,8 @@ def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]
 def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0, attn: int = 0) -> dict:
     """The corrections training starts from (the identity: b = s = 0, w = 0 with a gated MLP of hidden width
     ``mlp``, ao = 0 with a causal attention of ``attn`` heads), for each code layer in ``spread``; sigma (the
-    input's scale) and tau (the output's):
-    ``spread[layer]``, the spread of each column (D,) of that layer's refined rows (``row_spread``)."""
+    input's scale) and tau (the output's): ``spread[layer]``, the spread of each column (D,) of that layer's
+    refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     keys = [*sorted(k for k in spread if isinstance(k, int)), *sorted(k for k in spread if isinstance(k, str))]

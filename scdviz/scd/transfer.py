@@ -173,14 +173,18 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
     return payload.encode(head, sections)
 
 
+READS = {"raw": ("keys", "values"), "code": ("keys_pre", "values"), "patch": ("h_in",)}  # what ``build_payload``
+# reads of a ProducerState for a layer of each mode (a span reads ``resid`` at its start)
+
+
 def read_by(state: ProducerState, plans: list[Plan]) -> ProducerState:
-    """``state`` keeping only the tensors a payload of one of ``plans`` reads (``build_payload``: a raw layer's
-    keys and values, a code layer's pre-RoPE keys and values, a patch layer's h_in, a span's entering residual),
-    the others None: what a stage that builds payloads again later needs to hold of many prompts."""
+    """``state`` keeping only the tensors a payload of one of ``plans`` reads (``READS`` per layer mode, and a
+    span's entering residual), the others None: what a stage that builds payloads again later needs to hold of
+    many prompts."""
     need: dict[str, set[int]] = {name: set() for name in ("keys_pre", "keys", "values", "h_in", "resid")}
     for plan in plans:
         for layer, mode in enumerate(plan.modes):
-            for name in {"raw": ("keys", "values"), "code": ("keys_pre", "values"), "patch": ("h_in",)}.get(mode, ()):
+            for name in READS.get(mode, ()):
                 need[name].add(layer)
         need["resid"].update(start for start, _ in plan.runs())
     return replace(state, **{name: [t if i in layers else None for i, t in enumerate(getattr(state, name))]
