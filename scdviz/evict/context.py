@@ -129,8 +129,8 @@ def sampled_lookahead(model, trace, tokens: int, samples: int, seed: int = 0) ->
     K = ``samples`` continuations of G = ``tokens`` tokens are sampled from the model's own
     next-token distribution (temperature 1) over a copy of the full cache; the attention
     rows of the sampled tokens over the T context tokens are averaged
-    (``features.lookahead_attention``). The sampled steps run ``hf.ROWS`` attention (SDPA, with the
-    probabilities from q·k: eager's values at about half its cost for K = 8 rows over a long cache);
+    (``features.lookahead_attention``). The sampled steps run ``hf.ROWS`` attention (eager's
+    probabilities without its copies of the keys and values per query head);
     the trace's cache is not touched.
     """
     if trace.logits.shape[0] != 1:

@@ -147,27 +147,28 @@ def attn_heads(model) -> tuple[int, int, int]:
     return cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
 
 
-ROWS = "scdviz_rows"  # SDPA's output plus attention probabilities computed from q·k (see ``_rows_attention``)
+ROWS = "scdviz_rows"  # attention with its probabilities, without eager's per-head copies (``_rows_attention``)
 
 
 def _rows_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """SDPA attention that also returns the probabilities (B, H, n, T), as eager does, without eager's
-    copy of the keys per query head (``repeat_kv``): the probabilities come from q·k grouped by KV head.
-    Meant for few query rows (decode steps): for n rows it builds the (B, H, n, T) matrix eager builds."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    """Attention that returns its probabilities (B, H, n, T), as eager does, without eager's copy of the keys
+    and values per query head (``repeat_kv``): q·k grouped by KV head, the softmax in float32 (eager's), the
+    output from those probabilities. The FLOPs of the attention itself, nothing recomputed; meant for few query
+    rows (decode steps): for n rows it builds the (B, H, n, T) matrix eager builds."""
     b, h, n, d = query.shape
     n_kv, t = key.shape[1], key.shape[2]
+    scaling = d ** -0.5 if scaling is None else scaling
     grouped = query.reshape(b, n_kv, h // n_kv * n, d)  # query head i reads KV head i // (H / Hkv)
     scores = (torch.matmul(grouped, key.transpose(-1, -2)) * scaling).reshape(b, h, n, t)
     if attention_mask is not None:
         mask = attention_mask[..., :t]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    elif n > 1:  # SDPA left causality to its kernel: the same pattern, the new rows last
+    elif n > 1:  # no mask given: the causal pattern, the new rows last
         scores = scores.masked_fill(~torch.ones(n, t, dtype=torch.bool, device=scores.device).tril(t - n),
                                     float("-inf"))
-    return out, torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs.reshape(b, n_kv, h // n_kv * n, t), value).reshape(b, h, n, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), probs
 
 
 @functools.cache
@@ -195,7 +196,7 @@ def eager(model):
 @contextlib.contextmanager
 def attention(model, implementation: str):
     """The model runs ``implementation`` attention inside the block: "eager", "sdpa", or ``ROWS``
-    (SDPA plus attention probabilities: decode steps that need them at SDPA's cost).
+    (attention that returns its probabilities without eager's per-head copies: decode steps that need them).
 
     Holds the model's work lock throughout and restores the previous implementation on
     exit, so a shared model is never left switched for other requests.
@@ -243,6 +244,35 @@ def unrotate(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Inverse of ``rotate`` (rotation by the negative angle)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return keys * cos - _rotate_half(keys) * sin
+
+
+def window_rows(module, hidden: Tensor, keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """(B, H, W, Tk) the attention probabilities of the last W tokens of a prefill, computed from their normalised
+    inputs ``hidden`` (B, W, d) with ``module`` (an attention layer)'s own q_proj (and q_norm), RoPE ``cos`` /
+    ``sin`` (B, W, D) of their positions, over the layer's post-RoPE ``keys`` (B, Hkv, Tk, D), whose last W are
+    theirs (the causal pattern). SnapKV's observation window, for a prefill that ran SDPA (no probabilities):
+    W query rows, not Tk, so its cost is 2 W H D per cached token, plus W q-projections."""
+    b, w, _ = hidden.shape
+    _, n_kv, tk, d = keys.shape
+    with torch.no_grad():
+        q = module.q_proj(hidden).view(b, w, -1, d)
+        if getattr(module, "q_norm", None) is not None:
+            q = module.q_norm(q)
+        q = rotate(q.transpose(1, 2), cos, sin)  # (B, H, W, D)
+        h = q.shape[1]
+        grouped = q.reshape(b, n_kv, h // n_kv * w, d)  # query head i reads KV head i // (H / Hkv)
+        scores = (torch.matmul(grouped, keys.transpose(-1, -2)).float() * module.scaling).reshape(b, h, w, tk)
+        causal = torch.ones(w, tk, dtype=torch.bool, device=scores.device).tril(tk - w)
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+
+
+def window_rows_at(model, layer_idx: int, hidden: Tensor, keys: Tensor) -> Tensor:
+    """``window_rows`` of layer ``layer_idx`` for the last ``hidden.shape[1]`` tokens of a prefill from position 0
+    whose keys are ``keys`` (all Tk of them, unpruned)."""
+    w, tk = hidden.shape[1], keys.shape[2]
+    positions = torch.arange(tk - w, tk, device=keys.device).view(1, w).expand(hidden.shape[0], w)
+    cos, sin = rope(model, positions)
+    return window_rows(layers(model)[layer_idx].self_attn, hidden, keys, cos.to(keys.device), sin.to(keys.device))
 
 
 # ----------------------------------------------------------------------------- cache
