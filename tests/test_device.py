@@ -175,10 +175,10 @@ def _policy(per_head: bool) -> Policy:
     return _POLICIES[per_head]
 
 
-def _student(model, per_head: bool) -> Student:
+def _student(model, per_head: bool, window: int = 0) -> Student:
     """A random student made on the CPU (as Student.load gives one)."""
     with torch.device("cpu"):
-        student = Student.for_model(model, StudentConfig(per_head=per_head))
+        student = Student.for_model(model, StudentConfig(per_head=per_head, window=window))
         with torch.no_grad():
             student.weight.normal_(generator=torch.Generator().manual_seed(0))
     return student.eval()
@@ -205,9 +205,9 @@ def _eviction_paths(model, dtype, baseline):
             with DecodeEvictor(scorer, budget=8, window=4)(model):
                 out = hf.generate(model, full, ids[:, 19:20], 19, 5, on_step=lambda c, s: None)
             assert len(out) == 5
-        for per_head in (True, False):  # the student: a press prefill, then arrival scores while decoding
-            press = StudentPress.keeping(_student(model, per_head), 0.5)
-            with press(model):
+        for per_head, window in ((True, 0), (False, 0), (True, 4)):  # the student: a press prefill, then arrival
+            press = StudentPress.keeping(_student(model, per_head, window), 0.5)  # scores while decoding
+            with hf.attention(model, "sdpa"), press(model):  # a window's rows computed from its queries
                 pruned = hf.forward(model, ids[:, :19]).cache
             budget = hf.cache_len(pruned)[0]
             with DecodeEvictor(press, budget=budget, window=4)(model):
@@ -227,13 +227,15 @@ def _eviction_paths(model, dtype, baseline):
             look = Policy(PolicyConfig(hidden=8, per_head=True, window=16, lookahead=2, lookahead_samples=2)).eval()
         policies = {"distillcache-head": _policy(True), "distillcache-head-look": look}
         failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
-        scorers = {"baseline": baseline, "distillcache-student": StudentPress(student=_student(model, True))}
+        scorers = {"baseline": baseline, "distillcache-student": StudentPress(student=_student(model, True)),
+                   "distillcache-student-window4": StudentPress(student=_student(model, True, 4))}
         out = bench.score_context(model, ids, 24, cfg, policies, scorers, failed=failed)
         assert not failed and all(math.isfinite(r["kl"]) for k, r in out["results"].items() if k[0] != "full cache")
         assert (out["feats"][(16, 2, 2)].head_features.shape[-1] == 6
                 and ("distillcache-head-look", "0.5") in out["kept"])
         dec = bench.decode_context(model, ids, 24, cfg, out, policies, scorers, failed)
         assert dec and all(len(r["kl_steps"]) == 4 for r in dec.values()) and ("distillcache-student", "0.5") in dec
+        assert ("distillcache-student-window4", "0.5") in dec
         assert list(failed) == ["distillcache-head-look"]  # no lookahead while decoding: said, not crashed
         trace = hf.forward(model, ids[:, 24:], cache=hf.make_cache(model, obs.keys, obs.values),
                            positions=torch.arange(24, 30, device=hf.device_of(model)).unsqueeze(0), attentions=True)

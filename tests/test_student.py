@@ -10,10 +10,12 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from scdviz import artefact
+from scdviz import config as cfgmod
 from scdviz.evict import bench
 from scdviz.evict.decode import DecodeEvictor
 from scdviz.evict.policy import keep_count
-from scdviz.evict.student import Student, StudentConfig, StudentPress, is_student
+from scdviz.evict.student import Student, StudentConfig, StudentPress, is_student, window_column
 from scdviz.evict.student_fit import (
     FitConfig,
     Lists,
@@ -253,13 +255,15 @@ def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept_and_keeps
     torch.testing.assert_close(share, torch.tensor([[0.375, 0.625]]))  # the heads' mean, normalised
 
 
-def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_on_validation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("window", [0, 4])
+def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_on_validation(tmp_path, monkeypatch,
+                                                                                            window):
     monkeypatch.chdir(tmp_path)
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
                     cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=6, decode_every=3,
                     decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
-                    listwise=(0.0, 1.0), listwise_iters=5)
+                    listwise=(0.0, 1.0), listwise_iters=5, student=StudentConfig(window=window))
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
     vals = student.log["val"]
     assert [(v["ridge"] if "listwise_penalty" not in v else None, v.get("listwise_penalty")) for v in vals][:2] == \
@@ -274,9 +278,11 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     best = min(vals, key=lambda v: choice[id(v)])
     assert student.meta["val_kl"] == best["kl"] and student.meta["listwise_penalty"] == best.get("listwise_penalty")
     assert closed.meta["listwise_penalty"] is None
-    assert bench.student_name(closed) == "distillcache-student-decode-closed-form"
-    assert bench.student_name(student) == ("distillcache-student-decode-listwise" if "listwise_penalty" in best
-                                           else "distillcache-student-decode-closed-form")
+    w = f"-window{window}" if window else ""
+    assert bench.student_name(closed) == f"distillcache-student-decode{w}-closed-form"
+    assert bench.student_name(student) == (f"distillcache-student-decode{w}-listwise" if "listwise_penalty" in best
+                                           else f"distillcache-student-decode{w}-closed-form")
+    assert student.weight.shape[-1] == student.hidden + 4 + bool(window) and student.config.window == window
     assert not torch.equal(student.weight, closed.weight) == ("listwise_penalty" in best)
 
 
@@ -454,3 +460,169 @@ def test_solving_on_some_columns_is_the_smaller_ridge_problem_and_the_kvzap_reci
     assert torch.all(kvzap.weight[..., d:d + 3] == 0) and torch.any(kvzap.weight[..., d + 3] != 0)
     with pytest.raises(ValueError, match="decode-len 0"):
         fit(FitConfig(**{**cfg.__dict__, "decode_len": 8}), (model, _Words(), "tiny"), progress=False)
+
+
+# ----------------------------------------------------------------------------- the window column
+
+
+def _windowed(model, window: int = 4, per_head: bool = True, seed: int = 0) -> Student:
+    student = Student.for_model(model, StudentConfig(per_head=per_head, window=window))
+    with torch.no_grad():
+        student.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    return student.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_window_rows_from_the_layers_own_queries_equal_eager_attentions_last_rows(kind):
+    """hf.window_rows recomputes the last W rows of a prefill's attention from H_in (q_proj, q_norm on qwen3,
+    RoPE): the rows eager attention returns, causal pattern included."""
+    model = tiny_model(kind)
+    ids = _ids(16)
+    with hf.eager(model):
+        trace = hf.forward(model, ids, capture={"h_in"}, attentions=True)
+    for layer in range(hf.n_layers(model)):
+        rows = hf.window_rows_at(model, layer, trace.h_in[layer][:, -5:], trace.keys[layer])
+        torch.testing.assert_close(rows, trace.attn[layer][:, :, -5:].float(), atol=1e-5, rtol=1e-4)
+        assert torch.all(rows[:, :, 0, -4:] == 0)  # the window's first query sees none of the 4 tokens after it
+
+
+def test_window_column_is_the_rows_mean_over_the_window_and_each_kv_heads_query_heads():
+    rows = torch.arange(2 * 4 * 3 * 5, dtype=torch.float32).view(2, 4, 3, 5)  # (B, H = 4, W = 3, T = 5), Hkv = 2
+    col = window_column(rows, 2)
+    by_hand = torch.stack([(rows[:, 0].sum(1) + rows[:, 1].sum(1)) / 6, (rows[:, 2].sum(1) + rows[:, 3].sum(1)) / 6], 1)
+    torch.testing.assert_close(col, by_hand)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_window_student_is_its_design_rows_times_weights_and_its_press_agrees_under_sdpa_and_eager(per_head):
+    """With a window the score gains w x log(window column + eps) before the intercept; the press computes the
+    rows itself under SDPA and reads eager's: the same scores, and it keeps exactly their top-B."""
+    model = tiny_model("llama")
+    student, ids = _windowed(model, 4, per_head), _ids(24)
+    with hf.eager(model):
+        full = hf.forward(model, ids, capture={"h_in"}, attentions=True)
+    kept = {}
+    for impl in ("sdpa", "eager"):
+        press = StudentPress.keeping(student, 0.25)
+        with hf.attention(model, impl), press(model):
+            pruned = hf.forward(model, ids)
+        kept[impl] = [press.carried[layer][0] for layer in range(hf.n_layers(model))]
+        for layer, (keys, values) in enumerate(zip(full.keys, full.values, strict=True)):
+            column = window_column(full.attn[layer][:, :, -4:], 2)
+            scores = student(layer, full.h_in[layer], values, column=column)
+            x = design(student, full.h_in[layer][0], values[0], torch.arange(24), 24, column[0])
+            assert x.shape[-1] == student.hidden + 5
+            rows = student.weight.shape[1]
+            torch.testing.assert_close(scores[0, :rows], (x @ student.weight[layer].unsqueeze(-1))[..., 0], atol=1e-4,
+                                       rtol=1e-4)
+            # by hand: the window's weight times the log of the column, on top of the student without it
+            plain = student.static(layer, full.h_in[layer], values, torch.arange(24)) + student.age(
+                layer, torch.arange(24), 24)
+            c = column if per_head else column.mean(1, keepdim=True)
+            torch.testing.assert_close(scores[:, :rows], plain + student.weight[layer, :, -2, None] * (c + 1e-6).log(),
+                                       atol=1e-4, rtol=1e-4)
+            idx = scores.topk(6, dim=-1).indices
+            torch.testing.assert_close(pruned.keys[layer], keys.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, 8)),
+                                       atol=1e-5, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(kept["sdpa"], kept["eager"], strict=True))
+    with pytest.raises(ValueError, match="window column"):
+        student(0, full.h_in[0], full.values[0])
+
+
+def test_window_student_decodes_from_the_last_w_attention_rows_and_refuses_sdpa_decoding():
+    """While decoding, the window column is the mean of the last W attention rows the evictor buffered (the kept
+    tokens' columns); a cut's scores are arrival + age + window terms; SDPA decoding (no rows) is refused."""
+    model = tiny_model("llama")
+    student, prompt, steps = _windowed(model, 3), _ids(24), 7
+    press = StudentPress.keeping(student, 0.5)
+    with press(model):
+        cache = hf.forward(model, prompt[:, :-1]).cache
+    n_keep = keep_count(23, 0.5)
+    with pytest.raises(ValueError, match="eager attention or hf.ROWS"), hf.attention(model, "sdpa"), \
+            DecodeEvictor(press, budget=n_keep, interval=2)(model):
+        hf.generate(model, hf.clone_cache(model, cache), prompt[:, -1:], 23, 2)
+    seen = {}
+
+    def spy(module, hidden, keys, values, attn, kwargs):
+        if module.layer_idx == 0:
+            seen.setdefault("rows", []).append((attn.float(), keys.shape[2]))
+
+    evictor = DecodeEvictor(press, budget=n_keep, interval=2)
+    with hf.eager(model), evictor(model), hf.attention_hook(model, spy):
+        hf.generate(model, cache, prompt[:, -1:], 23, steps)
+    assert evictor.evictions > 0 and all(n <= n_keep + 1 for n in hf.cache_len(cache))
+    state = evictor.states[0]
+    assert state.rows.shape[2] == 3 and state.rows.shape[3] == state.positions.shape[2]
+    rows_sum = state.rows.sum(-1)
+    assert torch.all((rows_sum > 0.2) & (rows_sum <= 1 + 1e-5))  # each row: a distribution, minus evicted tokens
+    # with no cut, the buffer is exactly the last 3 steps' rows, each padded with zeros for the tokens after it
+    seen.clear()
+    whole = hf.forward(model, prompt[:, :-1], capture={"h_in"})
+    arrival = [student.static(layer, h, v, torch.arange(23)) for layer, (h, v) in
+               enumerate(zip(whole.h_in, whole.values, strict=True))]
+    roomy = DecodeEvictor(StudentPress(student=student), budget=100, interval=2, prefill_scores=arrival,
+                          prefill_positions=[torch.arange(23).view(1, 1, 23).expand(1, 2, 23)] * 3)
+    with hf.eager(model), roomy(model), hf.attention_hook(model, spy):
+        hf.generate(model, whole.cache, prompt[:, -1:], 23, steps)
+    tk = seen["rows"][-1][1]
+    assert tk == 23 + steps and roomy.evictions == 0  # nothing cut
+    last3 = [torch.nn.functional.pad(r, (0, tk - n)) for r, n in seen["rows"][-3:]]
+    torch.testing.assert_close(roomy.states[0].rows, torch.cat(last3, 2))
+    scores = evictor._scores(type("M", (), {"layer_idx": 0})(), state, torch.zeros(1, 2, state.static.shape[-1], 8),
+                             None, {})
+    now = int(state.positions.max()) + 1
+    want = state.static + student.age(0, state.positions, now) + student.window_term(0, window_column(state.rows, 2))
+    torch.testing.assert_close(scores, want)
+
+
+def test_window_student_round_trips_and_a_windowless_file_refuses_window_weights(tmp_path):
+    model = tiny_model("llama")
+    student = _windowed(model, 8, per_head=False)
+    student.save(tmp_path / "w.safetensors")
+    back = Student.load(tmp_path / "w.safetensors")
+    assert back.config.window == 8 and torch.equal(back.weight, student.weight)
+    assert back.flops_per_token(8, 4, 64) == (2 * (32 + 5) + 2 * 2 * 8) + 2 * 8 * 4 * 8 + 2 * 8 * 32 * 4 * 8 // 64
+    plain = Student.for_model(model)
+    artefact.save(tmp_path / "bad.safetensors", "distillcache-student", {"weight": student.weight.detach()}, {},
+                  cfgmod.to_dict(plain.config) | {"n_kv": 2, "hidden": 32}, {})
+    with pytest.raises(ValueError, match="do not fit its config"):
+        Student.load(tmp_path / "bad.safetensors")
+
+
+def test_fit_with_a_window_regresses_the_prefill_window_and_each_decode_states_last_w_generated_rows():
+    """The closed form's rows carry the window column: at prefill the last W prompt queries' attention
+    (hf.window_rows), at a decode state of s generated tokens the attention rows of generated tokens s - W .. s - 1
+    over the state's tokens."""
+    model = tiny_model("llama")
+    cfg = FitConfig(contexts=1, context_len=16, teacher_len=4, decode_len=9, decode_every=4, listwise=(),
+                    student=StudentConfig(window=3))
+    base = Student.for_model(model, cfg.student)
+    added = []
+    real_add = NormalEquations.add
+
+    def spy(self, layer, hidden, extra, y):
+        added.append((layer, hidden.shape[0], extra))
+        return real_add(self, layer, hidden, extra, y)
+
+    windows = [list(range(1, 21))]
+    import scdviz.evict.student_fit as sf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NormalEquations, "add", spy)
+        mp.setattr(sf, "windows", lambda *a, **k: windows)
+        normal = accumulate(model, _Words(), cfg, base, False)
+    assert normal.decode is not None and normal.xtx.shape[-1] == base.hidden + 5
+    ids = torch.tensor(windows)
+    with hf.eager(model):
+        trace = hf.forward(model, ids[:, :16], capture={"h_in"}, attentions=True)
+    col = window_column(trace.attn[1][:, :, -3:], 2)[0]
+    prefill = [e for layer, n, e in added if layer == 1 and n == 16][0]
+    torch.testing.assert_close(prefill[..., 3], (col + 1e-6).log(), atol=1e-4, rtol=1e-4)
+    states = sorted({n for _, n, _ in added if n > 16})
+    assert states == [20, 24]  # s = 4, 8 generated tokens
+    gen = hf.generate(model, hf.make_cache(model, trace.keys, trace.values), ids[:, 16:17], 16, 9)
+    steps = torch.cat([ids[:, 16:17], torch.tensor([gen[:-1]])], 1)  # the greedy generation's inputs
+    with hf.eager(model):
+        dec = hf.forward(model, steps, cache=hf.make_cache(model, trace.keys, trace.values), attentions=True)
+    got = [e for layer, n, e in added if layer == 1 and n == 24][0]
+    want = window_column(dec.attn[1][:, :, 5:8, :24].float(), 2)[0]
+    torch.testing.assert_close(got[..., 3], (want + 1e-6).log(), atol=1e-4, rtol=1e-4)

@@ -333,12 +333,14 @@ def _fitted(student: Student) -> dict:
 
 
 def student_name(student: Student) -> str:
-    """distillcache-student[-layer][-decode][-recallW][-sinkN][-listwise][-closed-form]: one set per layer, the
-    reconstruction teacher's weight, a per-head student with no REINFORCE step kept (a per-layer one has its
+    """distillcache-student[-layer][-decode][-recallW][-sinkN][-windowW][-listwise][-closed-form]: one set per
+    layer, the reconstruction teacher's weight, a per-head student with no REINFORCE step kept (a per-layer one has its
     closed form only); KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``); -sinkN when its
     first N positions are always kept (``StudentConfig.sinks``); -decode when its fit also regressed decode states
-    (``FitConfig.decode_len``); -listwise when its fit's listwise stage was kept (``FitConfig.listwise``)."""
+    (``FitConfig.decode_len``); -windowW when it reads the attention of the last W queries (``StudentConfig.window``);
+    -listwise when its fit's listwise stage was kept (``FitConfig.listwise``)."""
     sinks = f"-sink{student.config.sinks}" if student.config.sinks else ""
+    sinks += f"-window{student.config.window}" if student.config.window else ""
     if surrogate(student):
         return "KVzap-linear" + ("" if student.config.per_head else "-layer") + sinks
     fitted = _fitted(student)
@@ -519,10 +521,13 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
                 continue
             kept = out["kept"][(name, label)]
             cache = prune(model, obs, kept)
-            # every scorer continues from its kept tokens' true positions; a student from its prefill scores
+            # every scorer continues from its kept tokens' true positions; a student from its arrival scores at
+            # this context's prefill (score_context scored it last)
+            arrival = ([press.arrival[layer] for layer in range(len(obs.keys))] if isinstance(press, StudentPress)
+                       else None)
             evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=cfg.decode_interval,
                                     prefill_positions=list(kept),  # in cache order (prune keeps it)
-                                    prefill_scores=obs.scores.get((name, label)))
+                                    prefill_scores=arrival)
             try:
                 with evictor(model):
                     logits = hf.continue_logits(model, cache, steps, prefix, one_at_a_time=True)[0]

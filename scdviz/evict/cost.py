@@ -17,7 +17,8 @@ would run:
 - **decode while evicting** (methods that can hold a cache at its budget while decoding: the per-head
   policies without lookahead and ``bench.DECODE_BASELINES``): the same tokens with
   ``DecodeEvictor`` holding the cache at the budget, every bookkeeping step and the eager attention
-  it needs inside the timer (a student needs none: SDPA, its arrival scores kept beside the cache).
+  it needs inside the timer (a student needs none: SDPA, its arrival scores kept beside the cache; a
+  student with a window: ``hf.ROWS``, SDPA that also returns the decode step's attention row).
 
 Rows: one per (context length, method): ``prefill_ms`` and its IQR, ``added_ttft_ms`` (the method's
 prefill minus the full cache's: what a user waits for beyond a plain prefill), ``prefill_ratio``,
@@ -96,7 +97,8 @@ def methods(cfg: CostConfig, n_keep: int, prefix: int) -> list[_Method]:
         out.append(_Method(name, press, "eager", evictor=press if policy.config.per_head else None))
     for name, student in bench.load_students(cfg.policies).items():  # continues from its own prefill's scores
         press = StudentPress.keeping(student, n_keep / prefix)
-        out.append(_Method(name, press, "sdpa", evictor=press, evict_attn="sdpa"))
+        rows = hf.ROWS if student.config.window else "sdpa"  # a window reads the decode steps' attention rows
+        out.append(_Method(name, press, "sdpa", evictor=press, evict_attn=rows))
     return out
 
 

@@ -8,17 +8,18 @@ than ``budget`` tokens (or, with ``interval`` k, budget + k - 1) it keeps the to
   * a DistillCachePress (per-head policy): the 5 features from the window rows, with
     each token's visibility (rows that saw it) and its true position tracked; or
   * a StudentPress (scdviz.evict.student): each token's static score computed once, when it
-    arrives, from its hidden state and value, plus the age term at every cut; the tokens cached
-    before generation need their prefill scores (``prefill_scores``); or
+    arrives, from its hidden state and value, plus the age term at every cut (and, for a student
+    with a window, the window term from the attention rows of its last W decode steps); the tokens
+    cached before generation need their arrival scores (``prefill_scores``); or
   * any kvpress ScorerPress: ``press.score`` with the buffered hidden states and window
     rows as ``attentions`` (attention-free scorers such as Knorm ignore them).
 
 State per layer: rows (B, H, w, Tk), hidden (B, w, d), positions (B, Hkv, Tk) absolute
 token positions of the cached tokens (``prefill_positions`` for the tokens cached before
 generation, e.g. the kept indices of a pruned prefill; 0..n-1 without), seen (B, Hkv, Tk) rows
-that saw each token, and for a student its static scores (B, R, Tk).
-Needs eager attention for attention-based scorers. Does not compress a prefill
-(press.py) nor run generation itself (scdviz.models.hf.generate).
+that saw each token, and for a student its static scores (B, R, Tk) (and, with a window, the rows).
+Needs eager (or ``hf.ROWS``) attention for attention-based scorers and students with a window.
+Does not compress a prefill (press.py) nor run generation itself (scdviz.models.hf.generate).
 
 Why not kvpress's ``DecodingPress`` (kvpress 0.5.5; tests/test_press_wrappers.py shows
 the differences): its hook hands the scorer only the attention of the current forward
@@ -47,7 +48,7 @@ from torch import Tensor
 from scdviz.evict import features as F
 from scdviz.evict.policy import gumbel_top_b, plackett_luce_logprob
 from scdviz.evict.press import DistillCachePress
-from scdviz.evict.student import StudentPress
+from scdviz.evict.student import StudentPress, window_column
 from scdviz.models import hf
 
 DECODE_WINDOW = 64  # query rows every decode-time scorer sees in the benches (the shipped policies' W)
@@ -80,8 +81,8 @@ class DecodeEvictor:
     # decoded, log-probability of the draw with its graph) for the sequential REINFORCE estimator
     sampler: torch.Generator | None = None
     decisions: list[tuple[int, Tensor]] = field(default_factory=list)
-    # the tokens cached before generation: per layer their positions (B, Hkv, n) and, for a student, its scores
-    # over the whole prefill (B, Hkv, T) as StudentPress.score gave them (indexed by position)
+    # the tokens cached before generation: per layer their positions (B, Hkv, n) and, for a student, its arrival
+    # scores over the whole prefill (B, R, T) (Student.static; StudentPress.arrival), indexed by position
     prefill_positions: list[Tensor] | None = None
     prefill_scores: list[Tensor] | None = None
 
@@ -138,14 +139,20 @@ class DecodeEvictor:
         if attn is None:
             if isinstance(self.press, DistillCachePress):
                 raise ValueError("decode-time DistillCache needs eager attention: call hf.set_eager(model) first")
+            if isinstance(self.press, StudentPress) and self.press.student.config.window:
+                raise ValueError("a student with a window reads the attention rows of the last decode steps: decode "
+                                 "with eager attention or hf.ROWS")
             attn = keys.new_zeros(b, n_kv, n_new if not isinstance(self.press, StudentPress) else 0, tk).float()
         state = self.states.get(layer)
         if state is None:
             state = self._first(layer, hidden, keys, attn, tk - n_new)
-        if state.static is not None:  # a student: its arrival scores and the positions, nothing else to track
+        if state.static is not None:  # a student: its arrival scores and the positions (and its window's rows)
             new = self.press.student.static(layer, hidden, values[..., -n_new:, :], new_pos[:, : state.static.shape[1]])
             state.static = torch.cat([state.static, new], -1)
             state.positions = torch.cat([state.positions, new_pos], -1)
+            w = self.press.student.config.window
+            if w:
+                state.rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], 2)[:, :, -w:]
             self.states[layer] = state
             return state
         rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
@@ -177,14 +184,12 @@ class DecodeEvictor:
         if isinstance(self.press, StudentPress):
             rows = self.press.student.weight.shape[1]
             if self.prefill_scores is not None and self.prefill_positions is not None:
-                full = self.prefill_scores[layer].to(keys.device).float()  # (B, Hkv, T), ages at now = T
-                pos = start[:, :rows]
-                static = full[:, :rows].gather(2, pos) - self.press.student.age(layer, pos, full.shape[-1])
+                static = self.prefill_scores[layer].to(keys.device).float()[:, :rows].gather(2, start[:, :rows])
             elif layer in self.press.carried and self.press.carried[layer][0].shape == (b, n_kv, old):
                 start, static = (t.to(keys.device) for t in self.press.carried[layer])  # the press's own prefill
             else:
                 raise ValueError("decode-time eviction with a student scores each token when it arrives: prefill "
-                                 "with the same StudentPress first, or give the prefill's student scores and the "
+                                 "with the same StudentPress first, or give the prefill's arrival scores and the "
                                  "cached tokens' positions (prefill_scores, prefill_positions)")
         return _LayerState(attn[..., :0, :old], hidden[:, :0], start, torch.zeros(b, n_kv, old, device=keys.device),
                            static)
@@ -192,9 +197,10 @@ class DecodeEvictor:
     def _scores(self, module, state: _LayerState, keys: Tensor, values: Tensor, kwargs: dict) -> Tensor:
         """Scores (B, Hkv, Tk) of the layer's cached tokens."""
         if state.static is not None:
-            rows = state.static.shape[1]
+            rows, student = state.static.shape[1], self.press.student
             now = int(state.positions.max()) + 1
-            scores = state.static + self.press.student.age(module.layer_idx, state.positions[:, :rows], now)
+            column = window_column(state.rows, keys.shape[1]) if student.config.window else None
+            scores = state.static + student.dynamic(module.layer_idx, state.positions[:, :rows], now, column)
             return scores.expand(-1, keys.shape[1], -1)
         if isinstance(self.press, DistillCachePress):
             n_kv, group = keys.shape[1], state.rows.shape[1] // keys.shape[1]
@@ -206,11 +212,14 @@ class DecodeEvictor:
 
     def _keep(self, state: _LayerState, idx: Tensor) -> None:
         """Drop evicted tokens from the layer's state; idx (B, Hkv, budget)."""
-        if state.static is not None:  # a student tracks its scores and positions only
+        group = state.rows.shape[1] // idx.shape[1]
+        if state.static is not None:  # a student tracks its scores and positions (and its window's rows) only
             state.positions = state.positions.gather(2, idx)
             state.static = state.static.gather(2, idx[:, : state.static.shape[1]])
+            if self.press.student.config.window:
+                rows_idx = idx.repeat_interleave(group, dim=1).unsqueeze(2).expand(-1, -1, state.rows.shape[2], -1)
+                state.rows = state.rows.gather(3, rows_idx)
             return
-        group = state.rows.shape[1] // idx.shape[1]
         rows_idx = idx.repeat_interleave(group, dim=1).unsqueeze(2).expand(-1, -1, state.rows.shape[2], -1)
         state.rows = state.rows.gather(3, rows_idx)
         state.positions = state.positions.gather(2, idx)

@@ -4,7 +4,7 @@ Per layer and KV head (or, ``per_head=False``, one row per layer that every head
 paged-KV servers whose pages span heads) a token's score is ``w . x`` with
 
     x = [H_in (the layer's normalised input, d), log ||v|| (the token's value in that head),
-         log(1 + pos), log(n - pos), 1]
+         log(1 + pos), log(n - pos), (log window attention), 1]
 
 where pos is the token's position and n the number of positions the layer has seen when it
 scores (n - pos: the token's age + 1). This is KVzap's shape (kvpress: a linear model on the
@@ -13,6 +13,14 @@ reads no attention probabilities, so it runs with SDPA attention at prefill, and
 (``DecodeEvictor``) it scores each token once, when the token arrives (``static``: every column
 but the age), and adds the age term when it cuts (``age``). Cost per token per layer:
 ``flops_per_token`` (~3.5 kFLOP on SmolLM2-135M, 0.05% of a layer's ~7 MFLOP).
+
+With ``StudentConfig.window`` W > 0 it has one more column, before the intercept: log of the
+attention the last W queries pay each token (SnapKV's observation window; summed over the W rows
+/ W, averaged over each KV head's query heads; ``window_column``). At a prefill the press computes
+those W rows (``hf.window_rows``: W query projections and W x T scores per layer, the probabilities
+that SDPA does not return); while decoding they are the model's own attention rows of the last W
+decode steps (eager or ``hf.ROWS`` attention), buffered by ``DecodeEvictor``, so the column changes
+at every cut like the age term (``dynamic``).
 
 It is fitted by ``scdviz.evict.student_fit`` (closed-form distillation from the future's
 attention, then REINFORCE) and is one scdviz artefact (``save`` / ``load``) with its fit log
@@ -40,7 +48,8 @@ from scdviz.evict.policy import FILE, LOG, SHIPPED_DIR, compression_ratio, keep_
 from scdviz.models import hf
 
 KIND = "distillcache-student"
-N_EXTRA = 4  # columns after H_in: log ||v||, log(1 + pos), log(n - pos), 1
+N_EXTRA = 4  # columns after H_in without a window: log ||v||, log(1 + pos), log(n - pos), 1
+WINDOW_EPS = 1e-6  # added to the window column before its log (a token no window row saw)
 SHIPPED = SHIPPED_DIR / "student"  # the shipped student (per layer and KV head)
 SINK_BONUS = 1e4  # added to the scores of the first StudentConfig.sinks positions: above any fitted score
 CLOSED_FORM = "closed_form.safetensors"  # beside a student's best.safetensors: its stage before REINFORCE
@@ -57,17 +66,31 @@ class StudentConfig:
     sinks: int = opt(0, "the first this-many positions always kept (a bonus of SINK_BONUS to their scores), as "
                      "kvpress's KVzip protects 4 attention sinks; the KVzap-style fit needs it (KVzip+ weighs a "
                      "token by ||W_o v||, small for the sink, so its target evicts it); 0: none, the score decides")
+    window: int = opt(0, "W > 0: one more column, log of the attention the last W queries pay each token (SnapKV's "
+                      "observation window; computed at prefill from W query projections, read from the model's "
+                      "attention rows of the last W steps while decoding); 0: no attention input")
+
+    def n_extra(self) -> int:
+        """Columns after H_in: log ||v||, log(1 + pos), log(n - pos), [log window attention,] 1."""
+        return N_EXTRA + (self.window > 0)
+
+
+def window_column(rows: Tensor, n_kv: int) -> Tensor:
+    """(B, Hkv, T) the window column's attention before its log: rows (B, H, W, T) of W queries, summed / W,
+    averaged over each KV head's query heads."""
+    b, h, w, t = rows.shape
+    return (rows.float().sum(2) / max(w, 1)).view(b, n_kv, h // n_kv, t).mean(2)
 
 
 class Student(nn.Module):
-    """Per-layer linear scorer: weight (L, R, d + 4), R = Hkv (per head) or 1 (per layer)."""
+    """Per-layer linear scorer: weight (L, R, d + 4 (+ 1 with a window)), R = Hkv (per head) or 1 (per layer)."""
 
     def __init__(self, n_layers: int, n_kv: int, hidden: int, config: StudentConfig | None = None):
         super().__init__()
         self.config = config or StudentConfig()
         self.n_kv, self.hidden = n_kv, hidden
         rows = n_kv if self.config.per_head else 1
-        self.weight = nn.Parameter(torch.zeros(n_layers, rows, hidden + N_EXTRA))
+        self.weight = nn.Parameter(torch.zeros(n_layers, rows, hidden + self.config.n_extra()))
         self.identity: dict = {}  # the model it was fitted on (source, weight fingerprint)
         self.meta: dict = {}  # what its fit recorded
         self.log: dict | None = None  # its fit log (log.json beside its file), when known
@@ -79,10 +102,17 @@ class Student(nn.Module):
         _, n_kv, _ = hf.attn_heads(model)
         return cls(hf.n_layers(model), n_kv, model.config.hidden_size, config)
 
-    def flops_per_token(self, head_dim: int) -> int:
+    def flops_per_token(self, head_dim: int, n_heads: int | None = None, context: int = 512) -> int:
         """FLOPs per token per layer (2 per multiply-add): every row's dot product and the value norms
-        (``head_dim`` values per KV head); the logs are not counted."""
-        return 2 * self.weight.shape[1] * (self.hidden + N_EXTRA) + 2 * self.n_kv * head_dim
+        (``head_dim`` values per KV head); the logs are not counted. With a window, at a prefill of ``context``
+        tokens: the W rows' scores over each token (2 W H D) and the W query projections (2 W d H D), shared by
+        the ``context`` tokens (``n_heads``: query heads H)."""
+        out = 2 * self.weight.shape[1] * self.weight.shape[-1] + 2 * self.n_kv * head_dim
+        w = self.config.window
+        if w:
+            h = n_heads or self.n_kv
+            out += 2 * w * h * head_dim + -(-2 * w * self.hidden * h * head_dim // max(context, 1))
+        return out
 
     def log_norm(self, values: Tensor) -> Tensor:
         """(B, R, T) log ||v|| per head, or its mean over heads for a per-layer student."""
@@ -96,7 +126,7 @@ class Student(nn.Module):
         d = self.hidden
         pos = positions.to(hidden.device).float()
         out = (hidden.float() @ w[:, :d].T).transpose(1, 2)  # (B, R, T)
-        out = out + w[:, d, None] * self.log_norm(values) + w[:, d + 1, None] * pos.log1p() + w[:, d + 3, None]
+        out = out + w[:, d, None] * self.log_norm(values) + w[:, d + 1, None] * pos.log1p() + w[:, -1, None]
         return out + SINK_BONUS * (pos < self.config.sinks) if self.config.sinks else out
 
     def age(self, layer: int, positions: Tensor, now: int) -> Tensor:
@@ -105,14 +135,33 @@ class Student(nn.Module):
         w = self.weight[layer, :, self.hidden + 2].to(positions.device)
         return w[:, None] * (now - positions.float()).clamp_min(1.0).log()
 
+    def window_term(self, layer: int, column: Tensor) -> Tensor:
+        """(B, R, T) w_window x log(column + WINDOW_EPS): column (B, Hkv, T) from ``window_column`` (its mean over
+        heads for a per-layer student)."""
+        column = column.float() if self.config.per_head else column.float().mean(1, keepdim=True)
+        w = self.weight[layer, :, self.hidden + 3].to(column.device)
+        return w[:, None] * (column + WINDOW_EPS).log()
+
+    def dynamic(self, layer: int, positions: Tensor, now: int, column: Tensor | None) -> Tensor:
+        """(B, R, T) the part of the score that changes after a token arrives: the age term, plus the window term
+        when the student has one (``column``: (B, Hkv, T) the window's attention to the same tokens)."""
+        out = self.age(layer, positions, now)
+        if self.config.window:
+            if column is None:
+                raise ValueError(f"this student reads the attention of the last {self.config.window} queries: give "
+                                 "their window column (window_column)")
+            out = out + self.window_term(layer, column)
+        return out
+
     def forward(self, layer: int, hidden: Tensor, values: Tensor, positions: Tensor | None = None,
-                now: int | None = None) -> Tensor:
+                now: int | None = None, column: Tensor | None = None) -> Tensor:
         """Scores (B, Hkv, T) of one layer's tokens (a per-layer student's row repeated over heads); positions
-        default to 0..T-1 and ``now`` to T (a prefill)."""
+        default to 0..T-1 and ``now`` to T (a prefill); ``column`` (B, Hkv, T): the window's attention, needed
+        when the student has a window."""
         t = hidden.shape[1]
         positions = torch.arange(t, device=hidden.device) if positions is None else positions
-        out = self.static(layer, hidden, values, positions) + self.age(layer, positions.to(hidden.device),
-                                                                        t if now is None else now)
+        out = self.static(layer, hidden, values, positions) + self.dynamic(layer, positions.to(hidden.device),
+                                                                            t if now is None else now, column)
         return out.expand(-1, self.n_kv, -1)
 
     def save(self, path: str | Path, identity: dict | None = None, meta: dict | None = None) -> Path:
@@ -143,7 +192,7 @@ class Student(nn.Module):
         cfg, _ = config.from_dict(StudentConfig, art.config, str(path))
         weight = art.tensors.get("weight")
         if weight is None or weight.dim() != 3 or None in shape.values() or \
-                weight.shape[-1] != shape["hidden"] + N_EXTRA or weight.shape[1] != (shape["n_kv"] if cfg.per_head
+                weight.shape[-1] != shape["hidden"] + cfg.n_extra() or weight.shape[1] != (shape["n_kv"] if cfg.per_head
                                                                                      else 1):
             raise ValueError(f"{path}: weights do not fit its config")
         student = cls(weight.shape[0], shape["n_kv"], shape["hidden"], cfg)
@@ -194,6 +243,9 @@ class StudentPress(ScorerPress):
     # student's static scores of them (B, R, n)): what DecodeEvictor continues from (a server keeps each token's
     # score beside it); per request, like the cache it describes
     carried: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    # per layer, the arrival (static) scores (B, R, T) of the last prefill it scored, by position: what a
+    # DecodeEvictor continues from after a prefill that another harness pruned (prefill_scores); per request
+    arrival: dict[int, Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -209,9 +261,25 @@ class StudentPress(ScorerPress):
         self.student.check_model(model)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> Tensor:
-        """Scores (B, Hkv, T) of one layer's tokens, positions 0..T-1 (a prefill from an empty cache)."""
+        """Scores (B, Hkv, T) of one layer's tokens, positions 0..T-1 (a prefill from an empty cache). A student
+        with a window reads the last W query rows of ``attentions`` (eager) or computes them (``hf.window_rows``,
+        from the layer's own queries: SDPA returns no probabilities)."""
+        student, layer = self.student, module.layer_idx
         with torch.no_grad():
-            return self.student(module.layer_idx, hidden_states, values)
+            t = hidden_states.shape[1]
+            positions = torch.arange(t, device=hidden_states.device)
+            static = student.static(layer, hidden_states, values, positions)
+            column = None
+            w = min(student.config.window, t)
+            if w:
+                if attentions is not None:
+                    rows = attentions[:, :, -w:]
+                else:
+                    cos, sin = kwargs["position_embeddings"]
+                    rows = hf.window_rows(module, hidden_states[:, -w:], keys, cos[:, -w:], sin[:, -w:])
+                column = window_column(rows, keys.shape[1])
+            self.arrival[layer] = static
+            return (static + student.dynamic(layer, positions, t, column)).expand(-1, student.n_kv, -1)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs) -> tuple[Tensor, Tensor]:
         """kvpress's top-B pruning of one layer, remembering the kept tokens' positions and static scores
@@ -225,7 +293,6 @@ class StudentPress(ScorerPress):
         t = keys.shape[2]
         idx = scores.topk(keep_count(t, 1.0 - self.compression_ratio), dim=-1).indices  # (B, Hkv, n)
         rows = self.student.weight.shape[1]
-        static = scores[:, :rows].gather(2, idx[:, :rows]) - self.student.age(layer, idx[:, :rows], t)
-        self.carried[layer] = (idx, static)
+        self.carried[layer] = (idx, self.arrival[layer].gather(2, idx[:, :rows]))
         full = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, full).contiguous(), values.gather(2, full).contiguous()

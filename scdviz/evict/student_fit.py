@@ -36,7 +36,7 @@ from scdviz.evict import features as F
 from scdviz.evict import train as trainer
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import gumbel_top_b, keep_count
-from scdviz.evict.student import Student, StudentConfig, StudentPress
+from scdviz.evict.student import WINDOW_EPS, Student, StudentConfig, StudentPress, window_column
 from scdviz.models import hf
 from scdviz.progress import Reporter, steps
 
@@ -131,22 +131,46 @@ def teacher_distribution(future: Tensor, per_head: bool, recall: Tensor | None =
     return y / y.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def design_parts(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, now: int
-                 ) -> tuple[Tensor, Tensor]:
+def design_parts(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, now: int,
+                 column: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One layer's regression rows in two parts: H_in (T, d), shared by the rows, and the extra columns
-    (R, T, 4): [log ||v||, log(1 + pos), log(now - pos), 1]; hidden (T, d), values (Hkv, T, D), positions (T,)."""
+    (R, T, 4 or 5): [log ||v||, log(1 + pos), log(now - pos), (log window attention,) 1]; hidden (T, d),
+    values (Hkv, T, D), positions (T,), column (Hkv, T) the window's attention (a student with a window)."""
     logv = student.log_norm(values.unsqueeze(0))[0]  # (R, T)
     rows, t = logv.shape
     pos = positions.float()
-    extra = torch.stack([logv, pos.log1p().expand(rows, t), (now - pos).clamp_min(1.0).log().expand(rows, t),
-                         torch.ones(rows, t, device=logv.device)], -1)
+    cols = [logv, pos.log1p().expand(rows, t), (now - pos).clamp_min(1.0).log().expand(rows, t)]
+    if student.config.window:
+        if column is None:
+            raise ValueError("a student with a window needs the window's attention column")
+        c = column.float() if student.config.per_head else column.float().mean(0, keepdim=True)
+        cols.append((c + WINDOW_EPS).log().expand(rows, t))
+    extra = torch.stack([*cols, torch.ones(rows, t, device=logv.device)], -1)
     return hidden.float(), extra
 
 
-def design(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, now: int) -> Tensor:
-    """(R, T, d + 4) regression rows of one layer: [H_in, log ||v||, log(1 + pos), log(now - pos), 1]."""
-    h, extra = design_parts(student, hidden, values, positions, now)
+def design(student: Student, hidden: Tensor, values: Tensor, positions: Tensor, now: int,
+           column: Tensor | None = None) -> Tensor:
+    """(R, T, F) regression rows of one layer: [H_in, log ||v||, log(1 + pos), log(now - pos), (log window,) 1]."""
+    h, extra = design_parts(student, hidden, values, positions, now, column)
     return torch.cat([h.unsqueeze(0).expand(extra.shape[0], -1, -1), extra], -1)
+
+
+def prefill_column(model, student: Student, layer: int, hidden: Tensor, keys: Tensor) -> Tensor | None:
+    """(B, Hkv, T) the window column of a prefill from position 0 (the attention its last W queries pay each of
+    its T tokens; ``hf.window_rows``, as StudentPress computes it under SDPA), or None without a window:
+    hidden (B, T, d) the layer's inputs, keys (B, Hkv, T, D)."""
+    w = min(student.config.window, hidden.shape[1])
+    if not w:
+        return None
+    return window_column(hf.window_rows_at(model, layer, hidden[:, -w:], keys), keys.shape[1])
+
+
+def prefill_scores(model, student: Student, obs) -> list[Tensor]:
+    """Per layer the student's scores (B, Hkv, T) of an observed prefill (``obs.hidden``, ``obs.values``,
+    ``obs.keys``), with its window column when it has one."""
+    return [student(layer, h, v, column=prefill_column(model, student, layer, h, k))
+            for layer, (h, k, v) in enumerate(zip(obs.hidden, obs.keys, obs.values, strict=True))]
 
 
 @dataclass
@@ -305,7 +329,9 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
         else:
             future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
         for layer in range(n_layers):
-            h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions.to(ids.device), t)
+            column = prefill_column(model, student, layer, trace.h_in[layer], trace.keys[layer])
+            h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions.to(ids.device), t,
+                                    None if column is None else column[0])
             mixed = None if recall is None else recall[layer]
             normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head, mixed, cfg.recall,
                                                      center=not kvzip_plus))
@@ -330,13 +356,17 @@ def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEq
         dec = hf.forward(model, steps_ids, cache=hf.make_cache(model, trace.keys, trace.values), capture={"h_in"},
                          attentions=True, last_logits=True)
     values = hf.cache_kv(dec.cache)[1]
+    w = student.config.window
     for s in range(cfg.decode_every, steps_ids.shape[1], cfg.decode_every):
         now = t + s
         future = F.future_attention([a[..., s:, :now] for a in dec.attn], now, n_kv)[0][:, 0]  # (L, Hkv, now)
         positions = torch.arange(now, device=first.device)
         for layer in range(len(values)):
             hidden = torch.cat([trace.h_in[layer][0], dec.h_in[layer][0, :s]], 0)
-            h, extra = design_parts(student, hidden, values[layer][0, :, :now], positions, now)
+            # the window: the attention rows of the last W generated tokens (fewer when s < W), as DecodeEvictor
+            # buffers them while decoding
+            column = window_column(dec.attn[layer][:, :, max(0, s - w) : s, :now], n_kv)[0] if w else None
+            h, extra = design_parts(student, hidden, values[layer][0, :, :now], positions, now, column)
             normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
             if lists is not None:  # the context's hidden rows grow to this state's
                 lists.hidden[layer][-1] = h.half().cpu()
@@ -385,9 +415,10 @@ def decode_kls(model, episodes: list[trainer.Sample], keep: float, interval: int
             if student is None:
                 scores, press, per_layer = trainer.rows_of_feature(obs, True, 0), ObservedAttentionPress(), None
             else:
-                per_layer = [student(layer, h, v) for layer, (h, v) in enumerate(zip(obs.hidden, obs.values,
-                                                                                      strict=True))]
-                scores, press = torch.cat([p[0] for p in per_layer], 0), StudentPress(student=student)
+                scores = torch.cat([s[0] for s in prefill_scores(model, student, obs)], 0)
+                per_layer = [student.static(layer, h, v, torch.arange(obs.n_tokens, device=h.device))
+                             for layer, (h, v) in enumerate(zip(obs.hidden, obs.values, strict=True))]
+                press = StudentPress(student=student)
             idx = trainer.indices_from_rows(scores.topk(n_keep, dim=-1).indices, obs, True)
             evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=interval,
                                     prefill_positions=list(idx), prefill_scores=per_layer)
@@ -426,8 +457,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
            "decode_rows": normal.decode.rows if normal.decode else 0}
 
     def scorer(student: Student):
-        return lambda s: torch.cat([student(layer, h, v)[0] for layer, (h, v) in
-                                    enumerate(zip(s.obs.hidden, s.obs.values, strict=True))], 0)
+        return lambda s: torch.cat([p[0] for p in prefill_scores(model, student, s.obs)], 0)
 
     h2o = trainer.validation_kls(model, lambda s: trainer.rows_of_feature(s.obs, True, 0), True, val, cfg.keeps)
     log["val_heuristic"] = round(sum(h2o) / len(h2o), 5)
@@ -439,7 +469,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     best, best_kl, best_choice, best_weight, best_decode = None, math.inf, math.inf, None, None
     closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode  # the ridge pick
     d = base.hidden
-    columns = None if cfg.inputs == "all" else [*range(d), d + 3]  # KVzap's: H_in and the intercept
+    columns = None if cfg.inputs == "all" else [*range(d), base.weight.shape[-1] - 1]  # KVzap's: H_in, intercept
     weights = cfg.decode_weights if normal.decode else (1.0,)
     candidates = [(r, w, None) for r in cfg.ridges for w in weights] + [(None, None, p) for p in
                                                                          (cfg.listwise if lists else ())]
@@ -492,7 +522,8 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
                     "decode_weight": weight if normal.decode else None,
                     "val_decode_kl": decoding, "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
-                    "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2])}
+                    "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2], hf.attn_heads(model)[0],
+                                                                 cfg.context_len)}
         one.log = log
     best.stages = {"closed_form": closed}  # the ridge fit alone (the same student when nothing after it was kept)
     return best.eval()
