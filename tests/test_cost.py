@@ -12,6 +12,7 @@ from conftest import tiny_model
 from scdviz import timing
 from scdviz.evict import bench, cost
 from scdviz.evict.policy import Policy, PolicyConfig, keep_count
+from scdviz.evict.student import Student, StudentConfig
 from scdviz.models import hf
 
 
@@ -49,11 +50,15 @@ def test_cost_times_every_method_against_a_plain_prefill(tmp_path):
         (tmp_path / name).mkdir()
         Policy(config).save(tmp_path / name / "best.safetensors")
         paths.append(str(tmp_path / name / "best.safetensors"))
+    window = Student.for_model(model, StudentConfig(window=4))  # reads the decode steps' attention rows
+    paths.append(str(window.save(tmp_path / "window.safetensors")))
     cfg = cost.CostConfig(policies=tuple(paths), context_lens=(48,), keep=0.25, decode_steps=4, rounds=2, warmup=1)
     rows = cost.run(cfg, model, _Words(), progress=False)
     by = {r["method"]: r for r in rows}
     lineup = [m.name for m in cost.methods(cfg, 12, 48)]
     assert list(by) == lineup and {"distillcache-head", "distillcache-head-lookahead"} <= set(by)
+    student = "distillcache-student-window4-closed-form"
+    assert {m.name: m.evict_attn for m in cost.methods(cfg, 12, 48)}[student] == hf.ROWS
     full = by[cost.FULL]
     assert full["added_ttft_ms"] == 0 and full["prefill_ratio"] == 1 and full["throughput_vs_full"] == 1
     assert full["tokens_kept"] == 48
@@ -65,7 +70,7 @@ def test_cost_times_every_method_against_a_plain_prefill(tmp_path):
         assert r["rounds"] == 2 and r["prefill_ms"] > 0 and r["decode_ms_per_token"] > 0
         assert r["added_ttft_ms"] == pytest.approx(r["prefill_ms"] - full["prefill_ms"], abs=0.11)
         assert r["tokens_kept"] == pytest.approx(n_keep, abs=0.01), name  # every method at the same budget
-        can_evict = name in bench.DECODE_BASELINES or name == "distillcache-head"
+        can_evict = name in bench.DECODE_BASELINES or name in ("distillcache-head", student)
         assert (r["evicting_ms_per_token"] is not None) == can_evict, name
     assert model.config._attn_implementation == "sdpa"  # restored, and no kvpress mask left behind
     assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in hf.layers(model))
