@@ -41,7 +41,8 @@ DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # from their name, moved on only where it would repeat one already in the figure.
 SCD_METHODS = ("SCD full", "raw KV", "DroidSpeak recompute", "SCD reuse-only", "4-bit KV", "SCD transform-coded",
                "SCD RD", "SCD RD+entropy", "SCD rank-only", "SCD r_K", "token 0")
-EVICT_METHODS = ("distillcache-head-lookahead-w512", "ObservedAttention", "SnapKV", "KVzip", "StreamingLLM",
+EVICT_METHODS = ("distillcache-student-decode-window32-listwise", "distillcache-head-lookahead-w512",
+                 "ObservedAttention", "SnapKV", "KVzip", "StreamingLLM",
                  "TOVA", "ExpectedAttention", "KeyDiff", "CUR", "LagKV", "Knorm", "Random", "PyramidKV",
                  "AdaKV-SnapKV", "AdaKV-ExpectedAttention", "CriticalKV-SnapKV", "CriticalAdaKV-SnapKV", "FastKVzip",
                  "distillcache-head", "distillcache-global", "distillcache-head-w64", "distillcache-head-lookahead",

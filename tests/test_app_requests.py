@@ -115,3 +115,13 @@ def test_the_distil_request_offers_exactly_distils_recall_targets():
     assert tuple(value for _, value in requests.RECALL_TARGETS) == distil.RECALL_TARGETS
     assert requests.DistilRequest().recall_target in distil.RECALL_TARGETS
     assert requests.DistilRequest().recall == distil.DistilConfig().recall  # the shipped recipe's share
+
+
+def test_the_method_inspected_by_default_is_the_shipped_cheap_student_in_the_focus_set():
+    """The eviction tab inspects the cheap pick of the focused comparison by default; a default outside the
+    focus set would make the default request fail ("not among the methods compared")."""
+    from scdviz.evict import bench
+
+    assert requests.CHEAP_STUDENT == bench.cheap_on_validation((), bench.EvalConfig().question_len)
+    assert requests.CHEAP_STUDENT in bench.focus_methods()
+    assert requests.EvictRequest.__dataclass_fields__["method"].default == requests.CHEAP_STUDENT

@@ -73,17 +73,21 @@ def test_shipped_policies_load_with_their_scope():
     assert set(bench.load_policies(())) == {"distillcache-head", "distillcache-global", "distillcache-head-w64",
                                               "distillcache-head-lookahead", "distillcache-head-lookahead-w512"}
     students = bench.load_students(())
-    assert set(students) == {"distillcache-student", "distillcache-student-layer"}
-    assert students["distillcache-student"].config.per_head
+    window = "distillcache-student-decode-window32-listwise"
+    assert set(students) == {"distillcache-student", "distillcache-student-layer", window}
+    assert students["distillcache-student"].config.per_head and students[window].config.window == 32
     assert not students["distillcache-student-layer"].config.per_head
-    # the headline: among the logs validated on bench evict's tail (16 unscored tokens, then the scored ones),
-    # the lowest validation KL over the log's own H2O line: lookahead_w512's 0.80x (the student's 0.87x); over
-    # every log too (lookahead_w64 0.92x on the near tail). The cheap choice (no lookahead), shown beside it in
-    # the app: the student
-    assert bench.chosen_on_validation((), question_len=16) == "distillcache-head-lookahead-w512"
-    assert bench.chosen_on_validation(()) == "distillcache-head-lookahead-w512"
-    assert bench.cheap_on_validation((), question_len=16) == "distillcache-student"
-    assert bench.focus_methods()[:2] == ["distillcache-head-lookahead-w512", "distillcache-student"]
+    # the headline: among the logs validated on bench evict's tail (16 unscored tokens, then the scored ones) and
+    # on windows spread through the split (first windows flatter), the lowest validation KL over the log's own
+    # H2O line. Of the shipped logs only student_window/'s validated on spread windows, so it is both the headline
+    # and the cheap choice (no lookahead); the expensive reference shown beside it in the app: lookahead_w512
+    assert bench.chosen_on_validation((), question_len=16) == window
+    assert bench.chosen_on_validation(()) == window
+    assert bench.cheap_on_validation((), question_len=16) == window
+    assert bench.expensive_on_validation((), question_len=16) == "distillcache-head-lookahead-w512"
+    assert bench.focus_methods()[:2] == [window, "distillcache-head-lookahead-w512"]
+    without = tuple(str(p) for p in bench.SHIPPED_POLICIES if "student_window" not in str(p))
+    assert bench.chosen_on_validation(without, question_len=16) == "distillcache-head-lookahead-w512"
 
 
 def test_the_lookahead_forecasts_what_the_real_continuation_reads(producer):

@@ -41,6 +41,9 @@ PLACEMENTS = ("selected", "drift", "manual")
 CODERS = (("transform coding: one step per section, entropy coded", "transform"),
           ("rate-distortion plan: ranks, bits and patches", "rd"))
 EVICT_UNITS = ("% kept", "tokens kept")
+# the shipped cheap student, the method inspected by default: the focus set's cheap pick (bench.cheap_on_validation,
+# kept equal by tests/test_app_requests.py; named here so that building a request reads no policy file)
+CHEAP_STUDENT = "distillcache-student-decode-window32-listwise"
 EVICT_MODELS = ("producer", "consumer")
 RECALL_TARGETS = (("the oracle's distribution (KL)", "oracle"),  # scdviz.scd.distil.RECALL_TARGETS, labelled
                   ("the quote itself (NLL less the oracle's)", "quote"))
@@ -104,8 +107,8 @@ class EvictRequest(Request):
     # its range depends on the unit: checked by scdviz.app.evict
     budget: float = control(25, "Budget", "number", widget="number", row="budget", props={"elem_id": "ev-budget"})
     model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
-    method: str = control("distillcache-student", "Method to inspect (its kept tokens)", "pick",
-                          name="Method to inspect", choices=("distillcache-student",), row="budget",
+    method: str = control(CHEAP_STUDENT, "Method to inspect (its kept tokens)", "pick",
+                          name="Method to inspect", choices=(CHEAP_STUDENT,), row="budget",
                           props={"elem_id": "ev-show"})
     # None: the focused set (bench.focus_methods); the full cache is always the reference
     methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",

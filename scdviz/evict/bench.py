@@ -63,6 +63,7 @@ SHIPPED_POLICIES = (
     SHIPPED_DIR / "lookahead_w512" / "best.safetensors",  # W = 512, lookahead G = 40, K = 8
     SHIPPED_DIR / "student" / "best.safetensors",  # the student: linear on H_in, per layer and KV head
     SHIPPED_DIR / "student_layer" / "best.safetensors",  # the student, one kept set per layer (paged KV)
+    SHIPPED_DIR / "student_window" / "best.safetensors",  # the student + the last 32 queries' attention, decode rows
 )
 
 
