@@ -552,6 +552,7 @@ def test_window_student_decodes_from_the_last_w_attention_rows_and_refuses_sdpa_
         hf.generate(model, cache, prompt[:, -1:], 23, steps)
     assert evictor.evictions > 0 and all(n <= n_keep + 1 for n in hf.cache_len(cache))
     state = evictor.states[0]
+    state.merged(state.positions.shape[2], 3)  # the rows since the last cut
     assert state.rows.shape[2] == 3 and state.rows.shape[3] == state.positions.shape[2]
     rows_sum = state.rows.sum(-1)
     assert torch.all((rows_sum > 0.2) & (rows_sum <= 1 + 1e-5))  # each row: a distribution, minus evicted tokens
@@ -567,7 +568,9 @@ def test_window_student_decodes_from_the_last_w_attention_rows_and_refuses_sdpa_
     tk = seen["rows"][-1][1]
     assert tk == 23 + steps and roomy.evictions == 0  # nothing cut
     last3 = [torch.nn.functional.pad(r, (0, tk - n)) for r, n in seen["rows"][-3:]]
-    torch.testing.assert_close(roomy.states[0].rows, torch.cat(last3, 2))
+    assert len(roomy.states[0].pending) < 3  # merged once W rows wait, so a cache never cut holds no more
+    torch.testing.assert_close(roomy.states[0].merged(tk, 3), torch.cat(last3, 2))
+    assert roomy.states[0].pending == []
     scores = evictor._scores(type("M", (), {"layer_idx": 0})(), state, torch.zeros(1, 2, state.static.shape[-1], 8),
                              None, {})
     now = int(state.positions.max()) + 1

@@ -63,6 +63,19 @@ class _LayerState:
     positions: Tensor  # (B, Hkv, Tk) absolute position of every cached token
     seen: Tensor  # (B, Hkv, Tk) how many buffered rows could see each token
     static: Tensor | None = None  # (B, R, Tk) a student's arrival scores of the cached tokens
+    # a student with a window: the rows (B, H, n, Tk_then) that arrived since ``rows`` was last brought up to date,
+    # merged at a cut (``merged``), so that a step appends one row instead of copying the window
+    pending: list[Tensor] = field(default_factory=list)
+
+    def merged(self, tk: int, w: int) -> Tensor:
+        """``rows`` with the pending rows appended, each padded with zeros to ``tk`` tokens (the tokens that arrived
+        after it), the last ``w`` kept; stored back, pending emptied."""
+        if self.pending:
+            parts = [self.rows, *self.pending]
+            self.rows = torch.cat([torch.nn.functional.pad(p.float(), (0, tk - p.shape[-1])) for p in parts], 2)[
+                :, :, -w:]
+            self.pending = []
+        return self.rows
 
 
 @dataclass
@@ -152,7 +165,9 @@ class DecodeEvictor:
             state.positions = torch.cat([state.positions, new_pos], -1)
             w = self.press.student.config.window
             if w:
-                state.rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], 2)[:, :, -w:]
+                state.pending.append(attn)  # merged at the next cut (_LayerState.merged), or once w are waiting
+                if len(state.pending) >= w:
+                    state.merged(tk, w)
             self.states[layer] = state
             return state
         rows = torch.cat([torch.nn.functional.pad(state.rows, (0, n_new)), attn.float()], dim=2)[:, :, -self.window :]
@@ -199,7 +214,8 @@ class DecodeEvictor:
         if state.static is not None:
             rows, student = state.static.shape[1], self.press.student
             now = int(state.positions.max()) + 1
-            column = window_column(state.rows, keys.shape[1]) if student.config.window else None
+            w = student.config.window
+            column = window_column(state.merged(keys.shape[-2], w), keys.shape[1]) if w else None
             scores = state.static + student.dynamic(module.layer_idx, state.positions[:, :rows], now, column)
             return scores.expand(-1, keys.shape[1], -1)
         if isinstance(self.press, DistillCachePress):
