@@ -85,13 +85,15 @@ def producer():
 
 
 def _scored(producer, cfg, windows, names):
-    """bench.score_context on ``windows`` for the shipped policies ``names`` and H2O: KL per (method, keep)."""
+    """bench.score_context on ``windows`` for the shipped policies and students ``names`` and H2O: KL per (method,
+    keep)."""
     from scdviz.evict import bench
     from scdviz.models import hf
 
     model, _ = producer
     policies = {n: p for n, p in bench.load_policies(()).items() if n in names}
     presses = {"ObservedAttention": bench.baselines(cfg.seed)["ObservedAttention"]}
+    presses |= bench.student_presses({n: s for n, s in bench.load_students(()).items() if n in names})
     out: dict[tuple[str, str], list[float]] = {}
     for w in windows:
         res = bench.score_context(model, hf.ids_tensor(w.ids), cfg.context_len, cfg, policies, presses)["results"]
