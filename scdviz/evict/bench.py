@@ -340,16 +340,16 @@ def student_name(student: Student) -> str:
     first N positions are always kept (``StudentConfig.sinks``); -decode when its fit also regressed decode states
     (``FitConfig.decode_len``); -windowW when it reads the attention of the last W queries (``StudentConfig.window``);
     -listwise when its fit's listwise stage was kept (``FitConfig.listwise``)."""
-    sinks = f"-sink{student.config.sinks}" if student.config.sinks else ""
-    sinks += f"-window{student.config.window}" if student.config.window else ""
+    shape = (f"-sink{student.config.sinks}" if student.config.sinks else "") + (
+        f"-window{student.config.window}" if student.config.window else "")
     if surrogate(student):
-        return "KVzap-linear" + ("" if student.config.per_head else "-layer") + sinks
+        return "KVzap-linear" + ("" if student.config.per_head else "-layer") + shape
     fitted = _fitted(student)
     recall, decode = fitted.get("recall") or 0, "-decode" if fitted.get("decode_len") else ""
     listwise = student.meta.get("listwise_penalty") is not None
     closed = student.config.per_head and not student.meta.get("rl_steps") and not listwise
     return ("distillcache-student" + ("" if student.config.per_head else "-layer") + decode
-            + (f"-recall{recall:g}" if recall else "") + sinks + ("-listwise" if listwise else "")
+            + (f"-recall{recall:g}" if recall else "") + shape + ("-listwise" if listwise else "")
             + ("-closed-form" if closed else ""))
 
 

@@ -18,7 +18,7 @@ would run:
   policies without lookahead and ``bench.DECODE_BASELINES``): the same tokens with
   ``DecodeEvictor`` holding the cache at the budget, every bookkeeping step and the eager attention
   it needs inside the timer (a student needs none: SDPA, its arrival scores kept beside the cache; a
-  student with a window: ``hf.ROWS``, SDPA that also returns the decode step's attention row).
+  student with a window: ``hf.ROWS``, attention that also returns the decode step's attention row).
 
 Rows: one per (context length, method): ``prefill_ms`` and its IQR, ``added_ttft_ms`` (the method's
 prefill minus the full cache's: what a user waits for beyond a plain prefill), ``prefill_ratio``,

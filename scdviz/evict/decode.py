@@ -228,15 +228,13 @@ class DecodeEvictor:
 
     def _keep(self, state: _LayerState, idx: Tensor) -> None:
         """Drop evicted tokens from the layer's state; idx (B, Hkv, budget)."""
-        group = state.rows.shape[1] // idx.shape[1]
+        state.positions = state.positions.gather(2, idx)
         if state.static is not None:  # a student tracks its scores and positions (and its window's rows) only
-            state.positions = state.positions.gather(2, idx)
             state.static = state.static.gather(2, idx[:, : state.static.shape[1]])
-            if self.press.student.config.window:
-                rows_idx = idx.repeat_interleave(group, dim=1).unsqueeze(2).expand(-1, -1, state.rows.shape[2], -1)
-                state.rows = state.rows.gather(3, rows_idx)
-            return
+            if not self.press.student.config.window:
+                return
+        else:
+            state.seen = state.seen.gather(2, idx)
+        group = state.rows.shape[1] // idx.shape[1]
         rows_idx = idx.repeat_interleave(group, dim=1).unsqueeze(2).expand(-1, -1, state.rows.shape[2], -1)
         state.rows = state.rows.gather(3, rows_idx)
-        state.positions = state.positions.gather(2, idx)
-        state.seen = state.seen.gather(2, idx)

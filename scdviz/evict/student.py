@@ -102,7 +102,7 @@ class Student(nn.Module):
         _, n_kv, _ = hf.attn_heads(model)
         return cls(hf.n_layers(model), n_kv, model.config.hidden_size, config)
 
-    def flops_per_token(self, head_dim: int, n_heads: int | None = None, context: int = 512) -> int:
+    def flops_per_token(self, head_dim: int, n_heads: int, context: int = 512) -> int:
         """FLOPs per token per layer (2 per multiply-add): every row's dot product and the value norms
         (``head_dim`` values per KV head); the logs are not counted. With a window, at a prefill of ``context``
         tokens: the W rows' scores over each token (2 W H D) and the W query projections (2 W d H D), shared by
@@ -110,8 +110,7 @@ class Student(nn.Module):
         out = 2 * self.weight.shape[1] * self.weight.shape[-1] + 2 * self.n_kv * head_dim
         w = self.config.window
         if w:
-            h = n_heads or self.n_kv
-            out += 2 * w * h * head_dim + -(-2 * w * self.hidden * h * head_dim // max(context, 1))
+            out += 2 * w * n_heads * head_dim + -(-2 * w * self.hidden * n_heads * head_dim // max(context, 1))
         return out
 
     def log_norm(self, values: Tensor) -> Tensor:

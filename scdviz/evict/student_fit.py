@@ -514,6 +514,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, best)
         best_decode = log["rl"]["decode_kl"] = round(sum(dec) / len(dec), 5)
     log["seconds"] = round(time.perf_counter() - t0, 1)
+    n_heads, _, head_dim = hf.attn_heads(model)
     for one, kl, kept, decoding, weight in ((closed, log["closed_form_kl"], 0, closed_decode, closed_weight),
                                             (best, best_kl, steps_kept, best_decode, best_weight)):
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
@@ -522,8 +523,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
                     "decode_weight": weight if normal.decode else None,
                     "val_decode_kl": decoding, "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
-                    "flops_per_token_layer": one.flops_per_token(hf.attn_heads(model)[2], hf.attn_heads(model)[0],
-                                                                 cfg.context_len)}
+                    "flops_per_token_layer": one.flops_per_token(head_dim, n_heads, cfg.context_len)}
         one.log = log
     best.stages = {"closed_form": closed}  # the ridge fit alone (the same student when nothing after it was kept)
     return best.eval()

@@ -155,20 +155,29 @@ def _rows_attention(module, query, key, value, attention_mask, scaling=None, **k
     and values per query head (``repeat_kv``): q·k grouped by KV head, the softmax in float32 (eager's), the
     output from those probabilities. The FLOPs of the attention itself, nothing recomputed; meant for few query
     rows (decode steps): for n rows it builds the (B, H, n, T) matrix eager builds."""
+    b, h, n, _ = query.shape
+    n_kv, t = key.shape[1], key.shape[2]
+    probs = _grouped_probabilities(query, key, scaling, attention_mask).to(query.dtype)
+    out = torch.matmul(probs.reshape(b, n_kv, h // n_kv * n, t), value).reshape(b, h, n, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def _grouped_probabilities(query: Tensor, key: Tensor, scaling: float | None, attention_mask=None) -> Tensor:
+    """(B, H, n, T) float32 softmax of q·k x scaling for queries (B, H, n, D) over keys (B, Hkv, T, D), grouped by
+    KV head (query head i reads KV head i // (H / Hkv), no copies); ``attention_mask`` (boolean or additive), or
+    without one the causal pattern with the n queries last."""
     b, h, n, d = query.shape
     n_kv, t = key.shape[1], key.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
-    grouped = query.reshape(b, n_kv, h // n_kv * n, d)  # query head i reads KV head i // (H / Hkv)
-    scores = (torch.matmul(grouped, key.transpose(-1, -2)) * scaling).reshape(b, h, n, t)
+    scores = (torch.matmul(query.reshape(b, n_kv, h // n_kv * n, d), key.transpose(-1, -2)) * scaling)
+    scores = scores.reshape(b, h, n, t)
     if attention_mask is not None:
         mask = attention_mask[..., :t]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    elif n > 1:  # no mask given: the causal pattern, the new rows last
+    elif n > 1:
         scores = scores.masked_fill(~torch.ones(n, t, dtype=torch.bool, device=scores.device).tril(t - n),
                                     float("-inf"))
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs.reshape(b, n_kv, h // n_kv * n, t), value).reshape(b, h, n, value.shape[-1])
-    return out.transpose(1, 2).contiguous(), probs
+    return torch.softmax(scores, -1, dtype=torch.float32)
 
 
 @functools.cache
@@ -253,17 +262,11 @@ def window_rows(module, hidden: Tensor, keys: Tensor, cos: Tensor, sin: Tensor) 
     theirs (the causal pattern). SnapKV's observation window, for a prefill that ran SDPA (no probabilities):
     W query rows, not Tk, so its cost is 2 W H D per cached token, plus W q-projections."""
     b, w, _ = hidden.shape
-    _, n_kv, tk, d = keys.shape
     with torch.no_grad():
-        q = module.q_proj(hidden).view(b, w, -1, d)
+        q = module.q_proj(hidden).view(b, w, -1, keys.shape[-1])
         if getattr(module, "q_norm", None) is not None:
             q = module.q_norm(q)
-        q = rotate(q.transpose(1, 2), cos, sin)  # (B, H, W, D)
-        h = q.shape[1]
-        grouped = q.reshape(b, n_kv, h // n_kv * w, d)  # query head i reads KV head i // (H / Hkv)
-        scores = (torch.matmul(grouped, keys.transpose(-1, -2)).float() * module.scaling).reshape(b, h, w, tk)
-        causal = torch.ones(w, tk, dtype=torch.bool, device=scores.device).tril(tk - w)
-        return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        return _grouped_probabilities(rotate(q.transpose(1, 2), cos, sin), keys, module.scaling)
 
 
 def window_rows_at(model, layer_idx: int, hidden: Tensor, keys: Tensor) -> Tensor:
