@@ -582,6 +582,43 @@ def test_refinement_gain_is_one_for_clean_codes_and_falls_with_noise_and_truncat
     assert tiny_calib.refine_gain(layer, (torch.zeros(1), torch.zeros(v.max_rank))) == pytest.approx(want)
 
 
+def test_the_folded_receive_map_is_decode_refine_and_correct_in_turn(tiny_pair, tiny_calib):
+    """``Calibration.decoded`` (what ``receive`` runs with a calibration's own corrections) equals decoding the codes,
+    refining them with the noise-weighed gain and applying the trained correction one step after another: at full
+    rank and truncated, int4-noisy and clean, with and without a correction; a nonlinear correction takes the steps.
+    ``receive`` through it gives the cache the steps give (corrections passed explicitly take the steps)."""
+    layer = tiny_calib.stats["joint_layers"][0]
+    k, v = tiny_calib.key_codes[layer], tiny_calib.value_codes[layer]
+    g = torch.Generator().manual_seed(3)
+    d = k.dec.shape[1] + v.dec.shape[1]
+    linear = {"a": torch.randn(d, 3, generator=g), "b": 0.2 * torch.randn(3, d, generator=g),
+              "s": 0.1 * torch.randn(d, generator=g), "sigma": torch.rand(d, generator=g) + 0.5,
+              "tau": torch.rand(d, generator=g) + 0.5}
+    gated = linear | {"g": torch.randn(d, 2, generator=g), "u": torch.randn(d, 2, generator=g),
+                      "w": 0.1 * torch.randn(2, d, generator=g)}
+    cpu = torch.device("cpu")
+    for corrections in (None, {layer: linear}, {layer: gated}):
+        calib = dataclasses.replace(tiny_calib, corrections=corrections)
+        for rk, rv, noisy in ((k.max_rank, v.max_rank, False), (k.max_rank // 2, v.max_rank - 1, True)):
+            zk, zv = torch.randn(7, rk, generator=g), torch.randn(7, rv, generator=g)
+            noise = (torch.full((rk,), 0.3 if noisy else 0.0), torch.full((rv,), 0.3 if noisy else 0.0))
+            steps = calib.correct(layer, *calib.refine(layer, k.decode(zk), v.decode(zv), noise))
+            got = calib.decoded(layer, zk, zv, noise, cpu)
+            for a, b in zip(got, steps):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(got[1], v.decode(zv), atol=1e-3)  # the refinement and correction did act
+    calib = dataclasses.replace(tiny_calib, corrections={layer: linear})
+    case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(48, 3), 8)
+    blob = transfer.build_payload(case.state, _low_rank_plan(calib), calib)
+    folded = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, calib).cache)
+    stepped = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, calib, calib.corrections).cache)
+    for x, y in zip(folded, stepped):
+        for a, b in zip(x, y):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    uncorrected = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, calib, {}).cache)
+    assert not torch.allclose(folded[1][layer], uncorrected[1][layer])
+
+
 def test_decoded_sections_know_their_rounding_noise():
     """The receiver's noise estimate, step²/12 per value, matches the real squared error of uniform data
     (groups of many values: their extremes, which round exactly, are few)."""
@@ -953,7 +990,7 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     blob = transfer.build_payload(case.state, plan, tiny_calib)
     start = distil.initial(distil.row_spread(tiny_calib, [blob]), 3, 0)
     assert sorted(start) == [i for i, m in enumerate(plan.modes) if m == "code"]
-    plain = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib).cache)
+    plain = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib, {}).cache)  # the steps, none corrected
     same = hf.cache_kv(transfer.receive(tiny_pair.consumer, blob, tiny_calib, start).cache)
     assert all(torch.equal(a, b) for x, y in zip(plain, same) for a, b in zip(x, y))
     g = torch.Generator().manual_seed(1)
@@ -1020,23 +1057,24 @@ def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_f
     assert not {tuple(w) for w in train_w} & {tuple(w) for w in val_w}
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
     blobs = [transfer.build_payload(c.state, plan, out) for c in cases]
-    with torch.no_grad():
-        kls = [float(distil.continuation_kl(tiny_pair, distil.Target.of(c), b, out, None, False))
-               for c, b in zip(cases, blobs)]
-    kl = sum(kls) / len(kls)
+    with torch.no_grad():  # the steps (as validation ran them), then the folded map receive runs by default
+        kl, folded = (sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c), b, out, how, False))
+                          for c, b in zip(cases, blobs)) / len(cases) for how in (out.corrections, None))
     assert kl == pytest.approx(min(log["val_kl"]), rel=1e-5)
+    assert folded == pytest.approx(kl, rel=1e-3)  # the same map, rounded in another order (KL here ~1e-4)
 
 
 def _validation_kl(pair, calib, cfg, plan, trained) -> float:
-    """Mean KL over distil's validation windows of ``plan`` sent with ``trained`` (recomputed from scratch)."""
+    """Mean KL over distil's validation windows of ``plan`` sent with ``trained`` (recomputed from scratch, its
+    corrections applied step by step as validation applies them)."""
     from scdviz.scd import distil
 
     _, val_w = distil.windows(pair, calib, cfg)
     cases = [transfer.prepare_case(pair.producer, pair.consumer, w, cfg.cont_len) for w in val_w]
     with torch.no_grad():
         blobs = [transfer.build_payload(c.state, plan, trained) for c in cases]
-        return sum(float(distil.continuation_kl(pair, distil.Target.of(c), b, trained, None, False))
-                   for c, b in zip(cases, blobs)) / len(cases)
+        return sum(float(distil.continuation_kl(pair, distil.Target.of(c), b, trained, trained.corrections or {},
+                                                False)) for c, b in zip(cases, blobs)) / len(cases)
 
 
 def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair, tiny_calib):

@@ -152,8 +152,8 @@ def test_distilling_a_span_trains_its_aligner_through_the_consumer_layers(tiny_p
     cases = [transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, w, cfg.cont_len) for w in val_w]
     with torch.no_grad():
         blobs = [transfer.build_payload(c.state, plan, out) for c in cases]
-        kl = sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c), b, out, None, False))
-                 for c, b in zip(cases, blobs)) / len(cases)
+        kl = sum(float(distil.continuation_kl(tiny_pair, distil.Target.of(c), b, out, out.corrections, False))
+                 for c, b in zip(cases, blobs)) / len(cases)  # corrections applied as validation applied them
     assert kl == pytest.approx(log["val_kl"][best], rel=1e-5)
     assert all(p.grad is None for p in tiny_pair.consumer.parameters())
 

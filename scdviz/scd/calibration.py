@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -146,6 +146,8 @@ class Calibration:
     # layer -> the span code of the residual stream entering a span the consumer runs itself starting there
     # (scdviz.scd.span: producer residual -> the consumer's own, reduced-rank regression); None: none fitted
     spans: dict[int, LinearCode] | None = None
+    # (code layer, device) -> (what it was folded from, its receive map folded once: ``decoded``)
+    _folded: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def closed_form(self) -> Calibration:
         """This calibration without its trained correction stage: the closed form training started from,
@@ -164,6 +166,68 @@ class Calibration:
         gain = 1.0 if noise is None else self.refine_gain(layer, noise)
         rows = rows + gain * code.decode(code.encode(rows, code.max_rank))
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
+
+    def decoded(self, layer: int, key_code: Tensor, value_code: Tensor, noise: tuple[Tensor, Tensor],
+                device: torch.device) -> tuple[Tensor, Tensor]:
+        """A code layer's received (K_pre, V) rows (N, d_kv) each, float32 on ``device``, from its key and value
+        codes (N, r_K), (N, r_V) and their quantisation noise (``refine_gain``): decoded, refined and corrected
+        (``refine`` then ``correct``), in one map folded from the three. Each is affine in the codes, so the
+        composition is: z = [z_K, z_V], x0 = z·blockdiag(D_K, D_V) + m0, l = (x0 − μ_J)·E_J (the refinement's
+        latent), c = x0·a' (the correction's), and with the refinement's gain γ
+            y = z·blockdiag(D_K, D_V)·S + m0·S + γ·μ'_J·S + [γ·l, c + γ·(l·D_J·a' + μ'_J·a')]·[D_J·S; b·τ]
+        (S = diag(1 + s), a' = a / σ; l and c from one product z·blockdiag(D_K, D_V)·[E_J, a']): three products
+        where the steps take five, and no row is written between them. A nonlinear correction (a gated MLP,
+        attention across tokens) takes the steps."""
+        p = (self.corrections or {}).get(layer)
+        if p is not None and ("w" in p or "ao" in p):
+            k, v = self.refine(layer, self.key_codes[layer].decode(key_code),
+                               self.value_codes[layer].decode(value_code), noise)
+            return self.correct(layer, k.to(device), v.to(device))
+        sources = (self.key_codes[layer], self.value_codes[layer], self.joint[layer] if self.joint else None, p)
+        hit = self._folded.get((layer, str(device)))
+        if hit is None or any(a is not b for a, b in zip(hit[0], sources)):  # folded from what this layer holds now
+            hit = self._folded[layer, str(device)] = (sources, {k: t.to(device) for k, t in self._fold(layer).items()})
+        f = hit[1]
+        gain = self.refine_gain(layer, noise) if self.joint and self.joint[layer] is not None else 0.0
+        zk, zv = key_code.to(device=device, dtype=torch.float32), value_code.to(device=device, dtype=torch.float32)
+        rk, rv, rj = zk.shape[1], zv.shape[1], f["joint_a"].shape[0]
+        w_in = torch.cat([f["w_in"][:rk], f["w_in"][f["dec_k"].shape[0]:][:rv]])
+        u = torch.addmm(f["in_bias"], torch.cat([zk, zv], 1), w_in)
+        lat, c = u[:, :rj], u[:, rj:]
+        if rj and c.shape[1]:
+            c = c + gain * torch.addmm(f["joint_a_bias"], lat, f["joint_a"])
+        rows = torch.addmm(f["bias"] + gain * f["joint_bias"], torch.cat([gain * lat, c], 1), f["w_out"])
+        d_k = f["dec_k"].shape[1]
+        rows[:, :d_k].addmm_(zk, f["dec_k"][:rk])
+        rows[:, d_k:].addmm_(zv, f["dec_v"][:rv])
+        return rows[:, :d_k], rows[:, d_k:]
+
+    def _fold(self, layer: int) -> dict[str, Tensor]:
+        """The matrices of ``decoded``'s folded map for one code layer (computed in float64, kept in float32)."""
+        kc, vc = self.key_codes[layer], self.value_codes[layer]
+        d, host = kc.dec.shape[1] + vc.dec.shape[1], dict(dtype=torch.float64, device=kc.dec.device)
+        zeros = torch.zeros(d, 0, **host)
+        p = (self.corrections or {}).get(layer)
+        if p is None:
+            a, bt, scale = zeros, zeros.T, torch.ones(d, **host)
+        else:
+            p = {k: t.to(**host) for k, t in p.items()}
+            a, bt = p["a"] / p["sigma"][:, None], p["b"] * (p["tau"] if "tau" in p else 1.0)
+            scale = 1 + p["s"]
+        j = self.joint[layer] if self.joint else None
+        if j is None:
+            enc, dec, mu_in, mu_out = zeros, zeros.T, torch.zeros(d, **host), torch.zeros(d, **host)
+        else:
+            enc, dec, mu_in, mu_out = j.enc.double(), j.dec[: j.max_rank].double(), j.mu_in.double(), j.mu_out.double()
+        dec_kv = torch.block_diag(kc.dec.double(), vc.dec.double())
+        mean = torch.cat([kc.mu_out, vc.mu_out]).double()
+        reads = torch.cat([enc, a], 1)
+        out = {"w_in": dec_kv @ reads,
+               "in_bias": mean @ reads - torch.cat([mu_in @ enc, torch.zeros(a.shape[1], **host)]),
+               "joint_a": dec @ a, "joint_a_bias": mu_out @ a, "w_out": torch.cat([dec * scale, bt]),
+               "bias": mean * scale, "joint_bias": mu_out * scale,
+               "dec_k": kc.dec.double() * scale[: kc.dec.shape[1]], "dec_v": vc.dec.double() * scale[kc.dec.shape[1]:]}
+        return {k: t.float() for k, t in out.items()}
 
     def correct(self, layer: int, keys_pre: Tensor, values: Tensor,
                 corrections: dict[int | str, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:

@@ -254,8 +254,12 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
                 k, v = torch.cat([k, by[layer, "k_recent"]]), torch.cat([v, by[layer, "v_recent"]])
             keys[layer], values[layer] = heads(dev(k), n_kv), heads(dev(v), n_kv)
         elif mode == "code":
-            k_pre, v = reuse_rows(calib, layer, by, noise_of)
-            k_pre, v = calib.correct(layer, dev(k_pre), dev(v), corrections)
+            if corrections is None:  # the calibration's own: one folded map, on the consumer's device
+                k_pre, v = calib.decoded(layer, by[layer, "k_code"], by[layer, "v_code"],
+                                         code_noise(by, noise_of, layer), param.device)
+            else:  # corrections in training: step by step, their autograd graph kept
+                k_pre, v = reuse_rows(calib, layer, by, noise_of)
+                k_pre, v = calib.correct(layer, dev(k_pre), dev(v), corrections)
             keys[layer] = hf.rotate(heads(dev(k_pre), n_kv), cos, sin)
             values[layer] = heads(dev(v), n_kv)
         elif mode == "patch":
@@ -305,10 +309,14 @@ def code_rows(calib, blob: bytes):
 def reuse_rows(calib, layer: int, by: dict, noise_of: dict) -> tuple[Tensor, Tensor]:
     """A code layer's decoded, refined (K_pre, V) rows (N, d_kv) each, before any trained correction, from a
     payload's sections ``by`` and their quantisation noise ``noise_of`` ((layer, kind) -> tensor)."""
-    noise = tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None
-                  else noise_of[layer, kind] for kind in ("k_code", "v_code"))
     return calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
-                        calib.value_codes[layer].decode(by[layer, "v_code"]), noise)
+                        calib.value_codes[layer].decode(by[layer, "v_code"]), code_noise(by, noise_of, layer))
+
+
+def code_noise(by: dict, noise_of: dict, layer: int) -> tuple[Tensor, Tensor]:
+    """A code layer's quantisation error variance per sent key and value code channel (zeros where not quantised)."""
+    return tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None
+                 else noise_of[layer, kind] for kind in ("k_code", "v_code"))
 
 
 def transferred(model, state: ProducerState, plan: Plan, calib=None):
