@@ -288,7 +288,7 @@ def scd_patch() -> str:
 
 def scd_rank_claim() -> str:
     """The rank claim: keys or values at a reduced rank (the other side at full rank), KL relative to full rank."""
-    rels = [f"scd/{s}/rank_claim.json" for s in SPECIALISTS]
+    rels = [f"scd/{s}/rank_claim.json.gz" for s in SPECIALISTS]
     out, ranks = [], None
     for rel, spec in zip(rels, SPECIALISTS, strict=True):
         full = next(r for r in _scd_rows(rel, "method") if r["method"] == "SCD reuse-only")
@@ -383,6 +383,37 @@ def scd_tail(record: str = "tail_test.json.gz") -> str:
                         _f(r.get("qa_f1"), 3), _qa_vs_raw(raw, r)])
     head = ["specialist", "method", "tail (tokens)", "consumer compute (share of its prefill)", "bytes/token", "KL",
             "KL / raw KV [95% CI]", "KL / without the tail [95% CI]", "top-1", "QA F1", "QA − raw (paired) [95% CI]"]
+    return _table(head, out) + "\n\n" + _source_line(rels)
+
+
+def scd_span(record: str = "span_dev.json.gz") -> str:
+    """Spans against tails (dev slice): the consumer runs its last layers itself from an aligned residual code or
+    from the producer's residual (DroidSpeak's way), or runs the prompt's last tokens; KL against raw reuse and
+    against SCD reuse-only by the share of its prefill the consumer computes, each trained plan over its closed
+    form, QA."""
+    from scdviz.scd.plan import CLOSED  # lazily, as the commands: plans import torch
+
+    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
+    out = []
+    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+        rows = _scd_rows(rel, "method") + _scd_rows(rel, "budget sweep")
+        plain = {r["method"]: r for r in rows}
+        raw, reuse = plain["raw KV"], plain["SCD reuse-only"]
+        tc = next(m for m in plain if m.startswith("SCD transform-coded") and not m.endswith(")"))
+        tails = [r for r in _scd_rows(rel, "tail sweep") if r["method"].startswith("SCD reuse-only + last")]
+        spans = _scd_rows(rel, "span sweep")
+        twins = {r["method"]: r for r in tails + spans}
+        for r in [raw, reuse, plain[tc], *tails, *spans]:
+            if r["method"].endswith(CLOSED):
+                continue
+            twin = twins.get(r["method"] + CLOSED) or plain.get(r["method"] + CLOSED)
+            out.append([spec, r["method"], f"{r.get('prefill_share', 0.0):.1%}", _b(r["payload_bytes_per_token"]),
+                        f"{r['kl']:.4f}", "" if r is raw else _ratio(raw, r),
+                        "" if r in (raw, reuse) else _ratio(reuse, r), "" if twin is None else _ratio(twin, r),
+                        f"{r['top1']:.3f}", _f(r.get("qa_f1"), 3)])
+    head = ["specialist", "method", "consumer compute (share of its prefill)", "bytes/token", "KL",
+            "KL / raw KV [95% CI]", "KL / SCD reuse-only [95% CI]", "trained / closed form [95% CI]", "top-1",
+            "QA F1"]
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
@@ -700,6 +731,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-qa": scd_qa,
     "scd-ttft": scd_ttft,
     "scd-tail": scd_tail,
+    "scd-span": scd_span,
     "scd-recall": scd_recall,
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
