@@ -167,6 +167,13 @@ class Calibration:
         rows = rows + gain * code.decode(code.encode(rows, code.max_rank))
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
+    def refined(self, layer: int, key_code: Tensor, value_code: Tensor, noise: tuple[Tensor, Tensor]
+                ) -> tuple[Tensor, Tensor]:
+        """A code layer's key and value codes -> its decoded, refined (K_pre, V) rows, step by step, before any
+        trained correction (on the codes' device, float32)."""
+        return self.refine(layer, self.key_codes[layer].decode(key_code), self.value_codes[layer].decode(value_code),
+                           noise)
+
     def decoded(self, layer: int, key_code: Tensor, value_code: Tensor, noise: tuple[Tensor, Tensor],
                 device: torch.device) -> tuple[Tensor, Tensor]:
         """A code layer's received (K_pre, V) rows (N, d_kv) each, float32 on ``device``, from its key and value
@@ -180,8 +187,7 @@ class Calibration:
         attention across tokens) takes the steps."""
         p = (self.corrections or {}).get(layer)
         if p is not None and ("w" in p or "ao" in p):
-            k, v = self.refine(layer, self.key_codes[layer].decode(key_code),
-                               self.value_codes[layer].decode(value_code), noise)
+            k, v = self.refined(layer, key_code, value_code, noise)
             return self.correct(layer, k.to(device), v.to(device))
         sources = (self.key_codes[layer], self.value_codes[layer], self.joint[layer] if self.joint else None, p)
         hit = self._folded.get((layer, str(device)))

@@ -256,7 +256,7 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
         elif mode == "code":
             if corrections is None:  # the calibration's own: one folded map, on the consumer's device
                 k_pre, v = calib.decoded(layer, by[layer, "k_code"], by[layer, "v_code"],
-                                         code_noise(by, noise_of, layer), param.device)
+                                         code_noise(layer, by, noise_of), param.device)
             else:  # corrections in training: step by step, their autograd graph kept
                 k_pre, v = reuse_rows(calib, layer, by, noise_of)
                 k_pre, v = calib.correct(layer, dev(k_pre), dev(v), corrections)
@@ -309,11 +309,10 @@ def code_rows(calib, blob: bytes):
 def reuse_rows(calib, layer: int, by: dict, noise_of: dict) -> tuple[Tensor, Tensor]:
     """A code layer's decoded, refined (K_pre, V) rows (N, d_kv) each, before any trained correction, from a
     payload's sections ``by`` and their quantisation noise ``noise_of`` ((layer, kind) -> tensor)."""
-    return calib.refine(layer, calib.key_codes[layer].decode(by[layer, "k_code"]),
-                        calib.value_codes[layer].decode(by[layer, "v_code"]), code_noise(by, noise_of, layer))
+    return calib.refined(layer, by[layer, "k_code"], by[layer, "v_code"], code_noise(layer, by, noise_of))
 
 
-def code_noise(by: dict, noise_of: dict, layer: int) -> tuple[Tensor, Tensor]:
+def code_noise(layer: int, by: dict, noise_of: dict) -> tuple[Tensor, Tensor]:
     """A code layer's quantisation error variance per sent key and value code channel (zeros where not quantised)."""
     return tuple(torch.zeros(by[layer, kind].shape[1], device=hf.HOST) if noise_of[layer, kind] is None
                  else noise_of[layer, kind] for kind in ("k_code", "v_code"))
