@@ -325,3 +325,32 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
     assert {(r["domain"], r["held_out"]) for r in lodo_rows} == {("austen", True), ("gcide", True)}
     main = {r["domain"]: r["held_out"] for r in table if r["mode"] == "agnostic"}
     assert main == {"austen": False, "gcide": False, "jargon": True}  # the recipe's own policy trained on two
+
+
+def test_scorer_names_run_only_those_presses_at_prefill_and_while_decoding(tmp_path):
+    """--scorer-names: a long decode run on many contexts scores the named kvpress scorers alone (the best
+    baseline is then the best of them); an unknown scorer or native press is refused by name before any work."""
+    from scdviz.evict import train
+
+    model = tiny_model("llama")
+    recipe = train.TrainConfig(out=str(tmp_path / "recipe"), corpora=("austen",), contexts=2, context_len=40,
+                               cont_len=6, steps=1, warm_steps=1, checkpoint_every=1, val_contexts=2, samples=2,
+                               policy=PolicyConfig(hidden=4, per_head=True, window=8))
+    train.train(recipe, (model, _Words(), "tiny"), train.checkpoints_to(recipe.out), progress=False)
+    policy = str(tmp_path / "recipe" / "best.safetensors")
+    cfg = bench.EvalConfig(policies=(policy,), corpora=("austen", "gcide"), limit=2, context_len=40, cont_len=4,
+                           question_len=0, keeps=(0.25,), token_budgets=(), natives=False, decode_tokens=8,
+                           scorer_names=("ObservedAttention", "TOVA"))
+    rows = bench.run(cfg, (model, _Words(), "tiny")).rows
+    by_mode = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], set()).add(r["method"])
+    learned = {r["method"] for r in rows if r["method"].startswith("distillcache")}
+    assert len(learned) == 1
+    assert by_mode["agnostic"] == {"ObservedAttention", "TOVA", "full cache"} | learned
+    assert by_mode["agnostic decode8"] == {"ObservedAttention", "TOVA"} | learned
+    assert {r["best_baseline"] for r in rows if r["method"] in learned} <= {"ObservedAttention", "TOVA"}
+    for bad, word in ((dict(scorer_names=("H2O",)), "scorer"), (dict(natives=True, native_names=("KVZip",)),
+                                                                 "native")):
+        with pytest.raises(ValueError, match=f"unknown {word} press.*{bad.get('scorer_names', ('KVZip',))[0]}"):
+            bench.measure(dataclasses.replace(cfg, **bad), {})

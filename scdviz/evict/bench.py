@@ -98,6 +98,9 @@ class EvalConfig:
                         "wrappers), one prefill each per budget")
     native_names: tuple[str, ...] = opt((), "only these of them (e.g. KVzip while iterating on dev; empty: every one, "
                                         "as a test-slice run needs)")
+    scorer_names: tuple[str, ...] = opt((), "only these of kvpress's scorer presses (e.g. ObservedAttention TOVA for a "
+                                        "long decode run on many contexts; empty: every one, as a test-slice "
+                                        "headline needs)")
     seed: int = opt(0, "seed of the Random baseline and of a lookahead policy's sampled continuations")
     lodo: bool = opt(False, "leave-one-domain-out for the policy: retrain the chosen policy's recipe without each of "
                      "its training domains and score it on that domain (bench.lodo)")
@@ -584,6 +587,10 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     """
     if unknown := set(cfg.modes) - {"agnostic", "aware"}:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use agnostic and/or aware")
+    if unknown := set(cfg.scorer_names) - set(baselines()):
+        raise ValueError(f"unknown scorer press(es) {sorted(unknown)}; choose from {', '.join(baselines())}")
+    if cfg.natives and (unknown := set(cfg.native_names) - set(native_baselines())):
+        raise ValueError(f"unknown native press(es) {sorted(unknown)}; choose from {', '.join(native_baselines())}")
     loaded = load_all(cfg.policies)  # each policy file read once
     policies = {name: p.policy for name, p in loaded.items() if isinstance(p.policy, Policy)}
     students = {name: p.policy for name, p in loaded.items() if isinstance(p.policy, Student)}
@@ -681,7 +688,7 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
             fitting[name] = student
         except ValueError as err:
             failed[name] = str(err)
-    base = baselines(cfg.seed)
+    base = {k: v for k, v in baselines(cfg.seed).items() if not cfg.scorer_names or k in cfg.scorer_names}
     presses = base | student_presses(fitting)
     kvzap = {name for name, student in fitting.items() if surrogate(student)}  # a baseline fitted here
     natives = {k: v for k, v in native_baselines().items() if not cfg.native_names or k in cfg.native_names
