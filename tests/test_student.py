@@ -286,6 +286,42 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     assert not torch.equal(student.weight, closed.weight) == ("listwise_penalty" in best)
 
 
+def test_reinforce_from_a_finished_student_starts_at_its_validation_and_names_what_it_added(tmp_path, monkeypatch):
+    """fit --start: no closed form or listwise fit; the student started from is validated as step 0 on the same
+    contexts (its own validation KL, bit for bit), kept as the closed-form stage, and the result is named after it
+    with -reinforce when a REINFORCE step was kept."""
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
+                    cont_len=4, question_len=2, ridges=(1.0,), rl_steps=0, decode_len=6, decode_every=3,
+                    decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
+                    listwise=(0.0,), listwise_iters=5, student=StudentConfig(window=4))
+    first = fit(cfg, (model, _Words(), "tiny"), progress=False)
+    first.save(tmp_path / "first")
+    path = str(tmp_path / "first" / "best.safetensors")
+    again = dataclasses.replace(cfg, start=path, rl_steps=3, rl_contexts=2, checkpoint_every=1, lr=0.5,
+                                contexts=10**6, listwise=(5.0,), student=StudentConfig())  # none of these is used
+    rl = fit(again, (model, _Words(), "tiny"), progress=False)
+    log = rl.log
+    assert log["rows"] == 0 and len(log["val"]) == 1 and log["started_from"]["path"] == path
+    assert log["val"][0]["kl"] == first.meta["val_kl"] == log["rl"]["val"][0]["kl"]  # step 0: the start
+    assert log["val"][0]["decode_kl"] == first.meta["val_decode_kl"]
+    start = rl.stages["closed_form"]
+    assert torch.equal(start.weight, first.weight) and start.config == first.config and rl.config == first.config
+    kept = rl.meta["rl_steps"]
+    assert kept == min(log["rl"]["val"], key=lambda v: v["kl"])["step"]
+    assert torch.equal(rl.weight, first.weight) == (kept == 0)
+    named = bench.student_name(first)
+    assert named.startswith("distillcache-student-decode-window4")
+    assert bench.student_name(rl) == named + ("-reinforce" if kept else "")
+    assert bench.student_name(start) == named  # the copy of the start, no step kept
+    layer = dataclasses.replace(cfg, student=StudentConfig(per_head=False), listwise=())
+    fit(layer, (model, _Words(), "tiny"), progress=False).save(tmp_path / "layer")
+    with pytest.raises(ValueError, match="one set per layer"):
+        fit(dataclasses.replace(again, start=str(tmp_path / "layer" / "best.safetensors")), (model, _Words(), "tiny"),
+            progress=False)
+
+
 def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):
     model = tiny_model("llama")
     student = _student(model)

@@ -332,8 +332,10 @@ def surrogate(student) -> bool:
 
 
 def _fitted(student: Student) -> dict:
-    """The settings a student was fitted with (its log's config; {} without a log)."""
-    return (student.log or {}).get("config") or {}
+    """The settings a student was fitted with (its log's config, or that of the student its REINFORCE started
+    from, ``FitConfig.start``; {} without a log)."""
+    log = student.log or {}
+    return (log.get("started_from") or {}).get("config") or log.get("config") or {}
 
 
 def student_name(student: Student) -> str:
@@ -342,7 +344,8 @@ def student_name(student: Student) -> str:
     closed form only); KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``); -sinkN when its
     first N positions are always kept (``StudentConfig.sinks``); -decode when its fit also regressed decode states
     (``FitConfig.decode_len``); -windowW when it reads the attention of the last W queries (``StudentConfig.window``);
-    -listwise when its fit's listwise stage was kept (``FitConfig.listwise``)."""
+    -listwise when its fit's listwise stage was kept (``FitConfig.listwise``); -reinforce when REINFORCE steps were
+    kept after starting from a finished student (``FitConfig.start``)."""
     shape = (f"-sink{student.config.sinks}" if student.config.sinks else "") + (
         f"-window{student.config.window}" if student.config.window else "")
     if surrogate(student):
@@ -351,9 +354,10 @@ def student_name(student: Student) -> str:
     recall, decode = fitted.get("recall") or 0, "-decode" if fitted.get("decode_len") else ""
     listwise = student.meta.get("listwise_penalty") is not None
     closed = student.config.per_head and not student.meta.get("rl_steps") and not listwise
+    resumed = "started_from" in (student.log or {}) and student.meta.get("rl_steps")
     return ("distillcache-student" + ("" if student.config.per_head else "-layer") + decode
             + (f"-recall{recall:g}" if recall else "") + shape + ("-listwise" if listwise else "")
-            + ("-closed-form" if closed else ""))
+            + ("-closed-form" if closed else "") + ("-reinforce" if resumed else ""))
 
 
 def _unique(name: str, taken: dict) -> str:

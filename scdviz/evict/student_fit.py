@@ -100,6 +100,9 @@ class FitConfig:
     checkpoint_every: int = opt(25, "REINFORCE steps between validations; the student kept is the best validated one "
                                 "(the closed form counts as step 0)")
     seed: int = opt(0, "REINFORCE's sampling and data order")
+    start: str = opt("", "a finished student file to start from instead of fitting one (its own shape and settings; "
+                     "the closed-form and listwise stages are skipped, it is validated as step 0): REINFORCE's "
+                     "contribution over a shipped student")
     student: StudentConfig = field(default_factory=StudentConfig)
 
 
@@ -448,13 +451,21 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     if cfg.teacher == "kvzip+" and (cfg.decode_len or cfg.recall):
         raise ValueError("the kvzip+ teacher (KVzap's recipe) fits prefill rows alone: give --decode-len 0 and no "
                          "--recall")
+    start = Student.load(cfg.start) if cfg.start else None
+    if start is not None:
+        start.check_model(model)
+        if cfg.rl_steps and not start.config.per_head:
+            raise ValueError(f"{cfg.start} keeps one set per layer: REINFORCE trains per-head students only")
     t0 = time.perf_counter()
-    base = Student.for_model(model, cfg.student)
-    lists = Lists.empty(hf.n_layers(model)) if cfg.listwise and cfg.teacher == "future" else None
-    normal = accumulate(model, tokenizer, cfg, base, progress, lists)
+    base = start or Student.for_model(model, cfg.student)
+    lists = Lists.empty(hf.n_layers(model)) if cfg.listwise and cfg.teacher == "future" and not start else None
+    normal = None if start else accumulate(model, tokenizer, cfg, base, progress, lists)
+    decoding = start.meta.get("decode_weight") is not None if start else bool(normal.decode)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
-    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows,
-           "decode_rows": normal.decode.rows if normal.decode else 0}
+    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows if normal else 0,
+           "decode_rows": normal.decode.rows if normal and normal.decode else 0}
+    if start is not None:  # what it was fitted with (its name and kind follow those), and from where
+        log["started_from"] = {"path": cfg.start, "config": (start.log or {}).get("config")}
 
     def scorer(student: Student):
         return lambda s: torch.cat([p[0] for p in prefill_scores(model, student, s.obs)], 0)
@@ -470,12 +481,16 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode  # the ridge pick
     d = base.hidden
     columns = None if cfg.inputs == "all" else [*range(d), base.weight.shape[-1] - 1]  # KVzap's: H_in, intercept
-    weights = cfg.decode_weights if normal.decode else (1.0,)
+    weights = cfg.decode_weights if normal and normal.decode else (1.0,)
     candidates = [(r, w, None) for r in cfg.ridges for w in weights] + [(None, None, p) for p in
                                                                          (cfg.listwise if lists else ())]
+    if start is not None:  # the finished student alone, as it was fitted
+        candidates = [(start.config.ridge, start.meta.get("decode_weight"), start.meta.get("listwise_penalty"))]
     for ridge, weight, penalty in steps(candidates, "student: ridge strengths (and decode-state weights), then the "
                                         "listwise stage, on validation", progress):
-        if penalty is None:
+        if start is not None:
+            student = copy.deepcopy(start)
+        elif penalty is None:
             student = Student.for_model(model, dataclasses.replace(cfg.student, ridge=float(ridge)))
             with torch.no_grad():
                 student.weight.copy_(normal.solve(float(ridge), columns, float(weight)))
@@ -492,7 +507,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         by_keep = {f"{k:g}": round(sum(kls[i::len(cfg.keeps)]) / len(kls[i::len(cfg.keeps)]), 5)
                    for i, k in enumerate(cfg.keeps)}
         entry = {"ridge": float(ridge), "kl": round(mean, 5), "kl_by_keep": by_keep,
-                 "kl_per_context": [round(v, 6) for v in kls]} | ({"decode_weight": weight} if normal.decode else {}) \
+                 "kl_per_context": [round(v, 6) for v in kls]} | ({"decode_weight": weight} if decoding else {}) \
             | ({} if penalty is None else {"listwise_penalty": float(penalty)})
         choice = mean
         if episodes:  # the same student held while decoding; each KL over H2O's on the same contexts
@@ -503,7 +518,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         student.meta = {"listwise_penalty": None if penalty is None else float(penalty)}
         if choice < best_choice:
             best, best_kl, best_choice, best_weight, best_decode = student, mean, choice, weight, entry.get("decode_kl")
-        if penalty is None:  # the closed form so far
+        if penalty is None or start is not None:  # the closed form so far (or the student started from)
             closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(closed_kl, 5)
@@ -520,7 +535,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
         one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
                     "listwise_penalty": one.meta.get("listwise_penalty"),
-                    "decode_weight": weight if normal.decode else None,
+                    "decode_weight": weight if decoding else None,
                     "val_decode_kl": decoding, "val_decode_heuristic": log.get("val_decode_heuristic"),
                     "train_contexts": cfg.contexts, "rl_steps": kept,
                     "flops_per_token_layer": one.flops_per_token(head_dim, n_heads, cfg.context_len)}
