@@ -201,6 +201,7 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
+    from scdviz.app.requests import CHEAP_STUDENT
     from scdviz.app.ui.evict_tab import FIGURES
     from scdviz.evict import bench
 
@@ -217,6 +218,9 @@ def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
     assert "distillcache-head" in page.locator("#ev-texts").inner_text()
     assert not LONG_FLOAT.search(table), table
     _plots_drawn(page, "ev", FIGURES)
+    shown = page.locator("#ev-show input")  # the inspected method, the long student name uncut
+    assert shown.input_value() == CHEAP_STUDENT
+    assert shown.evaluate("e => e.scrollWidth <= e.clientWidth"), "the inspected method's name is cut off"
     _shot(page, "evict", tmp_path_factory)
     _downloads_work(page, "ev", "evict", FIGURES)
 

@@ -109,7 +109,7 @@ class EvictRequest(Request):
     model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
     method: str = control(CHEAP_STUDENT, "Method to inspect (its kept tokens)", "pick",
                           name="Method to inspect", choices=(CHEAP_STUDENT,), row="budget",
-                          props={"elem_id": "ev-show"})
+                          props={"elem_id": "ev-show", "scale": 3, "min_width": 400})  # the student's name is long
     # None: the focused set (bench.focus_methods); the full cache is always the reference
     methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",
                             "choices", name="Methods", choices=_evict_methods, initial=_evict_focus,
