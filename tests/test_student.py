@@ -315,6 +315,9 @@ def test_reinforce_from_a_finished_student_starts_at_its_validation_and_names_wh
     assert named.startswith("distillcache-student-decode-window4")
     assert bench.student_name(rl) == named + ("-reinforce" if kept else "")
     assert bench.student_name(start) == named  # the copy of the start, no step kept
+    last = fit(dataclasses.replace(again, rl_keep="last"), (model, _Words(), "tiny"), progress=False)
+    assert last.meta["rl_steps"] == 3 and last.meta["val_kl"] == last.log["rl"]["val"][-1]["kl"]  # whatever it is
+    assert not torch.equal(last.weight, first.weight) and bench.student_name(last) == named + "-reinforce"
     layer = dataclasses.replace(cfg, student=StudentConfig(per_head=False), listwise=())
     fit(layer, (model, _Words(), "tiny"), progress=False).save(tmp_path / "layer")
     with pytest.raises(ValueError, match="one set per layer"):

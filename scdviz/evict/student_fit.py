@@ -97,6 +97,9 @@ class FitConfig:
     samples: int = opt(4, "M, sampled kept sets per REINFORCE step")
     lr: float = opt(1e-4, "Adam learning rate of REINFORCE")
     entropy_coef: float = opt(1e-4, "weight of REINFORCE's entropy bonus")
+    rl_keep: str = opt("best", "which REINFORCE step is kept: best (the lowest validation KL, the closed form counting "
+                       "as step 0: the recipe) or last (the final step whatever validation says: what the steps "
+                       "themselves do, to bench against the start)", choices=("best", "last"))
     checkpoint_every: int = opt(25, "REINFORCE steps between validations; the student kept is the best validated one "
                                 "(the closed form counts as step 0)")
     seed: int = opt(0, "REINFORCE's sampling and data order")
@@ -549,7 +552,8 @@ def reinforce(model, tokenizer, cfg: FitConfig, start: Student, start_kl: float,
     """REINFORCE from the closed-form student (the seed's estimator, ``train.reinforce_loss``: M Gumbel top-B
     kept sets per context, reward -KL of the scored continuation, leave-one-out baseline, entropy bonus),
     validated every ``checkpoint_every`` steps; returns (the best validated student, its KL, its step; step 0:
-    the closed form itself). Appends the steps and validations to ``log["rl"]``."""
+    the closed form itself; with ``rl_keep`` last, the final step's). Appends the steps and validations to
+    ``log["rl"]``."""
     samples = prepared_samples(model, tokenizer, cfg, "train", cfg.rl_contexts, progress)
     student = copy.deepcopy(start).train()
     opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
@@ -577,7 +581,7 @@ def reinforce(model, tokenizer, cfg: FitConfig, start: Student, start_kl: float,
             student.train()
             mean = sum(kls_val) / len(kls_val)
             rl["val"].append({"step": step + 1, "kl": round(mean, 5), "kl_per_context": [round(v, 6) for v in kls_val]})
-            if mean < best_kl:
+            if mean < best_kl or (cfg.rl_keep == "last" and step + 1 == cfg.rl_steps):
                 best, best_kl, best_step = copy.deepcopy(student).eval(), mean, step + 1
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(val_kl=f"{mean:.4f}", best=f"{best_kl:.4f}")
