@@ -405,6 +405,14 @@ def _check_writable(path: Path, maintainer: bool) -> Path:
     return Path(path).expanduser()
 
 
+def _refuse_shipped_outputs(cmd) -> None:
+    """Raise (``_check_writable``) when a command's --out or --figures lies in the shipped assets/ without
+    --maintainer."""
+    for name in ("out", "figures"):
+        if getattr(cmd, name, None):
+            _check_writable(Path(getattr(cmd, name)), getattr(cmd, "maintainer", False))
+
+
 def _out_folder(out: str | None, kind: str, name: str, maintainer: bool, shipped: Path | None) -> Path:
     """Where a run writes: --out, else the shipped place with --maintainer, else a new ``<runs>/<kind>/<name>``."""
     if out:
@@ -587,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = config.from_args(args.settings, args) if args.settings is not None else None
         if cmd is not None:
             _absolute_paths(cmd)
+            _refuse_shipped_outputs(cmd)  # before any work: a long run must not end on a refused path
             if (seed := _seed(cmd)) is not None:
                 seed_everything(seed)
         args.fn(cmd)

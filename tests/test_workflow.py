@@ -99,13 +99,19 @@ def test_a_bench_rerun_from_its_saved_config_reproduces_its_quality_numbers(flow
     assert records.read(runs.root() / "bench" / "one-ctx" / "record.json").settings["eval"]["limit"] == 1
 
 
-def test_writing_into_the_shipped_assets_needs_the_maintainer_flag(flow, capsys):
+def test_writing_into_the_shipped_assets_needs_the_maintainer_flag(flow, capsys, monkeypatch):
     _, tiny, text = flow
     target = settings.ASSETS_DIR / "policy" / "bench" / "never.json"
     assert cli.main(["bench", "evict", "--models", tiny, "--texts", text, "--limit", "1", "--context-len", "64",
                      "--cont-len", "8", "--question-len", "4", "--keeps", "0.25", "--token-budgets",
                      "--no-natives", "--policies", "--out", str(target)]) == 2
     assert "only --maintainer writes" in capsys.readouterr().err and not target.exists()
+    for cmd in (["bench", "evict", "--models", tiny, "--texts", text, "--policies", "--out", str(target)],
+                ["bench", "scd", "--figures", str(settings.ASSETS_DIR / "figs")]):  # refused before any model loads
+        monkeypatch.setattr("scdviz.models.pair.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+        monkeypatch.setattr("scdviz.models.pair.load_pair", lambda *a, **k: pytest.fail("a pair was loaded"))
+        assert cli.main(cmd) == 2
+        assert "only --maintainer writes" in capsys.readouterr().err and not target.exists()
     bad = Path(text).with_suffix(".toml")
     bad.write_text("[eval]\nlimit = 3\nnot_a_setting = 1\n")
     assert cli.main(["bench", "evict", "--config", str(bad)]) == 2
