@@ -556,9 +556,11 @@ def evict_domains() -> str:
     return _table(head, out) + "\n\n" + _source_line(PROTOCOL)
 
 
-def evict_lodo(rel: str = "policy/bench/lodo_test.json") -> str:
-    """Leave-one-domain-out (test slice): the policy's recipe retrained without the domain it is scored on."""
-    rows = _read(rel).rows
+def evict_lodo(*rels: str) -> str:
+    """Leave-one-domain-out (test slice): the policy's recipe retrained without the domain it is scored on;
+    the left-out domains of each record, in order (a run can be split over records by ``corpora``)."""
+    rels = rels or ("policy/bench/lodo_test.json",)
+    rows = [r for rel in rels for r in _read(rel).rows]
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"].startswith("agnostic lodo-")):
         left = mode.split("lodo-", 1)[1]
@@ -573,9 +575,9 @@ def evict_lodo(rel: str = "policy/bench/lodo_test.json") -> str:
                         f"{best['kl']:.4f} ({best_name})", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
                         f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}",
                         f"{mine['wins_vs_best_baseline']:.2f}", str(mine["n_contexts"])])
-    head = ["left out", "kept", "policy trained without it", "shipped policy (trained on both)",
+    head = ["left out", "kept", "policy trained without it", "shipped policy (trained on it)",
             "best baseline", "trained-without / best [95% CI]", "trained-without − best [95% CI]", "wins", "contexts"]
-    return _table(head, out) + "\n\n" + _source_line([rel])
+    return _table(head, out) + "\n\n" + _source_line(list(rels))
 
 
 def evict_qa() -> str:
@@ -738,6 +740,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "evict-domains": evict_domains,
     "evict-lodo": evict_lodo,
     "evict-lodo-before": functools.partial(evict_lodo, "policy/bench/lodo_tail.json"),
+    "evict-lodo-student": functools.partial(evict_lodo, "policy/bench/student_window_lodo_test_a.json.gz",
+                                            "policy/bench/student_window_lodo_test_b.json.gz"),
     "evict-qa": evict_qa,
     "evict-decode": evict_decode,
     "evict-gemma": evict_gemma,
