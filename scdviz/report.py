@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from scdviz import config, records, settings
@@ -149,7 +149,7 @@ SLICE_WORDS = {"test": "test slice", "dev": "dev slice",
                None: "read before the dev/test slices; its windows are in dev now"}
 
 
-def _source_line(rels: list[str]) -> str:
+def _source_line(rels: Sequence[str]) -> str:
     made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}` ({SLICE_WORDS[slice_of(_read(r))]}): "
                      f"`{command(settings.ASSETS_DIR / r, _read(r))}`" for r in rels)
     return f"*Records (and the command that made each):* {made}."
@@ -559,7 +559,6 @@ def evict_domains() -> str:
 def evict_lodo(*rels: str) -> str:
     """Leave-one-domain-out (test slice): the policy's recipe retrained without the domain it is scored on;
     the left-out domains of each record, in order (a run can be split over records by ``corpora``)."""
-    rels = rels or ("policy/bench/lodo_test.json",)
     rows = [r for rel in rels for r in _read(rel).rows]
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"].startswith("agnostic lodo-")):
@@ -577,7 +576,7 @@ def evict_lodo(*rels: str) -> str:
                         f"{mine['wins_vs_best_baseline']:.2f}", str(mine["n_contexts"])])
     head = ["left out", "kept", "policy trained without it", "shipped policy (trained on it)",
             "best baseline", "trained-without / best [95% CI]", "trained-without − best [95% CI]", "wins", "contexts"]
-    return _table(head, out) + "\n\n" + _source_line(list(rels))
+    return _table(head, out) + "\n\n" + _source_line(rels)
 
 
 def evict_qa() -> str:
@@ -738,7 +737,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
     "evict-domains": evict_domains,
-    "evict-lodo": evict_lodo,
+    "evict-lodo": functools.partial(evict_lodo, "policy/bench/lodo_test.json"),
     "evict-lodo-before": functools.partial(evict_lodo, "policy/bench/lodo_tail.json"),
     "evict-lodo-student": functools.partial(evict_lodo, "policy/bench/student_window_lodo_test_a.json.gz",
                                             "policy/bench/student_window_lodo_test_b.json.gz"),
