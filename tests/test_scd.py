@@ -521,7 +521,7 @@ def test_joint_refinement_is_the_joint_least_squares_map_at_full_rank_and_helps_
 
 
 def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, tmp_path):
-    """The consumer adds the stored refinement to the decoded rows; it survives save / load (fp16)."""
+    """The consumer adds the stored refinement to the decoded rows; it survives save / load (int8 codes)."""
     assert tiny_calib.stats["joint_layers"], "the tiny pair's calibration should refine some layer"
     layer = tiny_calib.stats["joint_layers"][0]
     case = transfer.prepare_case(tiny_pair.producer, tiny_pair.consumer, window_ids(48, 3), 8)
@@ -554,7 +554,10 @@ def test_received_code_layers_carry_the_joint_refinement(tiny_pair, tiny_calib, 
     tiny_calib.save(tmp_path / "c")
     back = calibration.Calibration.load(tmp_path / "c")
     assert [c is None for c in back.joint] == [c is None for c in tiny_calib.joint]
-    torch.testing.assert_close(back.joint[layer].enc, code.enc.half().float())
+    for name, by in (("enc", 0), ("dec", 1)):  # int8 per rank component: within half a step (absmax / 127) plus
+        want, got = getattr(code, name), getattr(back.joint[layer], name)  # the fp16 scale's rounding x 127 steps
+        step = want.abs().amax(by, keepdim=True) / 127
+        assert ((got - want).abs() <= (0.5 + 127 / 2048) * step + 1e-8).all() and not torch.equal(got, want)
 
 
 def test_refinement_gain_is_one_for_clean_codes_and_falls_with_noise_and_truncation(tiny_calib):
@@ -1033,10 +1036,10 @@ def test_a_correction_starts_as_the_identity_and_survives_save_and_load(tiny_pai
     untimed.save(tmp_path / "no-tau")
     ones = calibration.Calibration.load(tmp_path / "no-tau").corrections
     assert all(torch.equal(ones[i]["tau"], torch.ones_like(trained[i]["sigma"])) for i in trained)
-    again = hf.cache_kv(transfer.receive(tiny_pair.consumer, mine, back).cache)  # the codes are stored in fp16
+    again = hf.cache_kv(transfer.receive(tiny_pair.consumer, mine, back).cache)  # the codes are stored in int8
     for x, y in zip(moved, again):
         for a, b in zip(x, y):
-            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-3)
 
 
 def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_form(tiny_pair, tiny_calib):

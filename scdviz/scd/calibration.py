@@ -336,7 +336,8 @@ class Calibration:
         return self.patches[layer]
 
     def save(self, folder: str | Path, store_rank: int | None = None) -> Path:
-        """Write ``folder/calibration.safetensors`` (fp16 code matrices, int8 rows for aligner corrections
+        """Write ``folder/calibration.safetensors`` (int8 code matrices with an fp16 scale per rank component,
+        int8 rows for aligner corrections
         and for the trained correction stage's factors;
         header: identity, config, fits).
 
@@ -350,7 +351,11 @@ class Calibration:
         for kind, layer, code in codes:
             for name in CODE_FIELDS:
                 t = getattr(code, name)
-                tensors[f"{kind}.{layer}.{name}"] = t.half() if name in ("enc", "dec") else t
+                if name in _INT8_CODE_FIELDS:  # int8 with an fp16 scale per rank component: half of fp16's bytes
+                    tensors[f"{kind}.{layer}.{name}"], tensors[f"{kind}.{layer}.{name}_scale"] = _int8_by_rank(
+                        t, name)
+                else:
+                    tensors[f"{kind}.{layer}.{name}"] = t
         for layer, p in self.patches.items():
             for name in PATCH_FIELDS:
                 tensors[f"p.{layer}.{name}"] = getattr(p, name)
@@ -527,12 +532,34 @@ FILE = "calibration.safetensors"  # the artefact inside a calibration folder
 KIND = "scd-calibration"
 VERSION = artefact.VERSIONS[KIND]  # the format ``save`` writes
 
+_INT8_CODE_FIELDS = ("enc", "dec")  # the code matrices, stored as int8 rows (enc by column: one rank component each)
+
+
+def _int8_by_rank(t: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A code matrix as int8 in its own orientation and one fp16 scale (r, 1) per rank component: the
+    decoder's rows (r, d_out) and the encoder's columns (d_in, r) (``artefact.int8_rows``)."""
+    if name == "dec":
+        return artefact.int8_rows(t)
+    q, scale = artefact.int8_rows(t.T)
+    return q.T.contiguous(), scale
+
+
+def _code_field(t: dict[str, torch.Tensor], key: str, name: str) -> torch.Tensor:
+    """One stored code field as float32: int8 code matrices scaled back (``_int8_by_rank``), fp16 ones
+    (files written before int8) as they are."""
+    value = t[key]
+    if value.dtype != torch.int8:
+        return value.float()
+    scale = t[f"{key}_scale"].float()  # (r, 1)
+    return value.float() * (scale if name == "dec" else scale.T)
+
+
 def _from_artefact(art: artefact.Artefact) -> Calibration:
     t, meta = art.tensors, art.meta
     n = len(meta["drift_k"])
 
     def code(kind: str, layer: int) -> LinearCode:
-        return LinearCode(*(t[f"{kind}.{layer}.{name}"].float() for name in CODE_FIELDS))
+        return LinearCode(*(_code_field(t, f"{kind}.{layer}.{name}", name) for name in CODE_FIELDS))
 
     cfg, _ = config.from_dict(CalibConfig, art.config, str(art.path))
     spans = meta.get("span_layers", [])  # older files have none
