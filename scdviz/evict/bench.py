@@ -49,6 +49,7 @@ from scdviz import data, metrics, protocol, qa
 from scdviz.config import opt
 from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
+from scdviz.evict.h2o import H2OPress
 from scdviz.evict.policy import SHIPPED_DIR, Policy, PolicyConfig, keep_count
 from scdviz.evict.press import DistillCachePress
 from scdviz.evict.student import Student, StudentPress, is_student
@@ -498,6 +499,7 @@ def native_scored(model, make, ids: torch.Tensor, prefix: int, n_keep: int, cfg:
 
 
 DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")
+H2O = "H2O"  # decode rows: H2O accumulated over every query (scdviz.evict.h2o); "ObservedAttention" there is windowed
 
 
 def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: dict, policies: dict,
@@ -522,17 +524,20 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     scorers = {name: DistillCachePress(policy=p) for name, p in policies.items() if p.config.per_head}
     scorers |= {name: presses[name] for name in DECODE_BASELINES if name in presses}
     scorers |= {name: p for name, p in presses.items() if isinstance(p, StudentPress)}
+    if "ObservedAttention" in presses:  # H2O proper: ObservedAttention's prefill, then every decode row accumulated
+        scorers[H2O] = H2OPress()
     results = {}
     for label, n_keep in budgets(cfg, prefix):
         for name, press in scorers.items():
-            if name in failed or (name, label) not in out["kept"]:
+            at_prefill = "ObservedAttention" if name == H2O else name  # the same prefill scores and kept set
+            if name in failed or (at_prefill, label) not in out["kept"]:
                 continue
-            kept = out["kept"][(name, label)]
+            kept = out["kept"][(at_prefill, label)]
             cache = prune(model, obs, kept)
             # every scorer continues from its kept tokens' true positions; a student from its arrival scores at
-            # this context's prefill (score_context scored it last)
+            # this context's prefill (score_context scored it last), H2O from the prefill's mean attention
             arrival = ([press.arrival[layer] for layer in range(len(obs.keys))] if isinstance(press, StudentPress)
-                       else None)
+                       else obs.scores[(at_prefill, label)] if name == H2O else None)
             evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=cfg.decode_interval,
                                     prefill_positions=list(kept),  # in cache order (prune keeps it)
                                     prefill_scores=arrival)
@@ -713,7 +718,7 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
         for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
             if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
                 c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
-        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base) | kvzap,
+        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base) | kvzap | {H2O},
                              windows=windows, chosen=chosen, failed=decode_failed)
     return records
 

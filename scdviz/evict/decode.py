@@ -11,8 +11,14 @@ than ``budget`` tokens (or, with ``interval`` k, budget + k - 1) it keeps the to
     arrives, from its hidden state and value, plus the age term at every cut (and, for a student
     with a window, the window term from the attention rows of its last W decode steps); the tokens
     cached before generation need their arrival scores (``prefill_scores``); or
+  * an H2OPress (scdviz.evict.h2o): every token's attention summed over every query that saw it and the
+    number of those queries, both carried on from the prefill (``prefill_scores``: its H2O / ObservedAttention
+    scores) and added to at every step: H2O's accumulated score, nothing forgotten; or
   * any kvpress ScorerPress: ``press.score`` with the buffered hidden states and window
-    rows as ``attentions`` (attention-free scorers such as Knorm ignore them).
+    rows as ``attentions`` (attention-free scorers such as Knorm ignore them). For ObservedAttention this
+    is a windowed variant (the last ``window`` rows over a full prefill's visibility), not H2O. The evictor
+    scores with its own copy of the press (its ``compression_ratio`` set per cut): the press given is never
+    changed, so one press can serve a prefill and other runs beside.
 
 State per layer: rows (B, H, w, Tk), hidden (B, w, d), positions (B, Hkv, Tk) absolute
 token positions of the cached tokens (``prefill_positions`` for the tokens cached before
@@ -39,6 +45,7 @@ whole ``forward_hook``, i.e. this module again.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +53,7 @@ import torch
 from torch import Tensor
 
 from scdviz.evict import features as F
+from scdviz.evict.h2o import H2OPress, accumulated
 from scdviz.evict.policy import gumbel_top_b, plackett_luce_logprob
 from scdviz.evict.press import DistillCachePress
 from scdviz.evict.student import StudentPress, window_column
@@ -63,6 +71,8 @@ class _LayerState:
     positions: Tensor  # (B, Hkv, Tk) absolute position of every cached token
     seen: Tensor  # (B, Hkv, Tk) how many buffered rows could see each token
     static: Tensor | None = None  # (B, R, Tk) a student's arrival scores of the cached tokens
+    total: Tensor | None = None  # (B, Hkv, Tk) H2O: attention received from every query so far (mean over the group)
+    count: Tensor | None = None  # (B, Hkv, Tk) H2O: how many queries saw each token (prefill and decode)
     # a student with a window: the rows (B, H, n, Tk_then) that arrived since ``rows`` was last brought up to date,
     # merged at a cut (``merged``), so that a step appends one row instead of copying the window
     pending: list[Tensor] = field(default_factory=list)
@@ -96,8 +106,10 @@ class DecodeEvictor:
     decisions: list[tuple[int, Tensor]] = field(default_factory=list)
     # the tokens cached before generation: per layer their positions (B, Hkv, n) and, for a student, its arrival
     # scores over the whole prefill (B, R, T) (Student.static; StudentPress.arrival), indexed by position
+    # (an H2OPress: its prefill scores (B, Hkv, T), the mean attention over the prefill's queries)
     prefill_positions: list[Tensor] | None = None
     prefill_scores: list[Tensor] | None = None
+    _scorer: object = field(default=None, init=False, repr=False)  # a kvpress scorer: the evictor's own copy
 
     @contextlib.contextmanager
     def __call__(self, model):
@@ -120,6 +132,7 @@ class DecodeEvictor:
             self.press.policy.to(hf.device_of(model))
         if isinstance(self.press, StudentPress):
             self.press.student.check_model(model)
+        self._scorer = copy.copy(self.press)  # the compression ratio is set per cut on this copy, never on the press
         with hf.attention_hook(model, self._on_layer):
             yield self
 
@@ -152,13 +165,26 @@ class DecodeEvictor:
         if attn is None:
             if isinstance(self.press, DistillCachePress):
                 raise ValueError("decode-time DistillCache needs eager attention: call hf.set_eager(model) first")
+            if isinstance(self.press, H2OPress):
+                raise ValueError("decode-time H2O accumulates every step's attention row: decode with eager attention "
+                                 "or hf.ROWS")
             if isinstance(self.press, StudentPress) and self.press.student.config.window:
                 raise ValueError("a student with a window reads the attention rows of the last decode steps: decode "
                                  "with eager attention or hf.ROWS")
             attn = keys.new_zeros(b, n_kv, n_new if not isinstance(self.press, StudentPress) else 0, tk).float()
         state = self.states.get(layer)
         if state is None:
-            state = self._first(layer, hidden, keys, attn, tk - n_new)
+            state = self._first(layer, hidden, keys, attn, tk - n_new, int(position_ids.min()))
+        if state.total is not None:  # H2O: add the new rows to every token's sum and count
+            group = attn.shape[1] // n_kv
+            got = attn.float().sum(2).view(b, n_kv, group, tk).mean(2)  # (B, Hkv, Tk)
+            steps = torch.arange(n_new, device=keys.device)
+            new = (steps.view(-1, 1) >= steps.view(1, -1)).sum(0).float().view(1, 1, n_new).expand(b, n_kv, n_new)
+            state.total = torch.nn.functional.pad(state.total, (0, n_new)) + got
+            state.count = torch.cat([state.count + n_new, new], -1)
+            state.positions = torch.cat([state.positions, new_pos], -1)
+            self.states[layer] = state
+            return state
         if state.static is not None:  # a student: its arrival scores and the positions (and its window's rows)
             new = self.press.student.static(layer, hidden, values[..., -n_new:, :], new_pos[:, : state.static.shape[1]])
             state.static = torch.cat([state.static, new], -1)
@@ -185,8 +211,9 @@ class DecodeEvictor:
         self.states[layer] = state
         return state
 
-    def _first(self, layer: int, hidden: Tensor, keys: Tensor, attn: Tensor, old: int) -> _LayerState:
-        """The state of a layer first seen holding ``old`` tokens cached before generation."""
+    def _first(self, layer: int, hidden: Tensor, keys: Tensor, attn: Tensor, old: int, now: int) -> _LayerState:
+        """The state of a layer first seen holding ``old`` tokens cached before generation; ``now``: the position of
+        the first new token (the prefill's length)."""
         b, n_kv = keys.shape[:2]
         if self.prefill_positions is not None:
             start = self.prefill_positions[layer].to(keys.device).long()
@@ -196,6 +223,16 @@ class DecodeEvictor:
         else:  # positions 0..old-1
             start = torch.arange(old, device=keys.device).view(1, 1, old).expand(b, n_kv, old)
         static = None
+        if isinstance(self.press, H2OPress):  # the prefill's sums: its mean attention times its visibility
+            count = (now - start).float()
+            total = torch.zeros(b, n_kv, old, device=keys.device)
+            if old:
+                if self.prefill_scores is None:
+                    raise ValueError("decode-time H2O carries each token's attention from the prefill on: prefill with "
+                                     "the same press inside the evictor, or give the prefill's H2O (ObservedAttention) "
+                                     "scores and the cached tokens' positions (prefill_scores, prefill_positions)")
+                total = self.prefill_scores[layer].to(keys.device).float().gather(2, start) * count
+            return _LayerState(attn[..., :0, :old], hidden[:, :0], start, count, total=total, count=count)
         if isinstance(self.press, StudentPress):
             rows = self.press.student.weight.shape[1]
             if self.prefill_scores is not None and self.prefill_positions is not None:
@@ -218,17 +255,22 @@ class DecodeEvictor:
             column = window_column(state.merged(keys.shape[-2], w), keys.shape[1]) if w else None
             scores = state.static + student.dynamic(module.layer_idx, state.positions[:, :rows], now, column)
             return scores.expand(-1, keys.shape[1], -1)
+        if state.total is not None:
+            return accumulated(state.total, state.count)
         if isinstance(self.press, DistillCachePress):
             n_kv, group = keys.shape[1], state.rows.shape[1] // keys.shape[1]
             n_vis = state.seen.repeat_interleave(group, dim=1)  # (B, H, Tk)
             pos = state.positions.float() / state.positions.max().clamp_min(1)
             return self.press.policy(F.layer_features(state.rows, values.detach(), n_vis, pos, n_kv))
-        self.press.compression_ratio = 1.0 - self.budget / keys.shape[-2]
-        return self.press.score(module, state.hidden, keys, values, state.rows, kwargs)
+        self._scorer.compression_ratio = 1.0 - self.budget / keys.shape[-2]
+        return self._scorer.score(module, state.hidden, keys, values, state.rows, kwargs)
 
     def _keep(self, state: _LayerState, idx: Tensor) -> None:
         """Drop evicted tokens from the layer's state; idx (B, Hkv, budget)."""
         state.positions = state.positions.gather(2, idx)
+        if state.total is not None:  # H2O tracks its sums and counts only
+            state.total, state.count = state.total.gather(2, idx), state.count.gather(2, idx)
+            return
         if state.static is not None:  # a student tracks its scores and positions (and its window's rows) only
             state.static = state.static.gather(2, idx[:, : state.static.shape[1]])
             if not self.press.student.config.window:
