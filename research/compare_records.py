@@ -3,14 +3,12 @@ KL of the second relative to the first with a paired-bootstrap interval over pro
 
     python -m research.compare_records OLD.json NEW.json [--methods NAME ...]
     python -m research.compare_records RECORD.json --twins
-    python -m research.compare_records RECORD.json --spans
     python -m research.compare_records RECORD.json --vs-raw
     python -m research.compare_records RECORD.json --tails
 
 ``--twins``: one record of a calibration with a trained correction stage; each SCD method against its
 "(closed form)" twin on the same prompts (interval over passages, the cluster bootstrap), with both
-methods' KL over raw KV's, top-1 and QA F1. ``--spans``: the same for each aligned span of a
-``bench scd --spans`` record against the span fed the producer's residual (its closed-form twins too).
+methods' KL over raw KV's, top-1 and QA F1.
 
 ``--tails``: one ``bench scd --tails`` record; each method whose consumer recomputed the prompt's last
 tokens against raw KV and against the same method without the tail (KL ratios, QA F1 less raw's, all with
@@ -35,16 +33,14 @@ def per_prompt(path: str) -> dict[tuple, list[float]]:
             if r.get("kl_per_prompt")}
 
 
-def twins(path: str, spans: bool = False) -> None:
-    """Each trained SCD method of one record against its closed-form twin, or (``spans``) each aligned span
-    against the same span fed the producer's residual (see the module docstring)."""
+def twins(path: str) -> None:
+    """Each trained SCD method of one record against its closed-form twin (see the module docstring)."""
     from scdviz.scd.plan import CLOSED
 
-    base, mine_suffix = (" (producer residual)", " (aligned)") if spans else (CLOSED, "")
+    base, mine_suffix = CLOSED, ""
     rows = [r for r in records.read(path).rows if r.get("row") == "measured" and r.get("kl_per_prompt")]
     by = {(r["specialist"], r["domain"], r["method"]): r for r in rows}
-    ratio, arrow = ("aligned / producer residual", "producer residual -> aligned") if spans else (
-        "trained / closed", "closed -> trained")
+    ratio, arrow = "trained / closed", "closed -> trained"
     print(f"specialist domain method: {ratio} KL [95%, passages] | KL/raw {arrow} | top-1 {arrow} | "
           f"QA F1 raw, {arrow} | B/token")
     for (spec, dom, method), closed in by.items():
@@ -114,8 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("new", nargs="?")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (default: every shared one)")
     ap.add_argument("--twins", action="store_true", help="one record: each trained method against its closed form")
-    ap.add_argument("--spans", action="store_true", help="one record (bench scd --spans): each aligned span against "
-                    "the same span fed the producer's residual")
     ap.add_argument("--vs-raw", action="store_true", help="one record: each SCD method's QA and KL against raw "
                     "KV reuse on the same prompts")
     ap.add_argument("--tails", action="store_true", help="one record (bench scd --tails): each method with a "
@@ -125,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         return tails(args.old)
     if args.vs_raw:
         return vs_raw(args.old)
-    if args.twins or args.spans:
-        return twins(args.old, spans=args.spans)
+    if args.twins:
+        return twins(args.old)
     if args.new is None:
         sys.exit("two records to compare, or one with --twins")
     old, new = per_prompt(args.old), per_prompt(args.new)

@@ -66,5 +66,5 @@ def test_the_view_adds_the_raw_layer_rows_and_refuses_an_unknown_sweep(tiny_pair
                                sweeps={"raw_layers": [1]}).table().set_index("method")
     assert list(table[table["group"] == "raw layers"].index) == [
         "SCD reuse-only + raw layers 1 (4-bit)", "SCD full + raw layers 1 (4-bit)"]
-    with pytest.raises(ValueError, match="not \\['spans'\\]"):
-        view.transfer_view(tiny_pair, tiny_calib, text, cont_len=8, gen_tokens=0, sweeps={"spans": [1]})
+    with pytest.raises(ValueError, match="not \\['budgets'\\]"):
+        view.transfer_view(tiny_pair, tiny_calib, text, cont_len=8, gen_tokens=0, sweeps={"budgets": [30.0]})

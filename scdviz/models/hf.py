@@ -657,22 +657,20 @@ def _causal_mask(t: int, dtype: torch.dtype, device) -> Tensor:
 
 
 @_one_at_a_time
-def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int,
-               grad: bool = False) -> tuple[Tensor, list, list]:
+def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int) -> tuple[Tensor, list, list]:
     """Run decoder layers start..stop-1 on a residual stream, as a fresh prefill of its tokens.
 
     resid (B, T, d): the stream entering layer ``start`` (e.g. another model's, for
     DroidSpeak-style recompute); positions (B, T). Full causal attention among the T
     tokens, no cache before them. Returns (stream leaving layer stop-1 (B, T, d),
-    post-RoPE keys per layer [(B, Hkv, T, D)], values per layer [(B, Hkv, T, D)]).
-    grad: record the autograd graph back to ``resid`` (training what made it; see ``forward``).
+    post-RoPE keys per layer [(B, Hkv, T, D)], values per layer [(B, Hkv, T, D)]). No autograd graph.
     """
     stack = layers(model)
     cache = DynamicCache(config=model.config)
     cos, sin = rope(model, positions)
     mask = _causal_mask(resid.shape[1], resid.dtype, resid.device)
     hidden = resid
-    with torch.set_grad_enabled(grad):
+    with torch.no_grad():
         for idx in range(start, stop):
             hidden = stack[idx](
                 hidden,
@@ -684,29 +682,6 @@ def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int,
             )
     keys, values = cache_kv(cache)
     return hidden, keys[start:stop], values[start:stop]
-
-
-def input_norm_weight(model, layer: int) -> Tensor:
-    """The weight (d,) of ``layer``'s input RMSNorm: how much each residual column counts in what the layer reads."""
-    return layers(model)[layer].input_layernorm.weight.detach()
-
-
-def own_resid(model, token: int, layer: int) -> Tensor:
-    """The residual stream (1, d) entering ``layer`` when the model reads ``token`` alone at position 0 (the
-    attention sink's own state, for a span that starts there)."""
-    tr = forward(model, ids_tensor([token], device_of(model)), capture={"resid"}, last_logits=True)
-    return tr.resid[layer][0]
-
-
-def output_value_norms(model, layer_idx: int, values: Tensor) -> Tensor:
-    """(B, H, T) ||W_o^h v_t||: the norm of what each token's value adds to the residual through query head h's
-    slice of o_proj (KVzip+'s weight, the KVzap training recipe); values (B, Hkv, T, D)."""
-    n_heads, n_kv, head_dim = attn_heads(model)
-    w = layers(model)[layer_idx].self_attn.o_proj.weight  # (d, H * D)
-    w = w.view(w.shape[0], n_heads, head_dim).permute(1, 2, 0)  # (H, D, d)
-    v = values.repeat_interleave(n_heads // n_kv, dim=1).to(w.dtype)  # (B, H, T, D)
-    with torch.no_grad():  # a teacher's weight, never trained through
-        return torch.einsum("bhtd,hde->bhte", v, w).float().norm(dim=-1)
 
 
 def kv_weights(model, layer_idx: int) -> tuple[Tensor, Tensor]:

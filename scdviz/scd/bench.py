@@ -54,10 +54,6 @@ class ScdBenchConfig:
     sweeps: bool = opt(False, "also the patch-budget sweep k = 0..patch_k (selected vs drift placement)")
     budgets: tuple[float, ...] = opt((), "budget sweep: payload bytes/token budgets (transform-coded and "
                                      "rate-distortion plans, and rank-only allocation beside them)")
-    spans: bool = opt(False, "also the span sweep: at each span start the calibration has codes for (`python -m "
-                      "scdviz span`), the consumer running its layers from there fed the aligned span code, and fed "
-                      "the producer's residual (DroidSpeak's way); KL against bytes and against the consumer's "
-                      "compute (prefill_share)")
     tails: list[int] = opt([], "the tail sweep: raw KV (CacheBlend's way), SCD reuse-only and SCD transform coded at "
                            "each --budgets, each with the consumer recomputing the last this-many prompt tokens "
                            "itself over the received cache (e.g. 16 32 64); KL against bytes and against the "
@@ -68,8 +64,6 @@ class ScdBenchConfig:
                                 "20 26, chosen on dev by `python -m research.recall_layers`)")
     raw_layer_bits: int = opt(plans.RAW_LAYER_BITS, "bits of the raw layers' K, V (quantised as 4-bit KV is; 16: fp16)",
                               choices=(4, 8, 16))
-    rank_claim: bool = opt(False, "also the seed's rank claim: one key rank for all layers at full value rank, and the "
-                           "other way round (reuse-only)")
     budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
                                "(default: the calibration's operating point)")
     coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section "
@@ -212,12 +206,6 @@ def bench(
                                              progress=progress)
         report.sweeps += measure.run_methods(pair, calib, cases, plans.droidspeak_sweep(calib), "DroidSpeak sweep",
                                              progress=progress)
-    if cfg.spans:
-        if not calib.spans:
-            raise ValueError("--spans needs a calibration with span codes: fit them with `python -m scdviz span` and "
-                             "pass that calibration with --calibs")
-        swept, calibs = plans.with_closed_form(plans.span_sweep(calib), calib)
-        report.sweeps += measure.run_methods(pair, calibs, cases, swept, "span sweep", progress=progress)
     if cfg.tails:
         tailed, calibs = plans.with_closed_form(
             plans.tail_sweep(calib, tuple(cfg.tails), tuple(budgets) if calib.rate else ()), calib)
@@ -226,9 +214,6 @@ def bench(
         mixed, calibs = plans.with_closed_form(plans.raw_layer_sweep(
             calib, list(cfg.raw_layers), cfg.raw_layer_bits, tuple(budgets) if calib.rate else ()), calib)
         report.sweeps += measure.run_methods(pair, calibs, cases, mixed, "raw layers", progress=progress)
-    if cfg.rank_claim:
-        report.sweeps += measure.run_methods(pair, calib, cases, plans.rank_claim(calib), "rank claim",
-                                             progress=progress)
     if budgets:
         swept = []
         for b in budgets:
@@ -398,22 +383,6 @@ def budget_table(reports: list[BenchReport]) -> pd.DataFrame:
                         "bytes": round(r.payload_bytes_per_token, 1), "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4),
                         "top1": round(r.top1, 3), "vs_raw": ratio, "vs_raw_ci95": ci, "n": r.n_prompts})
     return pd.DataFrame(out)
-
-
-def rank_claim_table(reports: list[BenchReport]) -> pd.DataFrame:
-    """The rank claim per report: KL at each key rank (values at full rank) and each value rank
-    (keys at full rank), relative to reuse-only at full rank, with 95% paired-bootstrap intervals."""
-    out = []
-    for rep in reports:
-        full = next(r for r in rep.methods if r.method.startswith("SCD reuse-only"))
-        for r in (r for r in rep.sweeps if r.group == "rank claim"):
-            ratio, ci = _ratio_ci(full, r, _clusters(rep))
-            side = "K" if r.method.startswith("SCD r_K") else "V"
-            out.append({"specialist": rep.specialist, "domain": rep.domain, "reduced": side,
-                        "rank": int(r.method.split("=")[1].split()[0]), "bytes": round(r.payload_bytes_per_token),
-                        "kl": round(r.kl, 4), "kl_se": round(r.kl_se, 4), "top1": round(r.top1, 3),
-                        "vs_full_rank": ratio, "ci95": ci, "n": r.n_prompts})
-    return pd.DataFrame(out).sort_values(["specialist", "domain", "reduced", "rank"]) if out else pd.DataFrame(out)
 
 
 def domain_table(reports: list[BenchReport]) -> pd.DataFrame:

@@ -139,13 +139,10 @@ class Calibration:
     rate: RateCurves | None = None  # rate-distortion curves for the budget planner (scdviz.scd.rate)
     # (L,) refinement of decoded [K_pre, V] rows, added to them; None: none
     joint: list[LinearCode | None] | None = None
-    # the correction trained through the consumer (scdviz.scd.distil), by key: a code layer (int) for its
-    # refined [K_pre, V] rows (D = 2 d_kv), ``span_key(start)`` for a span's aligned residual (D = d);
-    # tensors a (D, r), b (r, D), s (D,), sigma (D,), tau (D,); None: the closed form alone
-    corrections: dict[int | str, dict[str, Tensor]] | None = None
-    # layer -> the span code of the residual stream entering a span the consumer runs itself starting there
-    # (scdviz.scd.span: producer residual -> the consumer's own, reduced-rank regression); None: none fitted
-    spans: dict[int, LinearCode] | None = None
+    # the correction trained through the consumer (scdviz.scd.distil), by code layer, of its refined
+    # [K_pre, V] rows (D = 2 d_kv): tensors a (D, r), b (r, D), s (D,), sigma (D,), tau (D,); None: the
+    # closed form alone
+    corrections: dict[int, dict[str, Tensor]] | None = None
     # (code layer, device) -> (what it was folded from, its receive map folded once: ``decoded``)
     _folded: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -183,12 +180,8 @@ class Calibration:
         latent), c = x0·a' (the correction's), and with the refinement's gain γ
             y = z·blockdiag(D_K, D_V)·S + m0·S + γ·μ'_J·S + [γ·l, c + γ·(l·D_J·a' + μ'_J·a')]·[D_J·S; b·τ]
         (S = diag(1 + s), a' = a / σ; l and c from one product z·blockdiag(D_K, D_V)·[E_J, a']): three products
-        where the steps take five, and no row is written between them. A nonlinear correction (a gated MLP,
-        attention across tokens) takes the steps."""
+        where the steps take five, and no row is written between them."""
         p = (self.corrections or {}).get(layer)
-        if p is not None and ("w" in p or "ao" in p):
-            k, v = self.refined(layer, key_code, value_code, noise)
-            return self.correct(layer, k.to(device), v.to(device))
         sources = (self.key_codes[layer], self.value_codes[layer], self.joint[layer] if self.joint else None, p)
         hit = self._folded.get((layer, str(device)))
         if hit is None or any(a is not b for a, b in zip(hit[0], sources)):  # folded from what this layer holds now
@@ -236,47 +229,24 @@ class Calibration:
         return {k: t.float() for k, t in out.items()}
 
     def correct(self, layer: int, keys_pre: Tensor, values: Tensor,
-                corrections: dict[int | str, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+                corrections: dict[int, dict[str, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
         """Refined REUSE rows (N, d_kv) each -> the same after the layer's trained correction, if it has one
         (``corrected`` on x = [K_pre, V]). ``corrections``: use these instead of the calibration's own."""
         rows = self.corrected(layer, torch.cat([keys_pre, values], 1), corrections)
         return rows[:, : keys_pre.shape[1]], rows[:, keys_pre.shape[1]:]
 
-    def corrected(self, key: int | str, rows: Tensor,
-                  corrections: dict[int | str, dict[str, Tensor]] | None = None) -> Tensor:
-        """Rows x (N, D) -> ``y = x (1 + s) + ((x / sigma) a b) tau`` with the trained correction of ``key``
+    def corrected(self, layer: int, rows: Tensor, corrections: dict[int, dict[str, Tensor]] | None = None) -> Tensor:
+        """Rows x (N, D) -> ``y = x (1 + s) + ((x / sigma) a b) tau`` with the trained correction of ``layer``
         (scdviz.scd.distil; the identity when b and s are 0, where its training starts; tau, the output's
-        scale per column, is 1 when absent), plus ``((silu(x' g) * (x' u)) w) tau`` (x' = x / sigma) where it
-        has a gated MLP (g, u: (D, h), w: (h, D), 0 at the start), plus ``context(x) ao tau`` where it has a
-        causal attention over the rows (``context``; ao: (H ATTN_HEAD_DIM, D), 0 at the start), or x itself
-        when there is none. The rows are the prefix's tokens in order: the attention term of a row reads only
-        the rows up to it, so a prompt's corrected rows are those of its longer prompts' prefix.
-        ``corrections``: use these instead of the calibration's own."""
-        p = ((self.corrections if corrections is None else corrections) or {}).get(key)
+        scale per column, is 1 when absent), or x itself when there is none. ``corrections``: use these
+        instead of the calibration's own."""
+        p = ((self.corrections if corrections is None else corrections) or {}).get(layer)
         if p is None:
             return rows
         p = {k: v.to(device=rows.device, dtype=rows.dtype) for k, v in p.items()}
         a = p["a"] / p["sigma"][:, None]  # the scales folded into the (D, r) and (r, D) factors, not the N rows
         tau = p["tau"] if "tau" in p else 1.0
-        out = torch.addmm(rows * (1 + p["s"]), rows @ a, p["b"] * tau)
-        if "w" in p:
-            g, u = p["g"] / p["sigma"][:, None], p["u"] / p["sigma"][:, None]
-            out = torch.addmm(out, torch.nn.functional.silu(rows @ g) * (rows @ u), p["w"] * tau)
-        if "ao" in p:
-            out = torch.addmm(out, context(rows, p), p["ao"] * tau)
-        return out
-
-    def span_for(self, layer: int) -> LinearCode:
-        """The span code of the residual entering ``layer``; ValueError when this calibration has none there."""
-        if not self.spans or layer not in self.spans:
-            raise ValueError(f"this calibration has no span code for a span starting at layer {layer}; it has "
-                             f"{sorted(self.spans or [])} (fit them with `python -m scdviz span`)")
-        return self.spans[layer]
-
-    def aligned_resid(self, layer: int, z: Tensor, corrections: dict | None = None) -> Tensor:
-        """A span code (N, r) -> the residual (N, d) it stands for in the consumer's own space: the span code
-        decoded, then the span's trained correction if any (``corrected``)."""
-        return self.corrected(span_key(layer), self.span_for(layer).decode(z), corrections)
+        return torch.addmm(rows * (1 + p["s"]), rows @ a, p["b"] * tau)
 
     def refine_gain(self, layer: int, noise: tuple[Tensor, Tensor]) -> float:
         """The refinement's weight γ = S / (S + E‖eM‖²) when its input is decoded codes, not clean ones.
@@ -347,7 +317,6 @@ class Calibration:
         codes = [("k", i, c.truncated(store_rank) if store_rank else c) for i, c in enumerate(self.key_codes)]
         codes += [("v", i, c.truncated(store_rank) if store_rank else c) for i, c in enumerate(self.value_codes)]
         codes += [("j", i, c) for i, c in enumerate(self.joint or []) if c is not None]  # refinements: never truncated
-        codes += [("r", i, c) for i, c in (self.spans or {}).items()]  # span codes: never truncated
         for kind, layer, code in codes:
             for name in CODE_FIELDS:
                 t = getattr(code, name)
@@ -373,7 +342,6 @@ class Calibration:
         meta = {
             "rate": None if self.rate is None else {name: getattr(self.rate, name) for name in RATE_META},
             "patch_layers": sorted(self.patches),
-            "span_layers": sorted(self.spans or []),
             "patch_fit_err": {str(k): p.fit_err for k, p in self.patches.items()},
             "patch_order": self.patch_order,
             "drift_order": self.drift_order,
@@ -464,31 +432,9 @@ def windows(pair: Pair, cfg: CalibConfig) -> tuple[list[list[int]], list[int], l
 
 # ----------------------------------------------------------------------------- artefact
 
-def span_key(layer: int) -> str:
-    """The key of a span's trained correction in ``Calibration.corrections`` (code layers' keys are ints)."""
-    return f"span{layer}"
-
-
-CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau", "g", "u", "w", "aq", "ak", "av", "ao")  # a correction's tensors
-# (Calibration.corrected; "tau", the output's scale, is absent from the first ones: scale 1; the gated MLP's
-# g, u, w and the causal attention's aq, ak, av, ao only where one was trained)
-CORRECTION_FACTORS = ("a", "b", "g", "u", "w", "aq", "ak", "av", "ao")  # saved as int8 rows with an fp16 scale each
-ATTN_HEAD_DIM = 8  # width of each head of a correction's causal attention (``context``)
-
-
-def context(rows: Tensor, p: dict[str, Tensor]) -> Tensor:
-    """The causal attention term of a correction: rows x (N, D) in token order -> (N, H ATTN_HEAD_DIM), for each
-    head softmax((x' aq)(x' ak)^T / sqrt(ATTN_HEAD_DIM), masked to the rows up to each one) (x' av), with
-    x' = x / sigma; ``p``'s tensors on the rows' device and dtype. What one row of decoded codes cannot hold:
-    how the consumer's own attention mixes the context into each token (the drift its fine-tuned layers add)."""
-    n, width = rows.shape[0], p["aq"].shape[1]
-    heads = width // ATTN_HEAD_DIM
-
-    def proj(name: str) -> Tensor:
-        return (rows @ (p[name] / p["sigma"][:, None])).view(n, heads, ATTN_HEAD_DIM).transpose(0, 1)
-
-    out = torch.nn.functional.scaled_dot_product_attention(proj("aq"), proj("ak"), proj("av"), is_causal=True)
-    return out.transpose(0, 1).reshape(n, width)
+CORRECTION_FIELDS = ("a", "b", "s", "sigma", "tau")  # a correction's tensors (Calibration.corrected; "tau", the
+# output's scale, is absent from the first ones: scale 1)
+CORRECTION_FACTORS = ("a", "b")  # saved as int8 rows with an fp16 scale each
 
 
 def correction_tensors(params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -509,7 +455,7 @@ def correction_tensors(params: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def stored(corrections: dict[int | str, dict[str, Tensor]]) -> dict[int | str, dict[str, Tensor]]:
+def stored(corrections: dict[int, dict[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
     """``corrections`` as ``Calibration.save`` writes them and ``load`` reads them back (float32, the factors
     through their int8 rows), on their own device: what distil validates and keeps."""
     return {key: correction_of(correction_tensors(p), "", VERSION) for key, p in corrections.items()}
@@ -562,7 +508,6 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         return LinearCode(*(_code_field(t, f"{kind}.{layer}.{name}", name) for name in CODE_FIELDS))
 
     cfg, _ = config.from_dict(CalibConfig, art.config, str(art.path))
-    spans = meta.get("span_layers", [])  # older files have none
     patches = {}
     for layer in meta["patch_layers"]:
         prefix = f"p.{layer}.aligner."
@@ -584,9 +529,7 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
         meta["patch_order"], meta["drift_order"], meta["drift_k"], meta["drift_v"], meta["ideal_gain"],
         meta["selection_kl"], meta["stats"], curves,
         [code("j", i) if f"j.{i}.enc" in t else None for i in range(n)],
-        {i: correction_of(t, f"c.{i}.", art.version) for i in [*range(n), *map(span_key, spans)] if f"c.{i}.a" in t}
-        or None,
-        {layer: code("r", layer) for layer in spans} or None,
+        {i: correction_of(t, f"c.{i}.", art.version) for i in range(n) if f"c.{i}.a" in t} or None,
     )
 
 def specialist_name(source: str) -> str:

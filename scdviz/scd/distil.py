@@ -14,10 +14,7 @@ continuations, the quantity the benches report. The payloads it trains on are bu
 operating point it is trained for (quantisation-aware): the calibration's own plan (its code bits)
 and the transform-coded plans at ``budgets`` bytes per token (by default 1/6 and 1/10 of the fp16
 cache of the built-in producer), one plan per step in turn, so one correction serves them all. It
-reads what a consumer receives (decoded codes), never the producer's raw state. With ``spans`` it is also
-trained at each aligned span plan (scdviz.scd.span): the span's aligner is a correction of the same form
-of the decoded residual (D = d, key ``calibration.span_key(start)``), trained through the consumer's own
-layers of the span. Training windows come from
+reads what a consumer receives (decoded codes), never the producer's raw state. Training windows come from
 the ``train`` splits, the validation windows that choose the epoch from the ``calib`` splits
 (never eval). Gradients are taken with ``torch.autograd.grad``: nothing lands on the shared model.
 
@@ -41,18 +38,11 @@ from scdviz.models.pair import Pair
 from scdviz.progress import Reporter, steps
 from scdviz.scd import plan as plans
 from scdviz.scd import transfer
-from scdviz.scd.calibration import (
-    ATTN_HEAD_DIM,
-    CORRECTION_FACTORS,
-    Calibration,
-    correction_tensors,
-    domains_of,
-    stored,
-)
+from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, correction_tensors, domains_of, stored
 
 RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
 SCHEDULES = ("constant", "cosine")  # DistilConfig.schedule
-TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its factors (linear, MLP, attention), scale
+TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its factors and its scale
 
 
 @dataclass
@@ -62,11 +52,6 @@ class DistilConfig:
     lowest calib-split validation KL; the recall share and target chosen on the austen-qkv dev slice."""
 
     rank: int = opt(32, "rank r of each layer's correction")
-    mlp: int = opt(0, "hidden width h of a gated MLP added to each layer's correction, ((silu(x' g) * (x' u)) w) "
-                   "tau with x' = x / sigma, w starting at 0 (0: none, the linear correction alone)")
-    attn: int = opt(0, "heads of a causal attention over the prefix's rows added to each layer's correction, "
-                    "context(x) ao tau, each of width calibration.ATTN_HEAD_DIM, ao starting at 0 (0: none): what "
-                    "no single row holds, how the consumer's attention mixes the context into each token")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
                                "calibration's own operating point (needs its rate curves; none: that point only)")
     epochs: int = opt(6, "passes over the training windows (the epoch with the lowest validation KL is kept)")
@@ -86,9 +71,6 @@ class DistilConfig:
     tails: list[int] = opt([], "also train at each of these plans with the consumer recomputing the last this-many "
                            "prompt tokens itself (`bench scd --tails`): the correction learns what the tail reads "
                            "of the received prefix (e.g. 32 64)")
-    spans: bool = opt(False, "also train at the aligned span plan of each of the calibration's span codes "
-                      "(`python -m scdviz span`): each span's aligner (a correction of its decoded residual, same "
-                      "form) trained through the consumer's own layers")
     recall: float = opt(0.1, "share of the training and validation windows whose continuation quotes their own "
                         "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
                         "them): a quote-recall term of the objective")
@@ -100,10 +82,6 @@ class DistilConfig:
     seed: int = opt(0, "initialisation and window order")
 
     def __post_init__(self) -> None:
-        if self.mlp < 0:
-            raise ValueError(f"--mlp is a hidden width, 0 (none) or more; got {self.mlp}")
-        if self.attn < 0:
-            raise ValueError(f"--attn is a number of heads, 0 (none) or more; got {self.attn}")
         for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -128,16 +106,12 @@ class DistilConfig:
 def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
     """The operating points the correction is trained at: the calibration's own plan, then the
     transform-coded plan at each of ``cfg.budgets``, then each of those with each recomputed tail of
-    ``cfg.tails``, then (``cfg.spans``) the aligned span plans."""
+    ``cfg.tails``."""
     if cfg.budgets and calib.rate is None:
         raise ValueError("--budgets trains at transform-coded plans, which need the calibration's rate curves: run "
                          "`python -m scdviz rate` on it first, or pass --budgets with no value")
-    if cfg.spans and not calib.spans:
-        raise ValueError("--spans trains the span aligners of the calibration's span codes, and it has none: fit them "
-                         "with `python -m scdviz span` first")
-    spans = [plans.span_plan(calib, s) for s in sorted(calib.spans)] if cfg.spans else []
     coded = [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets]
-    return coded + [plans.with_tail(p, t) for p in coded for t in cfg.tails] + spans
+    return coded + [plans.with_tail(p, t) for p in coded for t in cfg.tails]
 
 
 def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
@@ -187,28 +161,18 @@ def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]
     return prompt + lead + prompt[start : start + copied]
 
 
-def initial(spread: dict[int, torch.Tensor], rank: int, seed: int, mlp: int = 0, attn: int = 0) -> dict:
-    """The corrections training starts from (the identity: b = s = 0, w = 0 with a gated MLP of hidden width
-    ``mlp``, ao = 0 with a causal attention of ``attn`` heads), for each code layer in ``spread``; sigma (the
-    input's scale) and tau (the output's): ``spread[layer]``, the spread of each column (D,) of that layer's
-    refined rows (``row_spread``)."""
+def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
+    """The corrections training starts from (the identity: b = s = 0), for each code layer in ``spread``;
+    sigma (the input's scale) and tau (the output's): ``spread[layer]``, the spread of each column (D,) of
+    that layer's refined rows (``row_spread``)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    keys = [*sorted(k for k in spread if isinstance(k, int)), *sorted(k for k in spread if isinstance(k, str))]
-    for layer in keys:  # code layers in order, then span aligners
+    for layer in sorted(spread):
         sigma = spread[layer].float().cpu().clamp_min(1e-6)  # artefacts live on the host, as the calibration
         d = sigma.shape[0]
         out[layer] = {"a": torch.randn(d, rank, generator=g, device="cpu") / d**0.5,
                       "b": torch.zeros(rank, d, device="cpu"), "s": torch.zeros(d, device="cpu"), "sigma": sigma,
                       "tau": sigma.clone()}
-        if mlp:
-            out[layer] |= {"g": torch.randn(d, mlp, generator=g, device="cpu") / d**0.5,
-                           "u": torch.randn(d, mlp, generator=g, device="cpu") / d**0.5,
-                           "w": torch.zeros(mlp, d, device="cpu")}
-        if attn:
-            width = attn * ATTN_HEAD_DIM
-            out[layer] |= {k: torch.randn(d, width, generator=g, device="cpu") / d**0.5 for k in ("aq", "ak", "av")}
-            out[layer]["ao"] = torch.zeros(width, d, device="cpu")
     return out
 
 
@@ -299,31 +263,17 @@ def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
     return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}
 
 
-def footprint(corrections: dict[int | str, dict[str, torch.Tensor]], consumer_params: int, layers: int,
-              tokens: int = 256) -> dict:
+def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
     """What a correction stage costs: its size as saved (bytes, and MB to 3 decimals: the factors as int8 rows with
     an fp16 scale each, the rest float32, tau only where it differs from sigma) and the consumer's FLOPs per
     received prompt token (per corrected layer x (1 + s) is D multiply-adds, (x / sigma) a b is D + 2 D r + 2 r D,
-    the output scale D more, with D = 2 d_kv; a gated MLP of width h adds 6 D h for its three products and 2 h for
-    silu and the gate; a causal attention of width W = H ATTN_HEAD_DIM adds 8 D W for its four products and, for
-    scores and weighted sum over the (tokens + 1) / 2 rows a token of a ``tokens``-token prefix reads on average, 2
-    (tokens + 1) W), also as a fraction of the consumer's own prefill (2 x its parameters per token). Span aligners
-    (string keys, D = d) are counted apart: ``spans`` of them, and ``span_flops_per_token`` the dearest one's (a
-    payload feeds one span; its code layers are fewer)."""
+    the output scale D more, with D = 2 d_kv), also as a fraction of the consumer's own prefill (2 x its
+    parameters per token)."""
     size = sum(t.nbytes for p in corrections.values() for t in correction_tensors(p).values())  # as saved
-
-    def cost(p) -> int:
-        mlp = 6 * p["w"].numel() + 2 * p["w"].shape[0] if "w" in p else 0  # three products, silu and the gate
-        attn = 8 * p["ao"].numel() + 2 * (tokens + 1) * p["ao"].shape[0] if "ao" in p else 0
-        return (2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
-                + mlp + attn)
-
-    codes = [p for k, p in corrections.items() if isinstance(k, int)]
-    spans = [p for k, p in corrections.items() if isinstance(k, str)]
-    flops = sum(cost(p) for p in codes)
-    return {"layers": len(codes), "of_layers": layers, "bytes": int(size), "mb": round(size / 1e6, 3),
-            "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5),
-            "spans": len(spans), "span_flops_per_token": max((cost(p) for p in spans), default=0)}
+    flops = sum(2 * p["s"].numel() + 4 * p["a"].numel() + p["sigma"].numel() + (p["tau"].numel() if "tau" in p else 0)
+                for p in corrections.values())
+    return {"layers": len(corrections), "of_layers": layers, "bytes": int(size), "mb": round(size / 1e6, 3),
+            "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5)}
 
 
 def learning_rate(cfg: DistilConfig, k: int, total: int) -> float:
@@ -380,7 +330,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
 
     train, val = prepared(train_w, "training", bool(cfg.min_prompt)), prepared(val_w, "validation", False)
     val = ([s.target(cfg.prompt_len, cfg.cont_len, device) for s in val[0]], val[1])
-    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed, cfg.mlp, cfg.attn)
+    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed)
     params = {layer: {k: v.to(device).requires_grad_(k in TRAINED) for k, v in p.items()}
               for layer, p in start.items()}
     trained = [t for p in params.values() for k, t in p.items() if k in TRAINED]  # sigma, tau: fixed
@@ -432,7 +382,7 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
             best = {layer: {k: v.cpu() for k, v in p.items()} for layer, p in stored(params).items()}
     log["seconds"] = round(time.perf_counter() - t0, 1)
     facts = pair.consumer_facts
-    log["footprint"] = footprint(best or params, facts.params, facts.layers, cfg.prompt_len)
+    log["footprint"] = footprint(best or params, facts.params, facts.layers)
     if not log["best_epoch"]:  # no epoch beat the closed form: it is the result, under its own tag
         return calib.closed_form(), log
     out = replace(calib, corrections=best, stats={**calib.stats, "distil": log})  # a new tag: payloads never mix

@@ -163,7 +163,7 @@ def _aggregate(plan, group: str, rows: list[dict], fp16: float) -> MethodResult:
 
 
 SENT_KINDS = {"k": "k", "k_code": "k", "k_recent": "k", "v": "v", "v_code": "v", "v_recent": "v", "h_code": "h",
-              "resid": "h", "r_code": "h"}
+              "resid": "h"}
 
 
 def sent_per_layer(spans, n_layers: int, n_tokens: int) -> dict[str, list[float]]:

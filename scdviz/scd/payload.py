@@ -22,7 +22,7 @@ The header makes a message decodable alone: ``sink`` says how token 0 is handled
 ``calibration`` names the calibration whose codes it holds (``Calibration.tag``, 0 for a
 message without codes), and the mode bytes say what the consumer does at each layer
 (MODES: raw, code, patch, recompute; a run of recompute layers starts at its "resid"
-section, or at its "r_code" section: the residual as a span code); the tail ids are the prompt
+section); the tail ids are the prompt
 tokens after the ``n_tokens`` the sections cover, which the consumer runs itself over the cache it
 built (a recomputed tail, as CacheBlend recomputes tokens; none: ``n_tail`` 0). ``payload_len`` is this
 formula for sections that are not entropy coded (a coded section is never longer; a
@@ -57,7 +57,6 @@ KINDS = {
     "resid": 5,  # residual stream entering a recomputed run of layers (cols = d)
     "k_recent": 6,  # KIVI's full-precision window: the last rows of post-RoPE keys of a quantised raw layer
     "v_recent": 7,  # the same for values
-    "r_code": 8,  # span code of the residual entering a recomputed run (scdviz.scd.span; cols = rank)
 }
 AXIS_CODES = {"token": 0, "channel": 1}
 CODED = 0x80  # flag in the axis byte: entropy-coded integers

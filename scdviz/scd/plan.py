@@ -9,9 +9,7 @@ Layer modes:
   patch      PATCH: a code of the normalised H_in; the consumer aligns it to its own H_in
              and regenerates K, V with its own projections (scdviz.scd.patch)
   recompute  the consumer runs each run of consecutive recompute layers itself, from the
-             residual stream entering it: the producer's as it is (DroidSpeak-style, fp16), or
-             with ``resid_code`` a span code of it (scdviz.scd.span, at ``code_bits``) that the
-             consumer decodes into its own residual space (an aligned span)
+             producer's residual stream entering it as it is (DroidSpeak-style, fp16)
 Token 0 (the attention sink): ``sink="send"`` transfers it like any token;
 ``sink="recompute"`` leaves it out of every K/V/code section and the consumer
 recomputes its own K, V for it with a 1-token forward.
@@ -43,7 +41,7 @@ if TYPE_CHECKING:
 
 MODES = payload.MODES  # layer modes, as the payload header writes them
 SINKS = payload.SINKS  # token-0 handling
-CODE_BITS = (2, 3, 4, 8, 16)  # code precisions: packed integers (scdviz.scd.quant.BITS) or fp16
+PAYLOAD_BITS = (2, 3, 4, 8, 16)  # the precisions a code section can travel at: packed integers (quant.BITS) or fp16
 
 
 @dataclass
@@ -67,8 +65,6 @@ class Plan:
     steps_k: list[float] = field(default_factory=list)  # (L,) step of transform-coded key codes (bits 0)
     steps_v: list[float] = field(default_factory=list)  # (L,) step of transform-coded value codes
     rate_target: float = 0.0  # > 0: steps are relative; the producer scales them to this many payload bytes/token
-    resid_code: bool = False  # a recompute run's entering residual travels as the calibration's span code
-    span_rank: int = 0  # rank of those span codes (0: the full stored rank)
     tail: int = 0  # the consumer recomputes the last this-many prefix tokens itself (not sent)
 
     def __post_init__(self) -> None:
@@ -84,9 +80,9 @@ class Plan:
         for what, bits in (("bits_k", self.bits_k), ("bits_v", self.bits_v), ("bits_h", self.bits_h)):
             if bits and len(bits) != len(self.modes):
                 raise ValueError(f"{what} needs one entry per layer ({len(self.modes)}), got {len(bits)}")
-            bad = sorted(set(bits) - set(CODE_BITS) - ({0} if what != "bits_h" else set()))
+            bad = sorted(set(bits) - set(PAYLOAD_BITS) - ({0} if what != "bits_h" else set()))
             if bad:
-                raise ValueError(f"{what}: unsupported code bits {bad}; use {CODE_BITS}"
+                raise ValueError(f"{what}: unsupported code bits {bad}; use {PAYLOAD_BITS}"
                                  + ("" if what == "bits_h" else " or 0 (transform coded)"))
         for bits, steps, what in ((self.bits_k, self.steps_k, "steps_k"), (self.bits_v, self.steps_v, "steps_v")):
             if 0 in bits and (len(steps) != len(self.modes)
@@ -134,37 +130,6 @@ def droidspeak_plan(n_layers: int, recompute: list[int], sink: str = "recompute"
     """Raw KV everywhere except ``recompute`` layers, which the consumer recomputes."""
     modes = ["recompute" if i in set(recompute) else "raw" for i in range(n_layers)]
     return Plan(name + (SENT if sink == "send" else ""), modes, sink=sink)
-
-
-def span_plan(calib: Calibration, start: int, stop: int | None = None, aligned: bool = True, rank: int = 0,
-              sink: str = "recompute", name: str | None = None) -> Plan:
-    """SCD reuse-only (the operating point's codes) except layers ``start``..``stop``-1 (default: to the
-    last), which the consumer runs itself from the residual entering ``start``: the calibration's span code
-    of it (``aligned``: decoded into the consumer's residual space, scdviz.scd.span) or the producer's own
-    residual in fp16 (DroidSpeak-style: it carries the producer's drift into the consumer's layers)."""
-    base = operating_plan(calib, patch_k=0)
-    stop = calib.n_layers if stop is None else stop
-    if not 0 < start < stop <= calib.n_layers:
-        raise ValueError(f"a span runs layers start..stop-1 with 0 < start < stop <= {calib.n_layers}; got "
-                         f"{start}..{stop - 1}")
-    if aligned:
-        code = calib.span_for(start)
-        if rank and not 1 <= rank <= code.max_rank:
-            raise ValueError(f"span rank {rank} is out of range: this span code stores ranks 1..{code.max_rank}")
-    modes = ["recompute" if start <= i < stop else "code" for i in range(calib.n_layers)]
-    label = name or (f"SCD span {start}-{stop - 1}" + (" (aligned)" if aligned else " (producer residual)"))
-    return dataclasses.replace(base, name=label, modes=modes, sink=sink, resid_code=aligned, span_rank=rank)
-
-
-def span_sweep(calib: Calibration, starts: list[int] | None = None) -> list[Plan]:
-    """Spans of the calibration's span codes (or ``starts``), each fed the aligned span code, then fed the
-    producer's residual (DroidSpeak's way, the curve beside it): from the first start to each later start
-    and to the last layer (the consumer's compute growing from one entry point), then from every later
-    start to the last layer."""
-    starts = sorted(starts if starts is not None else (calib.spans or []))
-    spans = [(starts[0], stop) for stop in [*starts[1:], calib.n_layers]] if starts else []
-    spans += [(start, calib.n_layers) for start in starts[1:]]
-    return [span_plan(calib, start, stop, aligned) for start, stop in spans for aligned in (True, False)]
 
 
 TAILS = (16, 32, 64)  # the tail sweep's recomputed tails (tokens), bench scd --tails
@@ -384,23 +349,6 @@ def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:
     for placement in ("selected", "drift"):
         label = calib.config.selection if placement == "selected" else "drift"
         out += [operating_plan(calib, k, placement, name=f"SCD k={k} ({label})") for k in range(k_max + 1)]
-    return out
-
-
-RANK_CLAIM = (8, 16, 32, 64, 96, 128)  # ranks of the seed's r_K < r_V test (the other side at full rank)
-
-
-def rank_claim(calib: Calibration, ranks: tuple[int, ...] = RANK_CLAIM) -> list[Plan]:
-    """The seed's rank claim, tested: reuse-only plans with one rank r for every layer's key code
-    and the value codes at full rank, and the other way round (same code bits)."""
-    d_k, d_v = full_ranks(calib)
-    cfg = calib.config
-    out = []
-    for r in ranks:
-        out.append(scd_plan([min(r, d) for d in d_k], d_v, code_bits=cfg.code_bits, code_group=cfg.code_group,
-                            name=f"SCD r_K={r} (r_V full)"))
-        out.append(scd_plan(d_k, [min(r, d) for d in d_v], code_bits=cfg.code_bits, code_group=cfg.code_group,
-                            name=f"SCD r_V={r} (r_K full)"))
     return out
 
 

@@ -29,7 +29,7 @@ from scdviz.scd import calibration, quant, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.calibration import RateCurves
 
-BITS = plans.CODE_BITS  # precisions measured (16 = fp16)
+MEASURED_BITS = plans.PAYLOAD_BITS  # the precisions the rate curves measure: every one a code can travel at
 HOST64 = dict(dtype=torch.float64, device=hf.HOST)  # curves are host-side statistics, like the codes
 
 
@@ -84,7 +84,7 @@ def measure(pair, calib, n_windows: int = 6, progress: bool | Reporter = True) -
     order = [layer for layer in calib.patch_order if layer in calib.patches]
     base = plans.full_rank_plan(calib)  # the error structure the sensitivities are measured at
     rows = {key: [[] for _ in range(n)] for key in ("kp", "kc", "vp", "vc")}
-    patch_sse = torch.zeros(len(order), len(BITS), 2, **HOST64)
+    patch_sse = torch.zeros(len(order), len(MEASURED_BITS), 2, **HOST64)
     kl_k, kl_v = torch.zeros(n, **HOST64), torch.zeros(n, **HOST64)
     sse_k, sse_v = torch.zeros(n, **HOST64), torch.zeros(n, **HOST64)
     for window in steps(windows, "rate: curves and sensitivities", progress):
@@ -113,7 +113,7 @@ def measure(pair, calib, n_windows: int = 6, progress: bool | Reporter = True) -
         for p, layer in enumerate(order):
             patch = calib.patches[layer]
             z = patch.encode(case.state.h_in[layer][1:])
-            for b, bits in enumerate(BITS):
+            for b, bits in enumerate(MEASURED_BITS):
                 h = patch.decode(quantised(z, bits, cfg.code_group)).to(device=param.device, dtype=param.dtype)
                 k, v = hf.kv_from_hin(pair.consumer, layer, h.unsqueeze(0), positions)
                 patch_sse[p, b, 0] += float(((k.float() - oracle_k[layer][:, :, 1:].float()) ** 2).sum())
@@ -124,13 +124,13 @@ def measure(pair, calib, n_windows: int = 6, progress: bool | Reporter = True) -
     for kind, codes, total in (("k", calib.key_codes, total_k), ("v", calib.value_codes, total_v)):
         xs, ys = rows[f"{kind}p"], rows[f"{kind}c"]
         err[kind] = torch.stack([
-            torch.stack([error_by_rank(codes[layer], xs[layer], ys[layer], bits, cfg.code_group) for bits in BITS])
-            / total[layer]
+            torch.stack([error_by_rank(codes[layer], xs[layer], ys[layer], bits, cfg.code_group)
+                         for bits in MEASURED_BITS]) / total[layer]
             for layer in range(n)
         ]).float()
     patch_err = patch_sse / torch.stack([total_k[order], total_v[order]], 1)[:, None, :] if order else patch_sse
     return RateCurves(
-        list(BITS), err["k"], err["v"], order, patch_err.float(), [calib.patches[i].rank_h for i in order],
+        list(MEASURED_BITS), err["k"], err["v"], order, patch_err.float(), [calib.patches[i].rank_h for i in order],
         (kl_k / len(windows) / (sse_k / total_k).clamp_min(1e-12)).float(),
         (kl_v / len(windows) / (sse_v / total_v).clamp_min(1e-12)).float(),
         cfg.code_group, len(windows), time.perf_counter() - t0,

@@ -21,7 +21,6 @@ from torch import Tensor
 from scdviz import data, timing
 from scdviz.models import hf
 from scdviz.scd import entropy, payload
-from scdviz.scd.calibration import span_key
 from scdviz.scd.payload import Layout, Section
 from scdviz.scd.plan import Plan
 
@@ -159,13 +158,8 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
             sections.append(Section(layer, "h_code", z, plan.bits_of(layer, "h"), plan.code_group, "channel",
                                     plan.entropy))
     for start, _ in plan.runs():
-        if plan.resid_code:  # an aligned span: the residual as the calibration's span code (token 0 per the sink)
-            code = calib.span_for(start)
-            z = code.encode(state.resid[start][rows], plan.span_rank or code.max_rank)
-            sections.append(Section(start, "r_code", z, plan.code_bits, plan.code_group, "channel", plan.entropy))
-        else:
-            sections.append(Section(start, "resid", state.resid[start][: cut]))
-    uses_codes = any(m in ("code", "patch") for m in plan.modes) or (plan.resid_code and bool(plan.runs()))
+        sections.append(Section(start, "resid", state.resid[start][: cut]))
+    uses_codes = any(m in ("code", "patch") for m in plan.modes)
     head = Layout(cut, int(state.ids[0, 0]), list(plan.modes), plan.sink, calib.tag if uses_codes else 0,
                   state.ids[0, cut:].tolist())
     if plan.rate_target:  # bytes per prefix token: the recomputed tail's tokens count, as every token does
@@ -174,12 +168,12 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
 
 
 READS = {"raw": ("keys", "values"), "code": ("keys_pre", "values"), "patch": ("h_in",)}  # what ``build_payload``
-# reads of a ProducerState for a layer of each mode (a span reads ``resid`` at its start)
+# reads of a ProducerState for a layer of each mode (a recomputed run reads ``resid`` at its start)
 
 
 def read_by(state: ProducerState, plans: list[Plan]) -> ProducerState:
     """``state`` keeping only the tensors a payload of one of ``plans`` reads (``READS`` per layer mode, and a
-    span's entering residual), the others None: what a stage that builds payloads again later needs to hold of
+    recomputed run's entering residual), the others None: what a stage that builds payloads again later needs to hold of
     many prompts."""
     need: dict[str, set[int]] = {name: set() for name in ("keys_pre", "keys", "values", "h_in", "resid")}
     for plan in plans:
@@ -267,14 +261,7 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
             keys[layer], values[layer] = hf.kv_from_hin(model, layer, h.unsqueeze(0), positions)
     all_positions = torch.arange(msg.n_tokens, device=hf.device_of(model)).unsqueeze(0)
     for start, stop in payload.recompute_runs(modes):
-        if (start, "r_code") in by:  # an aligned span: the code decoded into the consumer's own residual space
-            resid = dev(calib.aligned_resid(start, by[start, "r_code"], corrections))
-            if skip:  # token 0's own residual, as the sink's K, V are the consumer's own
-                resid = torch.cat([hf.own_resid(model, msg.token0, start).to(resid.dtype), resid])
-        else:
-            resid = dev(by[start, "resid"])
-        _, ks, vs = hf.run_layers(model, resid.unsqueeze(0), all_positions, start, stop,
-                                  grad=torch.is_grad_enabled() and resid.requires_grad)
+        _, ks, vs = hf.run_layers(model, dev(by[start, "resid"]).unsqueeze(0), all_positions, start, stop)
         keys[start:stop], values[start:stop] = ks, vs
     if head.sink == "recompute":
         _put_own_sink(model, msg.token0, msg.n_tokens, keys, values)
@@ -293,17 +280,13 @@ def sections_of(msg) -> tuple[dict, dict]:
 
 
 def code_rows(calib, blob: bytes):
-    """(key, rows) for each part of a payload a trained correction reads, as ``receive`` gives them to it:
-    each code layer's decoded, refined [K_pre, V] (N, 2 d_kv) (key: the layer, ``reuse_rows``) and each
-    aligned span's decoded residual (N, d) (key: ``calibration.span_key(start)``)."""
+    """(layer, rows) for each code layer of a payload, its decoded, refined [K_pre, V] (N, 2 d_kv) as ``receive``
+    gives them to a trained correction (``reuse_rows``)."""
     msg = payload.decode(blob)
     by, noise_of = sections_of(msg)
     for layer, mode in enumerate(msg.layout.modes):
         if mode == "code":
             yield layer, torch.cat(reuse_rows(calib, layer, by, noise_of), 1)
-    for start, _ in payload.recompute_runs(msg.layout.modes):
-        if (start, "r_code") in by:
-            yield span_key(start), calib.span_for(start).decode(by[start, "r_code"])
 
 
 def reuse_rows(calib, layer: int, by: dict, noise_of: dict) -> tuple[Tensor, Tensor]:

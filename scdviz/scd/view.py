@@ -4,8 +4,7 @@
 ``transfer_view(pair, codec, text)`` makes one benchmark window of the text (its last
 ``cont_len`` tokens the teacher-forced continuation) and runs ``scdviz.scd.bench.bench`` on
 it, so its numbers equal ``python -m scdviz bench scd`` on that window. No sweeps over
-held-out text here (``bench.run``), except the span sweep when the calibration has span codes and the
-tail sweep at the one tail asked for.
+held-out text here (``bench.run``), except the tail and raw-layer sweeps asked for.
 """
 
 from __future__ import annotations
@@ -56,6 +55,5 @@ def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str,
         raise ValueError(f"transfer_view adds the sweeps {list(SWEEPS)}; not {unknown}")
     window = window_of(pair, text, cont_len, settings.max_prompt_tokens())
     cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=False, budget=budget, coder=coder,
-                               sent_rows=False, qa_answer_len=0, spans=bool(calib.spans),
-                               **{k: list(v) for k, v in (sweeps or {}).items()})
+                               sent_rows=False, qa_answer_len=0, **{k: list(v) for k, v in (sweeps or {}).items()})
     return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=progress, scd_full=plan)
