@@ -25,6 +25,7 @@ import time
 import torch
 
 from scdviz import data
+from scdviz.evict import features as F
 from scdviz.evict import train as trainer
 from scdviz.evict.policy import keep_count
 from scdviz.models import hf
@@ -66,6 +67,16 @@ def inputs(sample, extra: bool) -> torch.Tensor:
     return x[..., cols].flatten(0, 1)
 
 
+def future_rows(model, sample: trainer.Sample) -> torch.Tensor:
+    """(L * Hkv, T) the attention the sample's teacher-forced tail pays each context token over the full cache
+    (the oracle: what the future reads), laid out like ``train.rows`` of a per-head policy."""
+    n = sample.obs.n_tokens
+    with torch.no_grad(), hf.eager(model):
+        trace = hf.forward(model, sample.cont, cache=hf.make_cache(model, sample.obs.keys, sample.obs.values),
+                           positions=torch.arange(n, n + sample.cont.shape[1]).unsqueeze(0), attentions=True)
+    return F.future_attention(trace.attn, n, hf.attn_heads(model)[1])[0][:, 0].flatten(0, 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m research.policy_headroom", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results (JSON) here")
@@ -73,11 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     choose_threads()
     torch.manual_seed(0)
     model, tokenizer = load_model("builtin:smollm2-135m")
-    cfg = trainer.TrainConfig(out="unused", contexts=16, val_contexts=6, warm_target="foresight")
+    cfg = trainer.TrainConfig(out="unused", contexts=16, val_contexts=6)
     cfg.policy.window = 64
     t0 = time.time()
     splits = {"train": trainer.prepare(model, tokenizer, cfg, "train", 16),
               "calib": trainer.prepare(model, tokenizer, cfg, "calib", 6)}
+    for samples in splits.values():
+        for sample in samples:
+            sample.future = future_rows(model, sample)
     for split, samples in splits.items():  # the same windows prepare cut
         per = -(-len(samples) // len(cfg.corpora))
         length = cfg.context_len + cfg.cont_len
@@ -94,16 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     res = {"alpha, last 64 rows (the policy's heuristic)": val_kl(lambda s: trainer.rows_of_feature(s.obs, True, 0))}
     for i, name in enumerate(STATS):
         res[name] = val_kl(lambda s, i=i: s.stats[..., i].flatten(0, 1))
-    res["future attention (oracle)"] = val_kl(lambda s: trainer.warm_rows(s, True, "foresight"))
+    res["future attention (oracle)"] = val_kl(lambda s: s.future)
     for extra in (False, True):
-        for target in ("alpha", "foresight"):
+        for target in ("alpha", "future"):
             torch.manual_seed(0)
             k = 10 if extra else 5
             mlp = torch.nn.Sequential(torch.nn.Linear(k, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                       torch.nn.Linear(32, 1))
             opt = torch.optim.Adam(mlp.parameters(), lr=3e-3)
             xs = [inputs(s, extra) for s in train]
-            ys = [trainer.warm_rows(s, True, target) for s in train]
+            ys = [trainer.rows_of_feature(s.obs, True, 0) if target == "alpha" else s.future for s in train]
             for step in range(600):
                 i, n_keep = step % len(train), keep_count(cfg.context_len, cfg.keeps[step % len(cfg.keeps)])
                 loss = -trainer.plackett_luce_logprob(mlp(xs[i]).squeeze(-1),

@@ -1,4 +1,4 @@
-"""Does the lookahead feature carry the foresight signal? Measured on validation only.
+"""Does the lookahead feature carry the future's attention? Measured on validation only.
 
     SCDVIZ_THREADS=1 python -m research.policy_lookahead [--per-domain 4] [--question 16] [--tokens 16 40]
                           [--samples 4 8] [--policies FILE ...] [--out F.json]
@@ -65,8 +65,8 @@ def prepare(model, tokenizer, per_domain: int, question: int,
             trace = hf.forward(model, cont, cache=hf.make_cache(model, obs.keys, obs.values),
                                positions=torch.arange(CONTEXT, CONTEXT + cont.shape[1]).unsqueeze(0), attentions=True)
             future = F.future_attention(trace.attn, CONTEXT, n_kv)
-            sample = trainer.Sample(obs, cont, trace.logits[0, -CONT:], future)
-            sample.domain, sample.views = domain, seen
+            sample = trainer.Sample(obs, cont, trace.logits[0, -CONT:])
+            sample.domain, sample.views, sample.future = domain, seen, future
             samples.append(sample)
             print(f"  {domain}: context {len(samples)} prepared", flush=True)
     return samples
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 for lam in (0.5, 0.75):
                     scorers[f"{lam:g} look(G={g},K={k}) + {1 - lam:g} alpha({alpha_window})"] = mixed(
                         g, k, alpha_window, lam)
-        scorers["true future attention (oracle)"] = lambda s: trainer.warm_rows(s, True, "foresight")
+        scorers["true future attention (oracle)"] = lambda s: s.future[0][:, 0].flatten(0, 1)
         per_head = {name: True for name in scorers}
         for name, policy in policies.items():
             scorers[name], per_head[name] = of_policy(policy), policy.config.per_head

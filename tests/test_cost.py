@@ -56,8 +56,8 @@ def test_cost_times_every_method_against_a_plain_prefill(tmp_path):
     rows = cost.run(cfg, model, _Words(), progress=False)
     by = {r["method"]: r for r in rows}
     lineup = [m.name for m in cost.methods(cfg, 12, 48)]
-    assert list(by) == lineup and {"distillcache-head", "distillcache-head-lookahead"} <= set(by)
-    student = "distillcache-student-window4-closed-form"
+    assert list(by) == lineup and {"DistillCache-per-head", "lookahead-policy"} <= set(by)
+    student = "distilled-scorer-closed-form"
     assert {m.name: m.evict_attn for m in cost.methods(cfg, 12, 48)}[student] == hf.ROWS
     full = by[cost.FULL]
     assert full["added_ttft_ms"] == 0 and full["prefill_ratio"] == 1 and full["throughput_vs_full"] == 1
@@ -70,7 +70,7 @@ def test_cost_times_every_method_against_a_plain_prefill(tmp_path):
         assert r["rounds"] == 2 and r["prefill_ms"] > 0 and r["decode_ms_per_token"] > 0
         assert r["added_ttft_ms"] == pytest.approx(r["prefill_ms"] - full["prefill_ms"], abs=0.11)
         assert r["tokens_kept"] == pytest.approx(n_keep, abs=0.01), name  # every method at the same budget
-        can_evict = name in bench.DECODE_BASELINES or name in ("distillcache-head", student)
+        can_evict = name in bench.DECODE_BASELINES or name in ("DistillCache-per-head", student)
         assert (r["evicting_ms_per_token"] is not None) == can_evict, name
     assert model.config._attn_implementation == "sdpa"  # restored, and no kvpress mask left behind
     assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in hf.layers(model))

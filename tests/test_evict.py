@@ -25,8 +25,6 @@ from scdviz.evict.train import (
     plackett_luce_logprob,
     reinforce_loss,
     reinforce_step,
-    rows,
-    train,
     warm_start,
 )
 from scdviz.models import hf
@@ -194,8 +192,8 @@ def test_policy_round_trips_through_safetensors(tmp_path):
 
 
 PRESSES = {
-    "distillcache-head": lambda keep: DistillCachePress.keeping(_policy(True), keep),
-    "distillcache-global": lambda keep: DistillCachePress.keeping(_policy(False), keep),
+    "DistillCache-per-head": lambda keep: DistillCachePress.keeping(_policy(True), keep),
+    "DistillCache": lambda keep: DistillCachePress.keeping(_policy(False), keep),
     "snapkv": lambda keep: SnapKVPress(compression_ratio=compression_ratio(keep), window_size=4),
     "observed": lambda keep: ObservedAttentionPress(compression_ratio=compression_ratio(keep)),
     "knorm": lambda keep: KnormPress(compression_ratio=compression_ratio(keep)),
@@ -314,83 +312,6 @@ def test_reinforce_step_on_a_tiny_model_gives_gradients(eager_tiny):
     stats["loss"].backward()
     assert stats["kl"] > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
-
-
-def test_sequential_reinforce_credits_each_eviction_with_the_kl_after_it(eager_tiny):
-    """The seed's per-step formulation: one prefill decision plus one sampled eviction per layer at
-    every cut while decoding, each with a log-probability that carries gradient to the policy; a
-    cut made while decoding a token changes only the steps after it."""
-    from scdviz.evict.train import reinforce_sequential_step
-
-    ids = _ids(40)
-    obs = observe(eager_tiny, ids[:, :24], 16)
-    ref = hf.continue_logits(eager_tiny, hf.make_cache(eager_tiny, obs.keys, obs.values), ids[:, 24:], 24)[0]
-    sample = Sample(obs, ids[:, 24:], ref)
-    policy = _policy(True).train()
-    cfg = TrainConfig(samples=3, reward="sequential", decode_interval=4, policy=policy.config)
-    stats = reinforce_sequential_step(eager_tiny, policy, sample, 8, cfg, torch.Generator().manual_seed(0))
-    n_layers = eager_tiny.config.num_hidden_layers
-    # cache 8 + 16 continuation tokens, cut whenever it reaches 8 + 4: at 4 decode steps, every layer
-    assert stats["decisions"] == 1 + n_layers * 4 and stats["kl"] > 0
-    stats["loss"].backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
-    # the whole prefill kept: the first cut comes while decoding the 4th token (cache 24 + 4), so the
-    # first 4 steps' logits are the full cache's and only later steps can differ
-    whole = reinforce_sequential_step(eager_tiny, policy, sample, 24, cfg, torch.Generator().manual_seed(0))
-    assert whole["kl_steps"][:, :4].abs().max() < 1e-5 and whole["kl_steps"][:, 4:].max() > 1e-4
-    with pytest.raises(ValueError, match="per-head"):
-        reinforce_sequential_step(eager_tiny, _policy(False), sample, 8, cfg, torch.Generator().manual_seed(0))
-    # the first 6 tokens an unscored question: only the last 10 steps are scored, the same 10 as above
-    asked = Sample(obs, ids[:, 24:], ref[6:])
-    whole_asked = reinforce_sequential_step(eager_tiny, policy, asked, 24, cfg, torch.Generator().manual_seed(0))
-    assert torch.allclose(whole_asked["kl_steps"], whole["kl_steps"][:, 6:], atol=1e-6)
-
-
-def test_decode_time_validation_is_the_prefill_one_when_no_cut_comes_and_differs_when_cuts_do(eager_tiny):
-    from scdviz.evict.train import validate
-
-    ids = _ids(40)
-    obs = observe(eager_tiny, ids[:, :24], 16)
-    ref = hf.continue_logits(eager_tiny, hf.make_cache(eager_tiny, obs.keys, obs.values), ids[:, 24:], 24)[0]
-    samples = [Sample(obs, ids[:, 24:], ref)]
-    policy = _policy(True)
-    scorer = lambda s: rows(policy, s.obs)  # noqa: E731
-    prefill = validate(eager_tiny, scorer, True, samples, (0.25,))
-    never = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=17,
-                     window=16)
-    assert abs(never - prefill) < 1e-5  # 16 continuation tokens never reach budget + 17: the same cache throughout
-    cut = validate(eager_tiny, scorer, True, samples, (0.25,), DistillCachePress(policy=policy), interval=2, window=16)
-    assert abs(cut - prefill) > 1e-5
-
-
-def test_training_with_decode_time_validation_logs_both_heuristic_lines(tmp_path):
-    from scdviz.evict.train import train
-
-    class Words:
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [sum(map(ord, w)) % 97 for w in text.split()]}
-
-    model = tiny_model("llama")
-    cfg = TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=40, cont_len=8, steps=1,
-                      warm_steps=1, checkpoint_every=1, val_contexts=1, samples=2, val_decode=True, decode_interval=2,
-                      policy=PolicyConfig(hidden=4, per_head=True, window=8))
-    from scdviz.evict.train import checkpoints_to
-
-    log = train(cfg, (model, Words(), "tiny"), checkpoints_to(tmp_path), progress=False).log
-    assert log["val_heuristic_decode"] > 0 and log["val_heuristic"] > 0 and len(log["val"]) == 2
-    assert (tmp_path / "best.safetensors").is_file()
-    # the logged value is the decode-time KL of the saved checkpoint, recomputed here
-    from scdviz.evict.press import DistillCachePress
-    from scdviz.evict.train import prepare, validate
-
-    final = Policy.load(tmp_path / "policy.safetensors")
-    held = prepare(model, Words(), cfg, "calib", cfg.val_contexts, progress=False)
-    again = validate(model, lambda s: rows(final, s.obs), True, held, cfg.keeps, DistillCachePress(policy=final), 2, 8)
-    assert round(again, 5) == log["val"][-1]["kl"]
-    assert round(validate(model, lambda s: rows(final, s.obs), True, held, cfg.keeps), 5) != log["val"][-1]["kl"]
-    with pytest.raises(ValueError, match="per-head"):
-        train(TrainConfig(**{**cfg.__dict__, "policy": PolicyConfig(hidden=4, per_head=False)}),
-              (model, Words(), "tiny"), progress=False)
 
 
 def test_cli_rejects_bad_input(capsys, tmp_path):
@@ -519,9 +440,6 @@ def test_a_lookahead_policy_refuses_features_without_it_and_others_ignore_it(eag
     with (pytest.raises(ValueError, match="lookahead"),
           DecodeEvictor(DistillCachePress(policy=look), budget=8)(eager_tiny)):
         pass
-    for bad in ({"reward": "sequential"}, {"val_decode": True}):
-        with pytest.raises(ValueError, match="lookahead"):
-            train(TrainConfig(out="unused", policy=PolicyConfig(lookahead=4), **bad), (eager_tiny, None, "tiny"))
 
 
 def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_its_own_rate(eager_tiny):

@@ -77,42 +77,47 @@ def test_the_policy_with_the_lowest_validation_kl_is_chosen(tmp_path):
         (folder / "log.json").write_text(json.dumps({"val": [{"step": i, "kl": v} for i, v in enumerate(vals)]}))
         paths.append(str(folder / "best.safetensors"))
     assert bench.validation_kl(paths[1]) == 0.15
-    assert bench.chosen_on_validation(tuple(paths)) == "distillcache-head-w8"
-    assert set(bench.load_policies(tuple(paths))) == {"distillcache-head", "distillcache-head-w8"}
-    # a log validated on the benchmark's own tail (16 unscored tokens, then the scored ones) competes
-    # only with logs like it: a KL on another tail is not comparable, however low
+    assert bench.chosen_on_validation(tuple(paths)) == "DistillCache-per-head-w8"
+    assert set(bench.load_policies(tuple(paths))) == {"DistillCache-per-head", "DistillCache-per-head-w8"}
+    # a log validated as the benchmark scores (its tail after 16 unscored tokens, windows spread through the
+    # split) competes only with logs like it: a KL on another tail or on first windows is not comparable
     folder = tmp_path / "c"
     folder.mkdir()
     Policy(PolicyConfig(hidden=4, per_head=True, window=32)).save(folder / "best.safetensors")
-    (folder / "log.json").write_text(json.dumps({"config": {"question_len": 16}, "val": [{"step": 0, "kl": 0.5}]}))
+    like = {"question_len": 16, "spread": True}
+    (folder / "log.json").write_text(json.dumps({"config": like, "val": [{"step": 0, "kl": 0.5}]}))
     paths.append(str(folder / "best.safetensors"))
-    assert bench.chosen_on_validation(tuple(paths), question_len=16) == "distillcache-head-w32"
-    assert bench.chosen_on_validation(tuple(paths), question_len=0) == "distillcache-head-w8"  # older logs: 0
-    assert bench.chosen_on_validation(tuple(paths), question_len=4) == "distillcache-head-w8"  # none alike: all
+    assert bench.chosen_on_validation(tuple(paths), question_len=16) == "DistillCache-per-head-w32"
+    assert bench.chosen_on_validation(tuple(paths), question_len=4) == "DistillCache-per-head-w8"  # none alike: all
+    first = tmp_path / "first"  # the bench's tail, but first windows: not alike
+    first.mkdir()
+    Policy(PolicyConfig(hidden=4, per_head=True, window=24)).save(first / "best.safetensors")
+    (first / "log.json").write_text(json.dumps({"config": {"question_len": 16, "spread": False},
+                                                "val": [{"step": 0, "kl": 0.001}]}))
+    assert bench.chosen_on_validation((*paths, str(first / "best.safetensors")), 16) == "DistillCache-per-head-w32"
     # a lookahead policy (several prefills per context, prefill only) can be the headline; the cheap choice
     # (what the app shows beside it) leaves it out, and has none when nothing cheap has a log
     folder = tmp_path / "look"
     folder.mkdir()
     Policy(PolicyConfig(hidden=4, per_head=True, window=32, lookahead=4)).save(folder / "best.safetensors")
-    (folder / "log.json").write_text(json.dumps({"config": {"question_len": 16}, "val": [{"step": 0, "kl": 0.01}]}))
+    (folder / "log.json").write_text(json.dumps({"config": like, "val": [{"step": 0, "kl": 0.01}]}))
     both = (*paths, str(folder / "best.safetensors"))
-    assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-lookahead"
-    assert bench.cheap_on_validation(both, question_len=16) == "distillcache-head-w32"
+    assert bench.chosen_on_validation(both, question_len=16) == "lookahead-policy"
+    assert bench.cheap_on_validation(both, question_len=16) == "DistillCache-per-head-w32"
     assert bench.cheap_on_validation((str(folder / "best.safetensors"),), question_len=16) is None
     # logs that each hold their heuristic's KL on their own contexts compete by the ratio to it: a higher KL
     # on harder contexts can be the better policy
     for name, kl, line in (("c", 0.5, 0.6), ("look", 0.3, 0.2)):
         log = json.loads((tmp_path / name / "log.json").read_text()) | {"val_heuristic": line}
         (tmp_path / name / "log.json").write_text(json.dumps(log | {"val": [{"step": 0, "kl": kl}]}))
-    assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-w32"  # 0.83x its line vs 1.5x
-    assert bench.expensive_on_validation(both, question_len=16) == "distillcache-head-lookahead"
-    # a log validated on windows spread through the calib split (as the benchmark's contexts are) competes
-    # only with logs like it, however well first-window validations did
-    log = json.loads((tmp_path / "look" / "log.json").read_text())
-    log["config"]["spread"] = True
-    (tmp_path / "look" / "log.json").write_text(json.dumps(log))
-    assert bench.chosen_on_validation(both, question_len=16) == "distillcache-head-lookahead"  # 1.5x its line
-    assert bench.cheap_on_validation(both, question_len=16) == "distillcache-head-w32"  # no cheap one spread
+    assert bench.chosen_on_validation(both, question_len=16) == "DistillCache-per-head-w32"  # 0.83x its line vs 1.5x
+    assert bench.expensive_on_validation(both, question_len=16) == "lookahead-policy"
+    # once the cheap log is not alike (first windows), the alike one wins however the other did
+    log = json.loads((tmp_path / "c" / "log.json").read_text())
+    log["config"]["spread"] = False
+    (tmp_path / "c" / "log.json").write_text(json.dumps(log))
+    assert bench.chosen_on_validation(both, question_len=16) == "lookahead-policy"  # 1.5x its line
+    assert bench.cheap_on_validation(both, question_len=16) == "DistillCache-per-head-w8"  # none alike: the lowest KL
 
 
 def test_continue_logits_of_a_ragged_cache_equals_one_token_at_a_time():
@@ -151,7 +156,7 @@ def test_score_context_reports_a_native_press_that_cannot_run():
     model = tiny_model("llama")
     hf.set_eager(model)
     torch.manual_seed(0)
-    policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
+    policies = {"DistillCache-per-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
     cfg = bench.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
     natives = {k: v for k, v in bench.native_baselines().items() if k in ("KVzip", "AdaKV-SnapKV")}
     failed = {}
@@ -182,30 +187,6 @@ def test_future_attention_sums_each_group_and_averages_the_rows():
             want = sum(attn[layer][0, h, :, :7].mean(0) for h in (2 * kv, 2 * kv + 1))
             torch.testing.assert_close(head[layer, 0, kv], want)
     torch.testing.assert_close(glob[0], head[:, 0].mean((0, 1)))
-
-
-def test_foresight_warm_start_fits_the_future_ranking(tmp_path):
-    from scdviz.evict import train
-
-    model = tiny_model("llama")
-    cfg = train.TrainConfig(out=str(tmp_path), corpora=("austen",), contexts=2, context_len=48, cont_len=8,
-                              warm_steps=40, warm_target="foresight", lr=1e-2,
-                              policy=PolicyConfig(hidden=8, per_head=True, window=8))
-    samples = train.prepare(model, _Words(), cfg, "train", 2, progress=False)
-    head, glob = samples[0].future
-    assert head.shape == (3, 1, 2, 48) and glob.shape == (1, 48)
-    assert train.warm_rows(samples[0], True, "foresight").shape == (6, 48)
-    torch.manual_seed(0)
-    policy = Policy(cfg.policy)
-    log = {"warm": []}
-    train.warm_start(policy, samples, cfg, torch.optim.Adam(policy.parameters(), lr=cfg.lr), log)
-    first, last = sum(log["warm"][:4]) / 4, sum(log["warm"][-4:]) / 4
-    assert last < first  # the policy moves toward the continuation's attention ranking
-    alpha_only = train.prepare(model, _Words(), train.TrainConfig(**{**cfg.__dict__, "warm_target": "alpha"}),
-                                 "train", 1, progress=False)
-    assert alpha_only[0].future is None
-    with pytest.raises(ValueError, match="foresight"):
-        train.warm_rows(alpha_only[0], True, "foresight")
 
 
 def test_training_samples_score_the_tail_after_the_question_as_the_benchmark_does():
@@ -247,8 +228,8 @@ def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cac
     model = tiny_model("llama")
     hf.set_eager(model)
     torch.manual_seed(0)
-    policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval(),
-                "distillcache-global": Policy(PolicyConfig(hidden=4, per_head=False, window=8)).eval()}
+    policies = {"DistillCache-per-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval(),
+                "DistillCache": Policy(PolicyConfig(hidden=4, per_head=False, window=8)).eval()}
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(4))
     presses = {k: v for k, v in bench.baselines().items() if k in ("ObservedAttention", "Knorm", "TOVA")}
     for keep, n_keep in ((0.25, 24), (1.0, 96)):
@@ -258,7 +239,8 @@ def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cac
         failed = {}
         res = bench.decode_context(model, ids, 96, cfg, out, policies, presses, failed)
         # H2O: ObservedAttention's prefill, then every decode row accumulated (scdviz.evict.h2o)
-        assert {m for m, _ in res} == {"distillcache-head", "ObservedAttention", "H2O", "Knorm", "TOVA"} and not failed
+        assert {m for m, _ in res} == {"DistillCache-per-head", "ObservedAttention", "H2O", "Knorm", "TOVA"}
+        assert not failed
         for r in res.values():
             assert len(r["kl_steps"]) == 12 and r["tokens_kept"] == n_keep
             if keep == 1.0:  # budget = the whole context: decode-time eviction still cuts the generated tokens
@@ -280,14 +262,14 @@ def test_a_scorer_that_raises_on_the_model_is_reported_and_left_out():
     model = tiny_model("llama")
     hf.set_eager(model)
     torch.manual_seed(0)
-    policies = {"distillcache-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
+    policies = {"DistillCache-per-head": Policy(PolicyConfig(hidden=4, per_head=True, window=8)).eval()}
     cfg = bench.EvalConfig(keeps=(0.25,), token_budgets=(), cont_len=4, question_len=0)
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
     failed = {}
     out = bench.score_context(model, ids, 96, cfg, policies, {"Broken": Broken(), "Knorm": KnormPress()},
                                 failed=failed)
     assert failed == {"Broken": "AttributeError: no rotary embedding for this layer type"}
-    assert {m for m, _ in out["results"]} == {"distillcache-head", "Knorm", "full cache"}
+    assert {m for m, _ in out["results"]} == {"DistillCache-per-head", "Knorm", "full cache"}
 
 
 def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, monkeypatch):
@@ -302,9 +284,9 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
                                  cont_len=6, steps=2, warm_steps=2, checkpoint_every=1, val_contexts=2, samples=2,
                                  policy=PolicyConfig(hidden=4, per_head=True, window=8))
     train.train(recipe, (model, _Words(), "tiny"), train.checkpoints_to(recipe.out), progress=False)
-    written = tmp_path / "recipe" / "log.json"  # a log from before `spread` existed: refitted as it ran
+    written = tmp_path / "recipe" / "log.json"  # the recipe as its log says it ran: first windows
     old = json.loads(written.read_text())
-    assert old["config"].pop("spread") is True
+    old["config"]["spread"] = False
     written.write_text(json.dumps(old))
     cfg = bench.EvalConfig(policies=(str(tmp_path / "recipe" / "best.safetensors"),), corpora=("austen", "gcide",
                              "jargon"), limit=6, context_len=40, cont_len=6, question_len=0, keeps=(0.25,),
@@ -319,7 +301,7 @@ def test_lodo_retrains_the_chosen_recipe_without_each_training_domain(tmp_path, 
         log = json.loads((Path(mine[0]["policy_folder"]) / "log.json").read_text())
         assert log["config"]["corpora"] == [other] and len(log["steps"]) == 1
         assert log["config"]["question_len"] == recipe.question_len == 16  # the recipe's validation tail, kept
-        assert log["config"]["spread"] is False  # bench.AS_RAN: first windows, as the older log's run took them
+        assert log["config"]["spread"] is False  # the recipe's, from its log
         assert Path(mine[0]["policy_folder"]).is_relative_to(tmp_path / "work" / "runs" / "policies")
     table = bench.domain_table(rows).to_dict("records")
     lodo_rows = [r for r in table if "lodo" in r["mode"]]
@@ -346,7 +328,7 @@ def test_scorer_names_run_only_those_presses_at_prefill_and_while_decoding(tmp_p
     by_mode = {}
     for r in rows:
         by_mode.setdefault(r["mode"], set()).add(r["method"])
-    learned = {r["method"] for r in rows if r["method"].startswith("distillcache")}
+    learned = {r["method"] for r in rows if r["method"].startswith(bench.LEARNED)}
     assert len(learned) == 1
     assert by_mode["agnostic"] == {"ObservedAttention", "TOVA", "full cache"} | learned
     assert by_mode["agnostic decode8"] == {"ObservedAttention", "H2O", "TOVA"} | learned

@@ -175,9 +175,9 @@ def test_sinks_are_kept_at_prefill_and_through_decode_eviction_and_named():
     assert evictor.evictions > 0
     for state in evictor.states.values():
         assert all({0, 1} <= set(row.tolist()) for row in state.positions[0])
-    assert bench.student_name(sunk) == "distillcache-student-sink2-closed-form"
-    sunk.log, sunk.meta = {"config": {"decode_len": 128}}, {"rl_steps": 3}  # fitted on decode states too
-    assert bench.student_name(sunk) == "distillcache-student-decode-sink2"
+    assert bench.student_name(sunk) == "distilled-scorer-closed-form"  # a name says what it is, not its knobs
+    sunk.log, sunk.meta = {"config": {"decode_len": 128}}, {"listwise_penalty": 1e-3}  # decode states, listwise
+    assert bench.student_name(sunk) == "distilled-scorer"
 
 
 def test_decode_eviction_with_a_student_needs_its_prefill_scores():
@@ -205,34 +205,21 @@ def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(
     monkeypatch.chdir(tmp_path)
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
-                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=0, val_decode=0,
-                    listwise=())
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), decode_len=0, val_decode=0, listwise=())
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
     assert list(tmp_path.iterdir()) == []
     log = student.log
-    assert [v["ridge"] for v in log["val"]] == [0.1, 1000.0] and log["rows"] == 4 * 40 and "rl" not in log
+    assert [v["ridge"] for v in log["val"]] == [0.1, 1000.0] and log["rows"] == 4 * 40
     best = min(log["val"], key=lambda v: v["kl"])
     assert student.config.ridge == best["ridge"] and student.meta["val_kl"] == best["kl"] == log["closed_form_kl"]
     assert len(log["h2o_per_context"]) == 2 * 2 and log["val_heuristic"] > 0
     assert student.meta["flops_per_token_layer"] == 2 * 2 * (32 + 4) + 2 * 2 * 8
     json.dumps(log)  # the log is JSON
-    recalled = fit(FitConfig(**{**cfg.__dict__, "recall": 0.5}), (model, _Words(), "tiny"), progress=False)
-    assert not torch.equal(recalled.weight, student.weight)  # the reconstruction teacher moved the target
-
-    rl = fit(FitConfig(**{**cfg.__dict__, "rl_steps": 3, "rl_contexts": 2, "checkpoint_every": 1, "lr": 0.05}),
-             (model, _Words(), "tiny"), progress=False)
-    vals = rl.log["rl"]["val"]
-    assert [v["step"] for v in vals] == [0, 1, 2, 3] and vals[0]["kl"] == log["closed_form_kl"]
-    assert len(rl.log["rl"]["steps"]) == 3 and not rl.training
-    chosen = min(vals, key=lambda v: v["kl"])  # ties: the earliest
-    assert rl.meta["rl_steps"] == chosen["step"] and rl.meta["val_kl"] == chosen["kl"]
-    assert torch.equal(rl.weight, student.weight) == (chosen["step"] == 0)
-    closed = rl.stages["closed_form"]
-    assert torch.equal(closed.weight, student.weight) and closed.meta["rl_steps"] == 0
-    assert closed.meta["val_kl"] == log["closed_form_kl"]
+    assert student.stages["closed_form"] is student and not student.training  # no listwise stage: the closed form
+    assert bench.student_name(student) == "distilled-scorer-closed-form"
 
 
-def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept_and_keeps_masked_weights_zero():
+def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept():
     gen = torch.Generator().manual_seed(0)
     n, t, d, rows = 6, 20, 5, 2
     truth = torch.randn(rows, d + 4, generator=gen)
@@ -249,8 +236,6 @@ def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept_and_keeps
     torch.testing.assert_close(got[:, : d + 3], truth[:, : d + 3], atol=2e-3, rtol=2e-3)  # softmax ignores the 1
     penalised = listwise_layer(lists, 0, torch.zeros(rows, d + 4), 1.0, 0.5, 200)
     assert penalised[:, :d].norm() < got[:, :d].norm()  # the L2 penalty shrinks the H_in weights
-    some = listwise_layer(lists, 0, torch.ones(rows, d + 4), 0.0, 0.5, 20, columns=[0, 1, d + 3])
-    assert (some[:, [2, 3, 4, d, d + 1, d + 2]] == 0).all() and (some[:, :2] != 0).all()
     share = teacher_distribution(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), per_head=False)
     torch.testing.assert_close(share, torch.tensor([[0.375, 0.625]]))  # the heads' mean, normalised
 
@@ -261,7 +246,7 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     monkeypatch.chdir(tmp_path)
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
-                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=6, decode_every=3,
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), decode_len=6, decode_every=3,
                     decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
                     listwise=(0.0, 1.0), listwise_iters=5, student=StudentConfig(window=window))
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
@@ -278,100 +263,41 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     best = min(vals, key=lambda v: choice[id(v)])
     assert student.meta["val_kl"] == best["kl"] and student.meta["listwise_penalty"] == best.get("listwise_penalty")
     assert closed.meta["listwise_penalty"] is None
-    w = f"-window{window}" if window else ""
-    assert bench.student_name(closed) == f"distillcache-student-decode{w}-closed-form"
-    assert bench.student_name(student) == (f"distillcache-student-decode{w}-listwise" if "listwise_penalty" in best
-                                           else f"distillcache-student-decode{w}-closed-form")
+    assert bench.student_name(closed) == "distilled-scorer-closed-form"
+    assert bench.student_name(student) == ("distilled-scorer" if "listwise_penalty" in best
+                                           else "distilled-scorer-closed-form")
     assert student.weight.shape[-1] == student.hidden + 4 + bool(window) and student.config.window == window
     assert not torch.equal(student.weight, closed.weight) == ("listwise_penalty" in best)
-
-
-def test_reinforce_from_a_finished_student_starts_at_its_validation_and_names_what_it_added(tmp_path, monkeypatch):
-    """fit --start: no closed form or listwise fit; the student started from is validated as step 0 on the same
-    contexts (its own validation KL, bit for bit), kept as the closed-form stage, and the result is named after it
-    with -reinforce when a REINFORCE step was kept."""
-    monkeypatch.chdir(tmp_path)
-    model = tiny_model("llama")
-    cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
-                    cont_len=4, question_len=2, ridges=(1.0,), rl_steps=0, decode_len=6, decode_every=3,
-                    decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
-                    listwise=(0.0,), listwise_iters=5, student=StudentConfig(window=4))
-    first = fit(cfg, (model, _Words(), "tiny"), progress=False)
-    first.save(tmp_path / "first")
-    path = str(tmp_path / "first" / "best.safetensors")
-    again = dataclasses.replace(cfg, start=path, rl_steps=3, rl_contexts=2, checkpoint_every=1, lr=0.5,
-                                contexts=10**6, listwise=(5.0,), student=StudentConfig())  # none of these is used
-    rl = fit(again, (model, _Words(), "tiny"), progress=False)
-    log = rl.log
-    assert log["rows"] == 0 and len(log["val"]) == 1 and log["started_from"]["path"] == path
-    assert log["val"][0]["kl"] == first.meta["val_kl"] == log["rl"]["val"][0]["kl"]  # step 0: the start
-    assert log["val"][0]["decode_kl"] == first.meta["val_decode_kl"]
-    start = rl.stages["closed_form"]
-    assert torch.equal(start.weight, first.weight) and start.config == first.config and rl.config == first.config
-    kept = rl.meta["rl_steps"]
-    assert kept == min(log["rl"]["val"], key=lambda v: v["kl"])["step"]
-    assert torch.equal(rl.weight, first.weight) == (kept == 0)
-    named = bench.student_name(first)
-    assert named.startswith("distillcache-student-decode-window4")
-    assert bench.student_name(rl) == named + ("-reinforce" if kept else "")
-    assert bench.student_name(start) == named  # the copy of the start, no step kept
-    last = fit(dataclasses.replace(again, rl_keep="last"), (model, _Words(), "tiny"), progress=False)
-    assert last.meta["rl_steps"] == 3 and last.meta["val_kl"] == last.log["rl"]["val"][-1]["kl"]  # whatever it is
-    assert not torch.equal(last.weight, first.weight) and bench.student_name(last) == named + "-reinforce"
-    layer = dataclasses.replace(cfg, student=StudentConfig(per_head=False), listwise=())
-    fit(layer, (model, _Words(), "tiny"), progress=False).save(tmp_path / "layer")
-    with pytest.raises(ValueError, match="one set per layer"):
-        fit(dataclasses.replace(again, start=str(tmp_path / "layer" / "best.safetensors")), (model, _Words(), "tiny"),
-            progress=False)
 
 
 def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):
     model = tiny_model("llama")
     student = _student(model)
     student.log = {"config": {"question_len": 0}, "val": [{"ridge": 10.0, "kl": 0.01}]}
-    student.meta = {"val_kl": 0.009, "rl_steps": 25}
+    student.meta = {"val_kl": 0.009, "listwise_penalty": 1e-3}
     student.stages = {"closed_form": _student(model, seed=1)}
-    student.stages["closed_form"].meta = {"val_kl": 0.01, "rl_steps": 0}
+    student.stages["closed_form"].meta = {"val_kl": 0.01}
     student.save(tmp_path / "s")
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["best.safetensors", "closed_form.safetensors",
                                                                   "log.json"]
     loaded = bench.load_all((str(tmp_path / "s"), str(tmp_path / "s" / "closed_form.safetensors")))
-    assert list(loaded) == ["distillcache-student", "distillcache-student-closed-form"]
+    assert list(loaded) == ["distilled-scorer", "distilled-scorer-closed-form"]
     assert [p.validation_kl for p in loaded.values()] == [0.009, 0.01]  # each its own, from one log
     cfg = bench.EvalConfig(policies=(str(tmp_path / "s" / "best.safetensors"),), corpora=("austen", "gcide"), limit=2,
                            context_len=40, cont_len=6, question_len=0, keeps=(0.25,), token_budgets=(), natives=False,
                            decode_tokens=8, decode_interval=4)
-    kvzap = _student(model, seed=2)
-    kvzap.log = {"config": {"question_len": 0, "teacher": "kvzip+"}, "val": [{"ridge": 10.0, "kl": 0.001}]}
-    kvzap.meta = {"val_kl": 0.001, "rl_steps": 0}  # the lowest validation KL, yet a baseline: never chosen
-    kvzap.save(tmp_path / "kvzap")
-    assert bench.chosen_on_validation((str(tmp_path / "s"), str(tmp_path / "kvzap"))) == "distillcache-student"
-    cfg = dataclasses.replace(cfg, policies=cfg.policies + (str(tmp_path / "kvzap"),))
+    assert bench.chosen_on_validation((str(tmp_path / "s"),)) == "distilled-scorer"
     record = bench.run(cfg, (model, _Words(), "tiny"))
-    mine = [r for r in record.rows if r.get("method") == "distillcache-student"]
+    mine = [r for r in record.rows if r.get("method") == "distilled-scorer"]
     assert {r["mode"] for r in mine} == {"agnostic", "agnostic decode8"}
     assert all(not r["baseline"] and r["chosen_on_validation"] and r["n_contexts"] == 2 for r in mine)
-    assert all(r["best_baseline"] != "distillcache-student" for r in record.rows if "best_baseline" in r)
-    surrogate = [r for r in record.rows if r.get("method") == "KVzap-linear"]
-    assert {r["mode"] for r in surrogate} == {"agnostic", "agnostic decode8"}
-    assert all(r["baseline"] and not r["chosen_on_validation"] for r in surrogate)
+    assert all(r["best_baseline"] != "distilled-scorer" for r in record.rows if "best_baseline" in r)
 
 
-def test_reconstruction_score_is_the_groups_largest_attention_and_mixes_into_the_target():
-    from scdviz.evict import features as F
-
-    attn = torch.rand(1, 4, 5, 9, generator=torch.Generator().manual_seed(0))  # (B, H = 4, n = 5 rows, 6 + 3 keys)
-    score = F.reconstruction_attention([attn], 6, 2)  # (1 layer, B, Hkv = 2, T = 6)
-    for kv in range(2):
-        for t in range(6):
-            assert score[0, 0, kv, t] == attn[0, 2 * kv : 2 * kv + 2, :, t].max()
+def test_teacher_rows_are_the_centred_log_future_attention():
     future = torch.rand(2, 6, generator=torch.Generator().manual_seed(1))
     alone = teacher_rows(future, True)
     torch.testing.assert_close(alone, (future + 1e-7).log() - (future + 1e-7).log().mean(-1, keepdim=True))
-    torch.testing.assert_close(teacher_rows(future, True, score[0, 0], 0.0), alone)  # weight 0: the future alone
-    half = teacher_rows(future, True, score[0, 0], 0.5)
-    mix = 0.5 * score[0, 0] / score[0, 0].sum(-1, keepdim=True) + 0.5 * future / future.sum(-1, keepdim=True)
-    torch.testing.assert_close(half, (mix + 1e-7).log() - (mix + 1e-7).log().mean(-1, keepdim=True))
     layer = teacher_rows(future, False)  # one row per layer: the heads' mean
     assert layer.shape == (1, 6) and torch.allclose(layer.sum(), torch.tensor(0.0), atol=1e-5)
 
@@ -379,12 +305,11 @@ def test_reconstruction_score_is_the_groups_largest_attention_and_mixes_into_the
 def test_bench_reports_a_student_fitted_for_another_model_instead_of_failing(tmp_path):
     model = tiny_model("llama")
     other = _student(tiny_model("llama", num_hidden_layers=2))
-    other.meta = {"rl_steps": 5}
     other.save(tmp_path / "other")
     cfg = bench.EvalConfig(policies=(str(tmp_path / "other" / "best.safetensors"),), corpora=("austen",), limit=1,
                            context_len=40, cont_len=6, question_len=0, keeps=(0.25,), token_budgets=(), natives=False)
     rows = bench.run(cfg, (model, _Words(), "tiny")).rows
-    [row] = [r for r in rows if r.get("method") == "distillcache-student"]
+    [row] = [r for r in rows if r.get("method") == "distilled-scorer-closed-form"]
     assert "fitted for 2 layers" in row["cannot_run"] and any(r.get("method") == "Knorm" for r in rows)
 
 
@@ -430,7 +355,7 @@ def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_driv
     monkeypatch.chdir(tmp_path)
     model = tiny_model("llama")
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=2, val_contexts=2, context_len=40, teacher_len=8,
-                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), rl_steps=0, decode_len=6, decode_every=3,
+                    cont_len=4, question_len=2, ridges=(0.1, 1000.0), decode_len=6, decode_every=3,
                     val_decode=2, val_decode_tokens=10, decode_interval=4, listwise=())
     samples = trainer.prepare(model, _Words(), trainer.TrainConfig(out="x", corpora=cfg.corpora, context_len=40,
                                                                    cont_len=4, question_len=2), "calib", 2, False,
@@ -450,55 +375,6 @@ def test_decode_validation_is_zero_with_the_whole_cache_kept_and_no_cut_and_driv
     chosen = min(vals, key=lambda v: v["kl"] / h2o[0] + v["decode_kl"] / h2o[1])  # each KL over H2O's
     assert {v["decode_weight"] for v in vals} == set(cfg.decode_weights) and len(vals) == 2 * len(cfg.decode_weights)
     assert fitted.config.ridge == chosen["ridge"] and fitted.meta["val_decode_kl"] == chosen["decode_kl"]
-
-
-def test_kvzip_plus_is_the_groups_largest_weighted_attention_and_output_value_norms_are_o_proj_slices():
-    from scdviz.evict import features as F
-
-    model = tiny_model("llama")
-    n_heads, n_kv, head_dim = hf.attn_heads(model)
-    values = torch.randn(1, n_kv, 5, head_dim, generator=torch.Generator().manual_seed(0))
-    norms = hf.output_value_norms(model, 1, values)  # (1, H, 5)
-    o_proj = hf.layers(model)[1].self_attn.o_proj
-    for h in range(n_heads):
-        for t in range(5):
-            x = torch.zeros(n_heads * head_dim)
-            x[h * head_dim:(h + 1) * head_dim] = values[0, h // (n_heads // n_kv), t]
-            torch.testing.assert_close(norms[0, h, t], o_proj(x).norm(), atol=1e-5, rtol=1e-5)
-    attn = torch.rand(1, n_heads, 3, 5, generator=torch.Generator().manual_seed(1))
-    q = torch.rand(1, 3, generator=torch.Generator().manual_seed(2)) + 0.5
-    score = F.kvzip_plus(attn, q, norms, n_kv)  # (1, Hkv, 5)
-    group = n_heads // n_kv
-    for kv in range(n_kv):
-        for t in range(5):
-            want = max(float(attn[0, h, r, t] / q[0, r] * norms[0, h, t])
-                       for h in range(kv * group, (kv + 1) * group) for r in range(3))
-            assert abs(float(score[0, kv, t]) - want) < 1e-6
-
-
-def test_solving_on_some_columns_is_the_smaller_ridge_problem_and_the_kvzap_recipe_fits_only_them(tmp_path,
-                                                                                                     monkeypatch):
-    x = torch.randn(1, 1, 50, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    x[..., -1] = 1.0
-    y = torch.randn(1, 1, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    normal = NormalEquations(x.transpose(-1, -2) @ x, (x.transpose(-1, -2) @ y.unsqueeze(-1))[..., 0])
-    w = normal.solve(0.0, [0, 2, 4])
-    assert w[0, 0, 1] == 0 and w[0, 0, 3] == 0
-    sub = x[0, 0][:, [0, 2, 4]]
-    torch.testing.assert_close(w[0, 0, [0, 2, 4]].double(), torch.linalg.lstsq(sub, y[0, 0]).solution,
-                               atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="intercept"):
-        normal.solve(1.0, [0, 1])
-    monkeypatch.chdir(tmp_path)
-    model = tiny_model("llama")
-    cfg = FitConfig(corpora=("austen",), contexts=2, val_contexts=1, context_len=30, teacher_len=4, cont_len=4,
-                    question_len=2, ridges=(1.0,), rl_steps=0, decode_len=0, val_decode=0, teacher="kvzip+",
-                    inputs="hidden")
-    kvzap = fit(cfg, (model, _Words(), "tiny"), progress=False)
-    d = kvzap.hidden
-    assert torch.all(kvzap.weight[..., d:d + 3] == 0) and torch.any(kvzap.weight[..., d + 3] != 0)
-    with pytest.raises(ValueError, match="decode-len 0"):
-        fit(FitConfig(**{**cfg.__dict__, "decode_len": 8}), (model, _Words(), "tiny"), progress=False)
 
 
 # ----------------------------------------------------------------------------- the window column

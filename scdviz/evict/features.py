@@ -13,9 +13,9 @@ the last W queries and the cached values:
 and, for policies that ask for it (``PolicyConfig.lookahead``), a sixth:
 
   5  lookahead  attention that continuations the model samples itself after the context
-                pay to i (``lookahead_attention``): a forecast of the foresight target
+                pay to i (``lookahead_attention``): a forecast of the future's attention
                 (what the real continuation will read), which attention history alone
-                does not give (assets/policy/README.md, ablation)
+                does not give (``python -m research.policy_headroom``)
 
 Two forms: per layer and KV head (query heads grouped by the KV head they share; the
 form a per-head press needs) and global (all query heads of a layer in one group,
@@ -88,7 +88,7 @@ def global_features(per_layer: list[Tensor]) -> Tensor:
 
 
 def future_attention(attn: list[Tensor], n_context: int, n_kv: int) -> tuple[Tensor, Tensor]:
-    """The foresight target: attention that *later* tokens pay to each context token.
+    """The future's attention: attention that *later* tokens pay to each context token.
 
     attn: per layer (B, H, n, n_context + n), the rows of n continuation tokens run over the
     full cache (a teacher's view, known only in training). Returns the per-KV-head form
@@ -111,25 +111,3 @@ def lookahead_attention(attn: list[Tensor], n_context: int, n_kv: int) -> Tensor
     the full cache. Like ``future_attention``'s per-KV-head form, averaged over the samples.
     """
     return future_attention(attn, n_context, n_kv)[0].mean(1, keepdim=True)
-
-
-def reconstruction_attention(attn: list[Tensor], n_context: int, n_kv: int) -> Tensor:
-    """KVzip's score (L, B, Hkv, T): the most attention any query head of a KV head's group pays to each
-    context token while the model repeats the context after it (``attn``: per layer (B, H, n, >= n_context),
-    the rows of the n tokens of the repetition prompt and the repeated context over the full cache)."""
-    per_layer = []
-    for a in attn:
-        b, h, n, _ = a.shape
-        per_layer.append(a[..., :n_context].float().view(b, n_kv, h // n_kv, n, n_context).amax((2, 3)))
-    return torch.stack(per_layer, 0)
-
-
-def kvzip_plus(attn: Tensor, query_norms: Tensor, value_out_norms: Tensor, n_kv: int) -> Tensor:
-    """KVzip+ (KVzap's training target, kvpress kvzap/): per KV head the largest over its group's query heads
-    and the repeated context's query rows of attention x ||W_o^h v|| / ||h_query||, for each context token.
-
-    attn (B, H, n, T): the n rows of the repeated context over the T context keys; query_norms (B, n) ||H_in||
-    of those rows; value_out_norms (B, H, T) (``hf.output_value_norms``). Returns (B, Hkv, T), not logged."""
-    b, h, n, t = attn.shape
-    score = attn.float() / query_norms.float().clamp_min(1e-12)[:, None, :, None] * value_out_norms[:, :, None, :]
-    return score.view(b, n_kv, h // n_kv, n, t).amax((2, 3))

@@ -1,28 +1,25 @@
-"""Fitting the DistillCache student (``fit``): closed-form distillation, then REINFORCE on the seed's reward.
+"""Fitting the DistillCache student (``fit``): closed-form distillation, then a listwise stage.
 
 ``fit`` distils it in closed form: ridge regression (float64 normal equations, accumulated
 context by context) of the teacher's log-score, centred per row (top-B within a row does not
 see a row's offset). The teacher (training text only): the attention that ``teacher_len`` tokens
 of the text that follows each context pay to each context token over the full cache (the
-foresight oracle, ``features.future_attention``), optionally mixed with KVzip's reconstruction
-score (``recall``: the most attention any query pays each token while the model repeats the
-context, ``features.reconstruction_attention``). Decode states (``decode_len``) add rows where
+future, ``features.future_attention``). Decode states (``decode_len``) add rows where
 the age term acts: after each context the model generates greedily, and at every
 ``decode_every``-th generated token each cached token is regressed on the attention the rest of
 the generation pays it. The ridge strength is chosen on validation contexts (calib split) by the
 KLs the benches report: at prefill (``train.validation_kls``: deterministic top-B, the
 continuation teacher-forced after ``question_len`` unscored tokens) plus, with ``val_decode``,
-while decoding (``decode_kls``: the cache held at its budget by the same student); then
-``reinforce`` trains it on the seed's reward from there, the best validated checkpoint kept
-(the closed form is step 0). Writes nothing: the CLI saves what it returns (``Student.save``).
+while decoding (``decode_kls``: the cache held at its budget by the same student); then the
+listwise stage (``listwise_layer``) refits the chosen closed form on the softmax cross-entropy
+to the teacher's attention, kept when it validates better. Writes nothing: the CLI saves what it
+returns (``Student.save``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +32,7 @@ from scdviz.config import opt
 from scdviz.evict import features as F
 from scdviz.evict import train as trainer
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
-from scdviz.evict.policy import gumbel_top_b, keep_count
+from scdviz.evict.policy import keep_count
 from scdviz.evict.student import WINDOW_EPS, Student, StudentConfig, StudentPress, window_column
 from scdviz.models import hf
 from scdviz.progress import Reporter, steps
@@ -52,12 +49,8 @@ class FitConfig:
     contexts: int = opt(120, "training contexts (each: one prefill + the teacher's continuation)")
     val_contexts: int = opt(24, "validation contexts (calib split) that choose the ridge strength")
     context_len: int = opt(512, "T, tokens per context")
-    teacher_len: int = opt(128, "tokens of training text after the context whose attention is the teacher")
-    teacher: str = opt("future", "future: the attention the text after each context pays it (the foresight oracle); "
-                       "kvzip+: KVzap's recipe (kvpress kvzap/), log of KVzip's reconstruction attention x ||W_o v|| / "
-                       "||h|| of the repeating query, uncentred, on prefill rows only (needs decode_len 0)")
-    inputs: str = opt("all", "all: [H_in, log ||v||, log(1 + pos), log(n - pos), 1]; hidden: H_in and the intercept "
-                      "alone (KVzap's linear model; the other weights stay 0)")
+    teacher_len: int = opt(128, "tokens of training text after the context whose attention (the teacher) each "
+                           "context token is fitted to")
     decode_len: int = opt(128, "decode states: tokens the model generates greedily (full cache) after each training "
                            "context; the fit also regresses every decode_every-th state of that generation, each "
                            "cached token (context and generated) against the attention the rest of the generation pays "
@@ -65,9 +58,6 @@ class FitConfig:
     decode_every: int = opt(32, "decode states: tokens between the states fitted (and the shortest future scored)")
     decode_weights: tuple[float, ...] = opt((0.1, 0.3, 1.0), "decode states: weights of their rows against the "
                                             "prefill rows' 1, each tried with every ridge strength on validation")
-    recall: float = opt(0.0, "weight of the reconstruction teacher (KVzip's score: the most attention any query pays "
-                        "each context token while the model repeats the context after a request to) in the target "
-                        "log(w x recall + (1 - w) x future), each normalised per row; 0: the future alone")
     cont_len: int = opt(24, "validation: continuation tokens scored")
     question_len: int = opt(16, "validation: unscored tokens between context and continuation (bench evict's)")
     keeps: tuple[float, ...] = opt((0.25, 0.125), "validation: kept fractions")
@@ -90,50 +80,24 @@ class FitConfig:
                                       "each penalty validated like a ridge strength, the closed form kept when none "
                                       "beats it; empty: none")
     listwise_iters: int = opt(40, "listwise stage: L-BFGS iterations per layer")
-    rl_steps: int = opt(200, "then REINFORCE steps on the seed's reward (-KL of the continuation for each of "
-                        "`samples` Gumbel top-B kept sets, leave-one-out baseline), from the closed form; 0: none "
-                        "(per-head students; a per-layer one stays at its closed form)")
-    rl_contexts: int = opt(48, "REINFORCE's training contexts (train split; the tail after question_len is scored)")
-    samples: int = opt(4, "M, sampled kept sets per REINFORCE step")
-    lr: float = opt(1e-4, "Adam learning rate of REINFORCE")
-    entropy_coef: float = opt(1e-4, "weight of REINFORCE's entropy bonus")
-    rl_keep: str = opt("best", "which REINFORCE step is kept: best (the lowest validation KL, the closed form counting "
-                       "as step 0: the recipe) or last (the final step whatever validation says: what the steps "
-                       "themselves do, to bench against the start)", choices=("best", "last"))
-    checkpoint_every: int = opt(25, "REINFORCE steps between validations; the student kept is the best validated one "
-                                "(the closed form counts as step 0)")
-    seed: int = opt(0, "REINFORCE's sampling and data order")
-    start: str = opt("", "a finished student file to start from instead of fitting one (its own shape and settings; "
-                     "the closed-form and listwise stages are skipped, it is validated as step 0): REINFORCE's "
-                     "contribution over a shipped student")
     student: StudentConfig = field(default_factory=StudentConfig)
 
 
-REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's reconstruction request (kvpress)
-
-
-def teacher_score(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0) -> Tensor:
-    """(R, T) one layer's teacher score: its future attention (Hkv, T) (or any teacher score), or ``weight`` x the
-    reconstruction score + (1 - weight) x that, each normalised per row; a per-layer student's is the heads' mean."""
+def teacher_score(future: Tensor, per_head: bool) -> Tensor:
+    """(R, T) one layer's teacher score: its future attention (Hkv, T); a per-layer student's is the heads' mean."""
     y = future.float()
-    if recall is not None and weight > 0:
-        def share(x: Tensor) -> Tensor:
-            return x.float() / x.float().sum(-1, keepdim=True).clamp_min(1e-12)
-        y = weight * share(recall) + (1 - weight) * share(y)
     return y if per_head else y.mean(0, keepdim=True)
 
 
-def teacher_rows(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0,
-                 center: bool = True) -> Tensor:
-    """(R, T) the regression target of one layer: log of ``teacher_score``, centred per row (``center``)."""
-    y = (teacher_score(future, per_head, recall, weight) + 1e-7).log()
-    return y - y.mean(-1, keepdim=True) if center else y
+def teacher_rows(future: Tensor, per_head: bool) -> Tensor:
+    """(R, T) the regression target of one layer: log of ``teacher_score``, centred per row."""
+    y = (teacher_score(future, per_head) + 1e-7).log()
+    return y - y.mean(-1, keepdim=True)
 
 
-def teacher_distribution(future: Tensor, per_head: bool, recall: Tensor | None = None, weight: float = 0.0
-                         ) -> Tensor:
+def teacher_distribution(future: Tensor, per_head: bool) -> Tensor:
     """(R, T) the listwise stage's target: ``teacher_score`` normalised to sum to 1 per row."""
-    y = teacher_score(future, per_head, recall, weight)
+    y = teacher_score(future, per_head)
     return y / y.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
@@ -208,27 +172,20 @@ class NormalEquations:
         xty[:, :d] += (y @ h).double()
         xty[:, d:] += torch.einsum("rtk,rt->rk", e, y).double()
 
-    def solve(self, ridge: float, columns: list[int] | None = None, decode_weight: float = 1.0) -> Tensor:
+    def solve(self, ridge: float, decode_weight: float = 1.0) -> Tensor:
         """(L, R, F) the ridge solution; the intercept (last column) is not shrunk; ridge relative to 1e-3 x the
-        mean diagonal. ``columns``: fit on these columns alone (the last among them), the other weights 0.
-        ``decode_weight``: the weight of the decode states' rows (``decode``) against the prefill rows'."""
-        f = self.xtx.shape[-1]
-        cols = torch.arange(f) if columns is None else torch.tensor(columns)
-        if int(cols[-1]) != f - 1:
-            raise ValueError("the intercept (the last column) must be among the columns fitted")
+        mean diagonal. ``decode_weight``: the weight of the decode states' rows (``decode``) against the prefill
+        rows'."""
         xtx, xty = self.xtx, self.xty
         if self.decode is not None:
             xtx, xty = xtx + decode_weight * self.decode.xtx, xty + decode_weight * self.decode.xty
-        xtx, xty = xtx[..., cols[:, None], cols], xty[..., cols]
-        eye = torch.eye(len(cols), dtype=torch.float64)
+        eye = torch.eye(xtx.shape[-1], dtype=torch.float64)
         eye[-1, -1] = 0
         scale = xtx.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
-        out = torch.zeros(self.xty.shape, dtype=torch.float32)
         # Cholesky, not LU: the matrices are symmetric positive definite, and torch's batched LU solve fails on
         # CPU with 2 threads at this size ("Pivots given to lu_solve...", torch 2.13 with MKL)
         factor = torch.linalg.cholesky(xtx + ridge * 1e-3 * scale * eye)
-        out[..., cols] = torch.cholesky_solve(xty.unsqueeze(-1), factor)[..., 0].float()
-        return out
+        return torch.cholesky_solve(xty.unsqueeze(-1), factor)[..., 0].float()
 
 
 @dataclass
@@ -253,37 +210,32 @@ class Lists:
         self.target[layer].setdefault(now, []).append(target.float().cpu())
 
 
-def listwise_layer(lists: Lists, layer: int, start: Tensor, penalty: float, decode_weight: float, iters: int,
-                   columns: list[int] | None = None) -> Tensor:
+def listwise_layer(lists: Lists, layer: int, start: Tensor, penalty: float, decode_weight: float, iters: int
+                   ) -> Tensor:
     """(R, F) one layer's listwise weights: from ``start`` (R, F), L-BFGS on the mean over lists of
     CE(teacher || softmax(scores)), the decode states' lists weighted ``decode_weight`` against the prefill's 1,
-    plus ``penalty`` x the mean over rows of ||w_H||^2; weights outside ``columns`` stay 0."""
+    plus ``penalty`` x the mean over rows of ||w_H||^2."""
     h = torch.stack(lists.hidden[layer]).float()  # (N, rows, d)
     d = h.shape[-1]
     prefill = min(lists.extra[layer])
     groups = [(n, torch.stack(lists.extra[layer][n]), torch.stack(lists.target[layer][n]),
                1.0 if n == prefill else decode_weight) for n in sorted(lists.extra[layer])]
     total = sum(c for *_, c in groups)
-    mask = torch.ones_like(start)
-    if columns is not None:
-        mask = torch.zeros_like(start)
-        mask[:, columns] = 1
-    w = (start.float() * mask).clone().requires_grad_(True)
+    w = start.float().clone().requires_grad_(True)
     opt = torch.optim.LBFGS([w], lr=1, max_iter=iters, line_search_fn="strong_wolfe", history_size=20)
 
     def closure():
         opt.zero_grad()
-        weight = w * mask
-        base = torch.einsum("ntd,rd->nrt", h, weight[:, :d])  # (N, R, rows)
-        loss = penalty * (weight[:, :d] ** 2).sum(-1).mean()
+        base = torch.einsum("ntd,rd->nrt", h, w[:, :d])  # (N, R, rows)
+        loss = penalty * (w[:, :d] ** 2).sum(-1).mean()
         for n, extra, target, c in groups:
-            scores = base[..., :n] + (extra * weight[None, :, None, d:]).sum(-1)
+            scores = base[..., :n] + (extra * w[None, :, None, d:]).sum(-1)
             loss = loss - c / total * (target * torch.log_softmax(scores, -1)).sum(-1).mean()
         loss.backward()
         return loss
 
     opt.step(closure)
-    return (w * mask).detach()
+    return w.detach()
 
 
 def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> list[list[int]]:
@@ -309,42 +261,23 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
     t = cfg.context_len
     positions = torch.arange(t)
     _, n_kv, _ = hf.attn_heads(model)
-    kvzip_plus = cfg.teacher == "kvzip+"
-    repeat = tokenizer(REPEAT, add_special_tokens=False)["input_ids"] if cfg.recall or kvzip_plus else []
     for window in steps(windows(tokenizer, cfg, "train", cfg.contexts, t + cfg.teacher_len),
                         "student: prefill and teacher (train contexts)", progress):
         ids = hf.ids_tensor(window, device=hf.device_of(model))
-        recall = None
         with torch.no_grad():
             trace = hf.forward(model, ids[:, :t], capture={"h_in"}, last_logits=True)
             with hf.eager(model):
-                if not kvzip_plus:
-                    cont = hf.forward(model, ids[:, t:], cache=hf.make_cache(model, trace.keys, trace.values),
-                                      attentions=True, last_logits=True)
-                if repeat:  # the model repeating the context: KVzip's reconstruction
-                    again = torch.cat([hf.ids_tensor(repeat, device=ids.device), ids[:, :t]], 1)
-                    rec = hf.forward(model, again, cache=hf.make_cache(model, trace.keys, trace.values),
-                                     attentions=True, last_logits=True, capture={"h_in"} if kvzip_plus else set())
-                    recall = F.reconstruction_attention(rec.attn, t, n_kv)[:, 0]  # (L, Hkv, T)
-        if kvzip_plus:  # KVzap's target: the repeated context's rows (not the request's), weighted
-            n = len(repeat)
-            future = torch.stack([F.kvzip_plus(rec.attn[layer][:, :, n:, :t], rec.h_in[layer][:, n:].norm(dim=-1),
-                                               hf.output_value_norms(model, layer, trace.values[layer]), n_kv)[0]
-                                  for layer in range(n_layers)])
-            recall = None
-        else:
-            future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
+                cont = hf.forward(model, ids[:, t:], cache=hf.make_cache(model, trace.keys, trace.values),
+                                  attentions=True, last_logits=True)
+        future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
         for layer in range(n_layers):
             column = prefill_column(model, student, layer, trace.h_in[layer], trace.keys[layer])
             h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions.to(ids.device), t,
                                     None if column is None else column[0])
-            mixed = None if recall is None else recall[layer]
-            normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head, mixed, cfg.recall,
-                                                     center=not kvzip_plus))
+            normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
             if lists is not None:
                 lists.hidden[layer].append(h.half().cpu())
-                lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head, mixed,
-                                                             cfg.recall))
+                lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head))
         normal.rows += t
         if cfg.decode_len:
             _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace, lists)
@@ -445,30 +378,18 @@ def prepared_samples(model, tokenizer, cfg: FitConfig, split: str, count: int, p
 
 def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     """Fit a student for ``subject`` (a Pair, whose producer is pruned, or (model, tokenizer, source)); returns
-    it with ``log``: every ridge's validation KL (mean and per kept fraction), H2O's on the same contexts,
-    the chosen ridge and the seconds taken. Writes nothing."""
+    it with ``log``: every ridge's (and listwise penalty's) validation KL (mean and per kept fraction), H2O's on
+    the same contexts, the chosen ridge and the seconds taken; ``stages["closed_form"]`` is the ridge fit alone.
+    Writes nothing."""
     model, tokenizer, source = trainer.subject(subject)
-    if cfg.teacher not in ("future", "kvzip+") or cfg.inputs not in ("all", "hidden"):
-        raise ValueError(f"unknown teacher {cfg.teacher!r} or inputs {cfg.inputs!r}: use teacher future or kvzip+, "
-                         "inputs all or hidden")
-    if cfg.teacher == "kvzip+" and (cfg.decode_len or cfg.recall):
-        raise ValueError("the kvzip+ teacher (KVzap's recipe) fits prefill rows alone: give --decode-len 0 and no "
-                         "--recall")
-    start = Student.load(cfg.start) if cfg.start else None
-    if start is not None:
-        start.check_model(model)
-        if cfg.rl_steps and not start.config.per_head:
-            raise ValueError(f"{cfg.start} keeps one set per layer: REINFORCE trains per-head students only")
     t0 = time.perf_counter()
-    base = start or Student.for_model(model, cfg.student)
-    lists = Lists.empty(hf.n_layers(model)) if cfg.listwise and cfg.teacher == "future" and not start else None
-    normal = None if start else accumulate(model, tokenizer, cfg, base, progress, lists)
-    decoding = start.meta.get("decode_weight") is not None if start else bool(normal.decode)
+    base = Student.for_model(model, cfg.student)
+    lists = Lists.empty(hf.n_layers(model)) if cfg.listwise else None
+    normal = accumulate(model, tokenizer, cfg, base, progress, lists)
+    decoding = bool(normal.decode)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
-    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows if normal else 0,
-           "decode_rows": normal.decode.rows if normal and normal.decode else 0}
-    if start is not None:  # what it was fitted with (its name and kind follow those), and from where
-        log["started_from"] = {"path": cfg.start, "config": (start.log or {}).get("config")}
+    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows,
+           "decode_rows": normal.decode.rows if normal.decode else 0}
 
     def scorer(student: Student):
         return lambda s: torch.cat([p[0] for p in prefill_scores(model, student, s.obs)], 0)
@@ -482,28 +403,22 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         log["h2o_decode_per_context"] = [round(v, 6) for v in h2o_decode]
     best, best_kl, best_choice, best_weight, best_decode = None, math.inf, math.inf, None, None
     closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode  # the ridge pick
-    d = base.hidden
-    columns = None if cfg.inputs == "all" else [*range(d), base.weight.shape[-1] - 1]  # KVzap's: H_in, intercept
-    weights = cfg.decode_weights if normal and normal.decode else (1.0,)
+    weights = cfg.decode_weights if normal.decode else (1.0,)
     candidates = [(r, w, None) for r in cfg.ridges for w in weights] + [(None, None, p) for p in
                                                                          (cfg.listwise if lists else ())]
-    if start is not None:  # the finished student alone, as it was fitted
-        candidates = [(start.config.ridge, start.meta.get("decode_weight"), start.meta.get("listwise_penalty"))]
     for ridge, weight, penalty in steps(candidates, "student: ridge strengths (and decode-state weights), then the "
                                         "listwise stage, on validation", progress):
-        if start is not None:
-            student = copy.deepcopy(start)
-        elif penalty is None:
+        if penalty is None:
             student = Student.for_model(model, dataclasses.replace(cfg.student, ridge=float(ridge)))
             with torch.no_grad():
-                student.weight.copy_(normal.solve(float(ridge), columns, float(weight)))
+                student.weight.copy_(normal.solve(float(ridge), float(weight)))
         else:  # the listwise stage, from the closed form chosen so far
             ridge, weight = closed.config.ridge, closed_weight
             student = Student.for_model(model, closed.config)
             with torch.no_grad():
                 student.weight.copy_(torch.stack([
                     listwise_layer(lists, layer, closed.weight[layer].detach(), float(penalty),
-                                   float(weight if normal.decode else 1.0), cfg.listwise_iters, columns)
+                                   float(weight if normal.decode else 1.0), cfg.listwise_iters)
                     for layer in range(student.weight.shape[0])]))
         kls = trainer.validation_kls(model, scorer(student), True, val, cfg.keeps)
         mean = sum(kls) / len(kls)
@@ -521,69 +436,21 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
         student.meta = {"listwise_penalty": None if penalty is None else float(penalty)}
         if choice < best_choice:
             best, best_kl, best_choice, best_weight, best_decode = student, mean, choice, weight, entry.get("decode_kl")
-        if penalty is None or start is not None:  # the closed form so far (or the student started from)
+        if penalty is None:  # the closed form so far
             closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(closed_kl, 5)
-    steps_kept = 0
-    if cfg.rl_steps and cfg.student.per_head:
-        best, best_kl, steps_kept = reinforce(model, tokenizer, cfg, best, best_kl, val, scorer, log, progress)
-    if episodes and steps_kept:  # REINFORCE moved it: its decode-time validation too
-        dec = decode_kls(model, episodes, cfg.keeps[0], cfg.decode_interval, best)
-        best_decode = log["rl"]["decode_kl"] = round(sum(dec) / len(dec), 5)
     log["seconds"] = round(time.perf_counter() - t0, 1)
     n_heads, _, head_dim = hf.attn_heads(model)
-    for one, kl, kept, decoding, weight in ((closed, log["closed_form_kl"], 0, closed_decode, closed_weight),
-                                            (best, best_kl, steps_kept, best_decode, best_weight)):
+    for one, kl, decoding, weight in ((closed, log["closed_form_kl"], closed_decode, closed_weight),
+                                      (best, best_kl, best_decode, best_weight)):
         one.identity = {"model_source": source, "model_fingerprint": artefact.fingerprint(model)}
         one.meta = {"val_kl": round(kl, 5), "val_heuristic": log["val_heuristic"], "ridge": one.config.ridge,
                     "listwise_penalty": one.meta.get("listwise_penalty"),
                     "decode_weight": weight if decoding else None,
                     "val_decode_kl": decoding, "val_decode_heuristic": log.get("val_decode_heuristic"),
-                    "train_contexts": cfg.contexts, "rl_steps": kept,
+                    "train_contexts": cfg.contexts,
                     "flops_per_token_layer": one.flops_per_token(head_dim, n_heads, cfg.context_len)}
         one.log = log
-    best.stages = {"closed_form": closed}  # the ridge fit alone (the same student when nothing after it was kept)
+    best.stages = {"closed_form": closed}  # the ridge fit alone (the same student when the listwise stage lost)
     return best.eval()
-
-
-def reinforce(model, tokenizer, cfg: FitConfig, start: Student, start_kl: float, val: list, scorer, log: dict,
-              progress: bool | Reporter = True) -> tuple[Student, float, int]:
-    """REINFORCE from the closed-form student (the seed's estimator, ``train.reinforce_loss``: M Gumbel top-B
-    kept sets per context, reward -KL of the scored continuation, leave-one-out baseline, entropy bonus),
-    validated every ``checkpoint_every`` steps; returns (the best validated student, its KL, its step; step 0:
-    the closed form itself; with ``rl_keep`` last, the final step's). Appends the steps and validations to
-    ``log["rl"]``."""
-    samples = prepared_samples(model, tokenizer, cfg, "train", cfg.rl_contexts, progress)
-    student = copy.deepcopy(start).train()
-    opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
-    order, gen = random.Random(cfg.seed), torch.Generator(device=hf.device_of(model)).manual_seed(cfg.seed)
-    rl = log.setdefault("rl", {"steps": [], "val": [{"step": 0, "kl": round(start_kl, 5)}]})
-    best, best_kl, best_step = start, start_kl, 0
-    bar = steps(range(cfg.rl_steps), "student: REINFORCE", progress)
-    for step in bar:
-        sample = samples[order.randrange(len(samples))]
-        keep = cfg.keeps[step % len(cfg.keeps)]
-        n_keep = keep_count(sample.obs.n_tokens, keep)
-        scores = scorer(student)(sample)  # (L * Hkv, T), with its graph
-        rankings = torch.stack([gumbel_top_b(scores.detach(), n_keep, gen) for _ in range(cfg.samples)])
-        kls = [trainer.rollout_kl(model, sample, trainer.indices_from_rows(r, sample.obs, True)) for r in rankings]
-        loss, entropy = trainer.reinforce_loss(scores, rankings, -torch.tensor(kls, device=scores.device),
-                                               cfg.entropy_coef)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        rl["steps"].append({"step": step + 1, "keep": keep, "kl": round(sum(kls) / len(kls), 5),
-                            "entropy": round(float(entropy), 4)})
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.rl_steps:
-            student.eval()
-            kls_val = trainer.validation_kls(model, scorer(student), True, val, cfg.keeps)
-            student.train()
-            mean = sum(kls_val) / len(kls_val)
-            rl["val"].append({"step": step + 1, "kl": round(mean, 5), "kl_per_context": [round(v, 6) for v in kls_val]})
-            if mean < best_kl or (cfg.rl_keep == "last" and step + 1 == cfg.rl_steps):
-                best, best_kl, best_step = copy.deepcopy(student).eval(), mean, step + 1
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(val_kl=f"{mean:.4f}", best=f"{best_kl:.4f}")
-    return best, best_kl, best_step
-

@@ -8,18 +8,12 @@ Algorithm, per training context:
      sum_k [s_(k) - logsumexp(s over tokens not yet chosen)];
   3. M samples per context; reward R = -mean KL(P_full || P_pruned) over the
      continuation; advantage R_m - mean of the other M-1 rewards (leave-one-out);
-     or, with ``reward="sequential"`` (the seed's formulation), per-step rewards while the
-     continuation is decoded with the cache held at the budget by sampled evictions
-     (``reinforce_sequential_step``);
   4. loss = -mean_m advantage_m * log P(ranking_m) - beta * entropy, with the entropy of
      softmax(scores) per row (the first-choice distribution) as the bonus.
-Optional warm start: maximise the Plackett-Luce likelihood of a target's top-B ranking:
-``alpha`` (observed attention, the alpha feature: what H2O keeps) or ``foresight`` (the
-attention the teacher-forced continuation pays to each context token over the full
-cache: which tokens the future will read, a signal attention history only estimates).
-A lookahead policy starts at its prior instead (scdviz.evict.policy), so it needs no warm
-start. Prefills are cached once per context (features, full keys/values, reference
-logits), so an epoch costs only the continuations.
+Optional warm start: maximise the Plackett-Luce likelihood of alpha's top-B ranking (observed
+attention, the alpha feature: what H2O keeps). A lookahead policy starts at its prior instead
+(scdviz.evict.policy), so it needs no warm start. Prefills are cached once per context (features,
+full keys/values, reference logits), so an epoch costs only the continuations.
 
 Not here: feature maths (features.py), the press (press.py), evaluation (bench.py).
 """
@@ -38,7 +32,6 @@ from torch import Tensor
 
 from scdviz import artefact, metrics
 from scdviz.config import opt
-from scdviz.evict import features as F
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.policy import FILE as POLICY_FOLDER_FILE
 from scdviz.evict.policy import LOG as POLICY_LOG
@@ -51,7 +44,7 @@ from scdviz.progress import Reporter, steps
 
 def loo_baseline(rewards: Tensor) -> Tensor:
     """Leave-one-out baseline (M, ...) -> (M, ...): for each sample, the mean of the other M-1
-    samples' rewards (per column when each sample has several, e.g. one per decision)."""
+    samples' rewards (per column when each sample has several)."""
     m = rewards.shape[0]
     if m < 2:
         raise ValueError("the leave-one-out baseline needs at least 2 samples per context")
@@ -97,21 +90,10 @@ class TrainConfig:
                             "bench evict's question_len, so that validation measures what the benchmark measures (0: "
                             "score the tokens right after the context)")
     keeps: tuple[float, ...] = opt((0.25, 0.125), 'kept fractions, one drawn per step')
-    samples: int = opt(4, 'M, Gumbel samples per context and step')
-    reward: str = opt("subset", "subset: one reward per sampled kept set, -mean KL over the continuation (a one-shot "
-                      "bandit); sequential: the seed's per-step formulation, the continuation decoded with the cache "
-                      "held at the budget and every eviction sampled from the policy, each decision credited with -KL "
-                      "of the steps after it (per-head policies)", choices=("subset", "sequential"))
-    decode_interval: int = opt(4, "sequential reward and --val-decode: evict every this many decoded tokens")
-    val_decode: bool = opt(False, "validate at decode time (per-head policies): the held-out continuation decoded one "
-                           "token at a time with the cache held at the budget by the policy's own cuts; the best "
-                           "checkpoint is chosen on that, and the heuristic line is H2O's scores held the same way "
-                           "(val_heuristic_decode)")
+    samples: int = opt(4, 'M, Gumbel samples per context and step (reward: -mean KL over the continuation)')
     steps: int = opt(300, 'REINFORCE steps (one context each)')
-    warm_steps: int = opt(100, 'imitation steps on the warm-start ranking before REINFORCE (0: none)')
-    warm_target: str = opt("alpha", "warm-start ranking: alpha (observed attention, H2O's score) or foresight "
-                           "(attention the continuation pays to each token over the full cache)",
-                           choices=("alpha", "foresight"))
+    warm_steps: int = opt(100, "imitation steps on alpha's ranking (observed attention, H2O's score) before REINFORCE "
+                          "(0: none)")
     warm_lr: float | None = opt(None, "Adam learning rate of the warm start (default: lr)")
     lr: float = opt(3e-4, "Adam learning rate (3e-3 degraded the warm start on validation: assets/policy/README.md)")
     entropy_coef: float = opt(1e-4, "beta, weight of the entropy bonus")
@@ -129,7 +111,6 @@ class Sample:
     obs: Observed  # prefill features and full keys/values
     cont: Tensor  # (1, q + n) the tail teacher-forced after the context: q unscored "question" tokens, then n scored
     ref: Tensor  # (n, V) full-cache logits over the tail's last n positions, the ones the reward and validation score
-    future: tuple[Tensor, Tensor] | None = None  # foresight target (L, 1, Hkv, T) and (1, T), when asked
 
 
 def rows(policy: Policy, obs: Observed) -> Tensor:
@@ -172,7 +153,6 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
         raise ValueError("no text to train on: give --texts or at least one of --corpora")
     per = -(-count // len(sources))
     length = cfg.context_len + cfg.question_len + cfg.cont_len
-    foresight = cfg.warm_target == "foresight"  # validation: only for the oracle's KL in the log
     windows = windows or [w for c in sources
                           for w in data.token_windows(tokenizer, data.passages(c, split, cfg.texts), length, per,
                                                       cfg.spread)]
@@ -188,16 +168,15 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
                           hidden=hidden)
             full = hf.make_cache(model, obs.keys, obs.values)
             positions = torch.arange(cfg.context_len, cfg.context_len + cont.shape[1]).unsqueeze(0)
-            trace = hf.forward(model, cont, cache=full, positions=positions, attentions=foresight)
-        future = F.future_attention(trace.attn, cfg.context_len, hf.attn_heads(model)[1]) if foresight else None
-        out.append(Sample(obs, cont, trace.logits[0, -cfg.cont_len:], future))
+            trace = hf.forward(model, cont, cache=full, positions=positions)
+        out.append(Sample(obs, cont, trace.logits[0, -cfg.cont_len:]))
     return out
 
 
 def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict,
                progress: bool | Reporter = True) -> None:
-    """Imitate the warm-start ranking (``cfg.warm_target``): maximise its Plackett-Luce likelihood
-    (at ``cfg.warm_lr`` when given; REINFORCE then continues at ``cfg.lr``)."""
+    """Imitate alpha's ranking (H2O's score): maximise its Plackett-Luce likelihood (at ``cfg.warm_lr`` when
+    given; REINFORCE then continues at ``cfg.lr``)."""
     for group in opt.param_groups:
         group["lr"] = cfg.lr if cfg.warm_lr is None else cfg.warm_lr
     try:
@@ -209,10 +188,10 @@ def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: tor
 
 def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict,
              progress: bool | Reporter) -> None:
-    for step in steps(range(cfg.warm_steps), f"warm start ({cfg.warm_target})", progress):
+    for step in steps(range(cfg.warm_steps), "warm start (alpha)", progress):
         sample = samples[step % len(samples)]
         scores = rows(policy, sample.obs)
-        heuristic = warm_rows(sample, policy.config.per_head, cfg.warm_target)
+        heuristic = rows_of_feature(sample.obs, policy.config.per_head, 0)
         n_keep = keep_count(sample.obs.n_tokens, cfg.keeps[step % len(cfg.keeps)])
         target = heuristic.topk(n_keep, dim=-1).indices
         loss = -plackett_luce_logprob(scores, target).mean() / n_keep
@@ -222,65 +201,11 @@ def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch
         log["warm"].append(round(float(loss.detach()), 5))
 
 
-def warm_rows(sample: Sample, per_head: bool, target: str) -> Tensor:
-    """The warm-start target's scores as rows, laid out like ``rows``."""
-    if target == "alpha":
-        return rows_of_feature(sample.obs, per_head, 0)
-    if sample.future is None:
-        raise ValueError("the foresight warm start needs samples prepared with warm_target='foresight'")
-    head, glob = sample.future
-    return head[:, 0].flatten(0, 1) if per_head else glob
-
-
 def rows_of_feature(obs: Observed, per_head: bool, idx: int) -> Tensor:
     """One raw feature as rows, laid out like ``rows``."""
     if per_head:
         return obs.head_features[:, 0, ..., idx].flatten(0, 1)
     return obs.global_features[..., idx]
-
-
-def reinforce_sequential_step(model, policy, sample: Sample, n_keep: int, cfg: TrainConfig, gen) -> dict:
-    """The seed's sequential formulation for one context: M episodes, each a sampled prefill
-    selection followed by the teacher-forced continuation decoded one token at a time with
-    every layer held at ``n_keep`` tokens per KV head by sampled evictions (DecodeEvictor).
-
-    Reward R_t = -KL(P_t || P^_t) at each continuation step. A decision made while decoding
-    position p changes the logits from p + 1 on, so it is credited with G = sum over those
-    steps of R_t / n (the prefill selection with all n steps); its advantage is G minus the
-    mean G of the same decision in the other M-1 episodes (leave-one-out; every episode
-    evicts at the same steps). Loss: -mean over decisions of advantage * log-probability,
-    minus the entropy bonus of the prefill scores.
-    """
-    from scdviz.evict.decode import DecodeEvictor
-    from scdviz.evict.press import DistillCachePress
-
-    if not policy.config.per_head:
-        raise ValueError("the sequential reward holds a kept set per layer and KV head: use a per-head policy")
-    scores = rows(policy, sample.obs)
-    prefix, n = sample.obs.n_tokens, sample.ref.shape[0]
-    question = sample.cont.shape[1] - n  # unscored tail tokens before the scored ones
-    logps, kls, schedule = [], [], None
-    for _ in range(cfg.samples):
-        ranking = gumbel_top_b(scores, n_keep, gen)
-        evictor = DecodeEvictor(DistillCachePress(policy=policy), budget=n_keep, window=cfg.policy.window,
-                                interval=cfg.decode_interval, sampler=gen)
-        kls.append(held_kl(model, sample, indices_from_rows(ranking, sample.obs, True), evictor).detach())
-        positions = [p for p, _ in evictor.decisions]
-        if schedule not in (None, positions):
-            raise RuntimeError("episodes evicted at different steps; the leave-one-out baseline needs the same "
-                               "schedule")
-        schedule = positions
-        logps.append(torch.stack([plackett_luce_logprob(scores, ranking).sum(), *[lp for _, lp in evictor.decisions]]))
-    kl = torch.stack(kls)  # (M, n)
-    # G of a decision = -(sum of KL over the scored steps it changes) / n: the prefill selection changes all n
-    # steps, a cut while decoding position p the scored steps from p + 1 on (none when p is the last)
-    tail = torch.cat([kl.flip(1).cumsum(1).flip(1), kl.new_zeros(kl.shape[0], 1)], 1) / n  # (M, n + 1)
-    g = -tail[:, [0, *[min(max(p - prefix + 1 - question, 0), n) for p in schedule]]]  # (M, decisions)
-    logp = torch.stack(logps)  # (M, decisions)
-    entropy = first_choice_entropy(scores)
-    loss = -((g - loo_baseline(g)) * logp).mean() - cfg.entropy_coef * entropy
-    return {"loss": loss, "kl": float(kl.mean()), "entropy": float(entropy.detach()), "decisions": logp.shape[1],
-            "kl_steps": kl}
 
 
 def held_kl(model, sample: Sample, indices, evictor) -> Tensor:
@@ -345,13 +270,6 @@ def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = N
     trained on this model with this policy config.
     """
     model, tokenizer, source = subject(pair)
-    if (cfg.reward == "sequential" or cfg.val_decode) and not cfg.policy.per_head:
-        raise ValueError("the sequential reward and decode-time validation hold a kept set per layer and KV head: "
-                         "use a per-head policy")
-    if (cfg.reward == "sequential" or cfg.val_decode) and cfg.policy.lookahead:
-        raise ValueError("the sequential reward and decode-time validation evict while decoding, where the lookahead "
-                         "feature (sampled after the prefill) does not exist: train a lookahead policy with the subset "
-                         "reward and prefill validation, or use --lookahead 0")
     if cfg.samples < 2:
         raise ValueError(f"--samples must be at least 2 (the leave-one-out baseline), got {cfg.samples}")
     device = hf.device_of(model)
@@ -380,8 +298,7 @@ def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = N
     for step in bar:
         sample = samples[order.randrange(len(samples))]
         keep = cfg.keeps[step % len(cfg.keeps)]
-        step_fn = reinforce_sequential_step if cfg.reward == "sequential" else reinforce_step
-        stats = step_fn(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
+        stats = reinforce_step(model, policy, sample, keep_count(sample.obs.n_tokens, keep), cfg, gen)
         opt.zero_grad()
         stats.pop("loss").backward()
         opt.step()
@@ -417,28 +334,10 @@ def _resume(state: Checkpoint, cfg: TrainConfig, model, source: str, device) -> 
 
 
 def _heuristic_lines(model, cfg: TrainConfig, held_out: list[Sample], log: dict) -> None:
-    """The heuristics' validation KLs, logged once per run: alpha (H2O's score) at prefill, and
-    while decoding with --val-decode; the foresight oracle with the foresight warm start."""
+    """The heuristic's validation KL, logged once per run: alpha (H2O's score) at prefill."""
     if "val_heuristic" not in log:
         log["val_heuristic"] = round(
-            validate(
-                model,
-                lambda s: rows_of_feature(s.obs, cfg.policy.per_head, 0),
-                cfg.policy.per_head,
-                held_out,
-                cfg.keeps,
-            ),
-            5,
-        )
-    if cfg.val_decode and "val_heuristic_decode" not in log:  # H2O's scores, at prefill and while decoding
-        from kvpress import ObservedAttentionPress
-
-        log["val_heuristic_decode"] = round(validate(
-            model, lambda s: rows_of_feature(s.obs, True, 0), True, held_out, cfg.keeps, ObservedAttentionPress(),
-            cfg.decode_interval, cfg.policy.window), 5)
-    if cfg.warm_target == "foresight" and "val_foresight_oracle" not in log:  # top-B of the true future: a bound
-        log["val_foresight_oracle"] = round(
-            validate(model, lambda s: warm_rows(s, cfg.policy.per_head, "foresight"), cfg.policy.per_head, held_out,
+            validate(model, lambda s: rows_of_feature(s.obs, cfg.policy.per_head, 0), cfg.policy.per_head, held_out,
                      cfg.keeps), 5)
 
 
@@ -457,12 +356,9 @@ class _Run:
 
     def checkpoint(self) -> None:
         """Validate the current policy, keep it when it is the best so far, and hand the state to the callback."""
-        from scdviz.evict.press import DistillCachePress
-
         cfg, policy, log = self.cfg, self.policy, self.log
-        press = DistillCachePress(policy=policy) if cfg.val_decode else None
         val = round(validate(self.model, lambda s: rows(policy, s.obs), policy.config.per_head, self.held_out,
-                             cfg.keeps, press, cfg.decode_interval, cfg.policy.window), 5)
+                             cfg.keeps), 5)
         log["val"].append({"step": len(log["steps"]), "kl": val})
         # compared as logged (an unrounded value could miss its own entry)
         improved = val <= min(v["kl"] for v in log["val"])
@@ -524,26 +420,16 @@ def load_checkpoint(folder: str | Path, device=hf.HOST) -> Checkpoint:
     return Checkpoint(policy, optimizer, json.loads((folder / LOG_FILE).read_text()), best)
 
 
-def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...], press=None,
-             interval: int = 4, window: int = 64) -> float:
+def validate(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...]) -> float:
     """Mean KL of deterministic top-B of ``scorer(sample) -> rows`` over samples and kept fractions
     (``validation_kls``, averaged)."""
-    kls = validation_kls(model, scorer, per_head, samples, keeps, press, interval, window)
+    kls = validation_kls(model, scorer, per_head, samples, keeps)
     return sum(kls) / len(kls)
 
 
-def validation_kls(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...], press=None,
-                   interval: int = 4, window: int = 64) -> list[float]:
+def validation_kls(model, scorer, per_head: bool, samples: list[Sample], keeps: tuple[float, ...]) -> list[float]:
     """KL of deterministic top-B of ``scorer(sample) -> rows``, one per sample and kept fraction
-    (sample-major), for paired comparisons.
-
-    With ``press`` (a DistillCachePress or a kvpress scorer), at decode time: the continuation is
-    decoded one token at a time with every layer held at the same budget by ``press``'s top-B
-    every ``interval`` tokens (DecodeEvictor, ``window`` query rows), as ``bench evict --decode-tokens``
-    does; an interval longer than the continuation makes no cut and gives the prefill-time value.
-    """
-    from scdviz.evict.decode import DecodeEvictor
-
+    (sample-major), for paired comparisons."""
     kls = []
     with torch.no_grad():
         for sample in samples:
@@ -551,9 +437,5 @@ def validation_kls(model, scorer, per_head: bool, samples: list[Sample], keeps: 
             for keep in keeps:
                 n_keep = keep_count(sample.obs.n_tokens, keep)
                 idx = indices_from_rows(scores.topk(n_keep, dim=-1).indices, sample.obs, per_head)
-                if press is None:
-                    kls.append(rollout_kl(model, sample, idx))
-                    continue
-                evictor = DecodeEvictor(press, budget=n_keep, window=window, interval=interval)
-                kls.append(float(held_kl(model, sample, idx, evictor).mean()))
+                kls.append(rollout_kl(model, sample, idx))
     return kls
