@@ -1,5 +1,5 @@
-"""How long a visitor waits in the app, on the built-in pair (issue 30's targets: eviction on a 512-token
-context with the default set, an SCD transfer, a figure export).
+"""How long a visitor waits in the app, on the built-in pair: eviction on a 512-token context with the default
+set, an SCD transfer, a figure export (the table of docs/hosting.md#how-long-a-visitor-waits).
 
     python -m research.app_latency [--repeats 3]        # SCDVIZ_THREADS fixes the thread count
 

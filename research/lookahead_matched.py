@@ -2,7 +2,7 @@
 
     SCDVIZ_THREADS=1 python -m research.lookahead_matched [--per-domain 4] [--seeds 0 1 2] [--out FILE.json]
 
-The headline policy (``distillcache-head-lookahead-w512``: W = 512, K = 8 continuations of G = 40
+The headline policy (``lookahead-policy``: W = 512, K = 8 continuations of G = 40
 tokens sampled from the model after the context, a prior of w x lookahead + (1 - w) x alpha, w = 0.5
 for this policy, plus a learned MLP correction) is compared, on the same contexts and the same
 sampled continuations, with what costs the same compute but learns nothing:
@@ -38,7 +38,7 @@ from scdviz.models.pair import choose_threads, load_model
 
 DOMAINS = ("austen", "bible", "gcide", "handbook", "jargon", "manpages")
 CONTEXT, QUESTION, HORIZONS, KEEPS = 512, 16, (24, 128), (0.25, 0.125)
-POLICY = "distillcache-head-lookahead-w512"
+POLICY = "lookahead-policy"
 
 
 def scorers(obs, policy, group: int) -> dict[str, torch.Tensor]:

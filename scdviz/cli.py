@@ -32,7 +32,6 @@ from scdviz.commands import (
     PrepareText,
     Rate,
     Report,
-    Span,
     TrainPolicy,
 )
 
@@ -156,8 +155,8 @@ def _rate(cmd: Rate) -> None:
           f"{calib.rate.seconds:.0f} s; saved into {out}")
 
 
-def _calibration_stage(cmd: Span | Distil, stage: str):
-    """(pair, calibration, output folder) of a stage added to a calibration (``span``, ``distil``): the given
+def _calibration_stage(cmd: Distil, stage: str):
+    """(pair, calibration, output folder) of a stage added to a calibration (``distil``): the given
     calibration or the consumer's own, and a new run named ``<calibration>-<stage>`` unless told otherwise."""
     from scdviz.models.pair import choose_threads, load_pair
     from scdviz.scd import calibration
@@ -168,24 +167,6 @@ def _calibration_stage(cmd: Span | Distil, stage: str):
     calib = calibration.Calibration.load(folder, pair)
     name = cmd.name or runs.auto_name(f"{folder.name}-{stage}")
     return pair, calib, _out_folder(cmd.out, "calibrations", name, cmd.maintainer, None)
-
-
-def _span(cmd: Span) -> None:
-    from scdviz.scd import span
-
-    pair, calib, out = _calibration_stage(cmd, "span")
-    t0 = time.perf_counter()
-    fitted, info = span.fit(pair, calib, cmd.span)
-    fitted.save(out)
-    _save_run(cmd, out, "span", 0, str(pair.device), time.perf_counter() - t0)
-    for start, row in info["by_start"].items():
-        held = row["lodo_error"][str(row["shrink"])]
-        print(f"  span from layer {start}: shrinkage {row['shrink']}, held-out error {held} (the producer's "
-              f"residual as it is: {row['lodo_error_identity']})"
-              + ("; selection KL " + ", ".join(f"{k} {v}" for k, v in row["selection_kl"].items())
-                 + f": {row['chosen']} kept" if "chosen" in row else ""))
-    print(f"saved to {out} in {info['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
-          f"{cmd.consumer} --calibs {out} --spans")
 
 
 def _distil(cmd: Distil) -> None:
@@ -209,8 +190,7 @@ def _distil(cmd: Distil) -> None:
     f = log["footprint"]
     print(f"the correction stage: {f['layers']} of {f['of_layers']} layers, {f['mb']:.2f} MB (int8 factors), "
           f"{f['flops_per_token'] / 1e3:.0f} kFLOP per received token ({100 * f['of_prefill']:.2f}% of the "
-          f"consumer's prefill)" + (f"; {f['spans']} span aligners, the dearest "
-                                    f"{f['span_flops_per_token'] / 1e3:.0f} kFLOP per token" if f.get("spans") else ""))
+          f"consumer's prefill)")
     print(f"saved to {out} in {log['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out}")
 
@@ -252,10 +232,6 @@ def _bench_scd(cmd: BenchScd) -> None:
         print("\n== patch-budget sweep: KL at k patch layers, relative to k = 0 "
               "(vs_k0_ci95: paired bootstrap over passages) ==")
         print(protocol.show(bench.patch_table(reports)))
-    if cmd.bench.rank_claim:
-        print("\n== rank claim: one rank for every key code (values at full rank) and vice versa, KL relative to "
-              "reuse-only at full rank (ci95: paired bootstrap over passages) ==")
-        print(protocol.show(bench.rank_claim_table(reports)))
     if cmd.bench.budgets:
         print("\n== budget sweep: transform-coded and rate-distortion plans (both a hard byte limit) and rank-only "
               "allocation, KL relative to raw reuse (vs_raw_ci95: paired bootstrap over passages) ==")
@@ -303,7 +279,7 @@ def _fit_student(cmd: FitStudent) -> None:
     t0 = time.perf_counter()
     fitted = student_fit.fit(dataclasses.replace(cmd.fit, out=str(folder)), (model, tokenizer, cmd.model))
     fitted.save(folder)
-    _save_run(cmd, folder, "fit-student", cmd.fit.seed, str(next(model.parameters()).device), time.perf_counter() - t0)
+    _save_run(cmd, folder, "fit-student", None, str(next(model.parameters()).device), time.perf_counter() - t0)
     log = fitted.log
     print(f"validation KL ({cmd.fit.val_contexts} calib contexts, kept {', '.join(map(str, cmd.fit.keeps))}): "
           f"H2O {log['val_heuristic']}" + (f"; while decoding: H2O {log['val_decode_heuristic']}"
@@ -316,7 +292,7 @@ def _fit_student(cmd: FitStudent) -> None:
         listwise = f", then listwise, penalty {row['listwise_penalty']:g}" if "listwise_penalty" in row else ""
         here = (row["ridge"], row.get("decode_weight"), row.get("listwise_penalty"))
         print(f"  ridge {row['ridge']:g}{weight}{listwise}: {row['kl']} ({row['kl']/log['val_heuristic']:.3f}x H2O)"
-              f"{decoding} " + ("<- chosen" if here == chosen and not fitted.meta.get("rl_steps") else ""))
+              f"{decoding} " + ("<- chosen" if here == chosen else ""))
     print(f"done in {log['seconds']} s; {fitted.meta['flops_per_token_layer']} FLOPs per token per layer")
     print(f"student saved to {folder}; bench it with: "
           f"python -m scdviz bench evict --policies {folder / 'best.safetensors'}")
@@ -493,8 +469,6 @@ COMMANDS = [
      FitStudent, _fit_student),
     ("distil", "train an SCD calibration's correction stage through the consumer on its continuation KL",
      Distil, _distil),
-    ("span", "fit span codes: the consumer runs its last layers itself, fed the producer's residual aligned to its "
-             "own", Span, _span),
     ("rate", "measure an SCD calibration's rate-distortion curves for the budget planner (saved into it)", Rate, _rate),
     ("bench scd", "every SCD method and baseline on held-out text", BenchScd, _bench_scd),
     ("bench ttft", "time to first token of every SCD method and baseline vs the consumer's own prefill "

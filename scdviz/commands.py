@@ -19,7 +19,6 @@ from scdviz.finetune import FinetuneConfig
 from scdviz.scd.bench import ScdBenchConfig
 from scdviz.scd.calibration import CalibConfig
 from scdviz.scd.distil import DistilConfig
-from scdviz.scd.span import SpanConfig
 from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
@@ -101,18 +100,6 @@ class Distil:
 
 
 @dataclass
-class Span:
-    producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
-    consumer: str = opt("builtin:austen-qkv", f"consumer {SOURCE_HELP}")
-    calib: str | None = opt(None, "calibration folder to add span codes to (default: yours in the runs folder, else "
-                            "the shipped one)")
-    name: str | None = opt(None, NAME_HELP.format(kind="calibrations") + " (default: <calibration>-span)")
-    out: str | None = opt(None, "output folder instead of the runs folder")
-    maintainer: bool = opt(False, MAINTAINER_HELP + ": --out may then write into assets/")
-    span: SpanConfig = field(default_factory=SpanConfig)
-
-
-@dataclass
 class BenchScd:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumers: list[str] = opt([], "consumer sources (default: every built-in specialist); " + SOURCE_HELP)
@@ -181,7 +168,8 @@ class Report:
     root: str | None = opt(None, "the checkout whose README.md and docs/ to write or check (default: this one)")
 
 
-# settings records made before they were retired carry; the CLI no longer has them (they timed decoding inside the
-# quality bench, which ``bench cost`` now measures for every method alike)
-RETIRED_SETTINGS = frozenset({"eval.throughput_contexts", "eval.decode_steps"})
+# settings records made before they were retired carry; the CLI no longer has them (the first two timed decoding
+# inside the quality bench, which ``bench cost`` now measures for every method alike; the SCD bench's span and
+# rank-claim sweeps left with their variants: docs/history.md, "Retired in the one-recipe cleanup")
+RETIRED_SETTINGS = frozenset({"eval.throughput_contexts", "eval.decode_steps", "bench.spans", "bench.rank_claim"})
 BENCHES = {"scd": BenchScd, "ttft": BenchTtft, "evict": BenchEvict, "cost": BenchCost}  # ``bench KIND`` -> its settings

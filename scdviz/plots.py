@@ -41,12 +41,11 @@ DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # from their name, moved on only where it would repeat one already in the figure.
 SCD_METHODS = ("SCD full", "raw KV", "DroidSpeak recompute", "SCD reuse-only", "4-bit KV", "SCD transform-coded",
                "SCD RD", "SCD RD+entropy", "SCD rank-only", "SCD r_K", "token 0")
-EVICT_METHODS = ("distillcache-student-decode-window32-listwise", "distillcache-head-lookahead-w512",
+EVICT_METHODS = ("distilled-scorer", "DistillCache", "DistillCache-per-head", "lookahead-policy", "H2O",
                  "ObservedAttention", "SnapKV", "KVzip", "StreamingLLM",
                  "TOVA", "ExpectedAttention", "KeyDiff", "CUR", "LagKV", "Knorm", "Random", "PyramidKV",
                  "AdaKV-SnapKV", "AdaKV-ExpectedAttention", "CriticalKV-SnapKV", "CriticalAdaKV-SnapKV", "FastKVzip",
-                 "distillcache-head", "distillcache-global", "distillcache-head-w64", "distillcache-head-lookahead",
-                 "distillcache-student", "distillcache-student-layer", "distillcache-student-closed-form")
+                 "distilled-scorer-closed-form", "distilled-scorer-per-layer")
 KNOWN = SCD_METHODS + EVICT_METHODS  # each family drawn from the start of the palette (they never share a plot)
 REFERENCE = ("#000000", "star", "dash")  # the oracle / the full cache: what every method is compared with
 FOCUS_WIDTH, CONTEXT_WIDTH, CONTEXT_OPACITY = 2.6, 1.0, 0.35
@@ -327,7 +326,7 @@ def pareto(table: pd.DataFrame) -> go.Figure:
 
 
 def compute_axis(table: pd.DataFrame) -> go.Figure:
-    """The consumer's own compute (the share of its prefill it runs itself: recomputed layers, spans) vs
+    """The consumer's own compute (the share of its prefill it runs itself: recomputed layers and tokens) vs
     KL, one point per method (lower left is better; the oracle, all compute and no error, left out)."""
     rows = table[table["method"] != "oracle"]
     fig = go.Figure()
@@ -392,7 +391,7 @@ def kept_heatmap(kept_per_layer: list[list[float]], tokens: list[str], method: s
                                customdata=[tokens] * len(kept_per_layer),
                                hovertemplate="layer %{y}, token %{x} %{customdata}: %{z:.2f}<extra></extra>"))
     fig.update_traces(colorbar={"title": {"text": "share of<br>KV heads", "side": "top"}})
-    # the method's name can be long (distillcache-head-lookahead-w512): on its own line, the plot is half width
+    # the method's name can be long (distilled-scorer-closed-form): on its own line, the plot is half width
     return _layout(fig, f"Tokens kept per layer<br><sub>by {method}</sub>", "context token", "layer")
 
 
@@ -442,6 +441,22 @@ def training_curve(log: dict | None) -> go.Figure:
         fig.add_scatter(x=[v.get("step", i) for i, v in enumerate(val)], y=[v["kl"] for v in val],
                         mode="lines+markers", name="validation KL (deterministic)")
     return _layout(fig, "Policy training", "REINFORCE step", "KL(full ‖ pruned)")
+
+
+def fit_candidates(log: dict | None) -> go.Figure:
+    """The distilled scorer's fit (scdviz.evict.student_fit): validation KL of every candidate it tried (ridge
+    strength, decode-state weight, then the listwise stage), the chosen one marked, H2O's on the same contexts as
+    a line."""
+    fig = go.Figure()
+    val = (log or {}).get("val", [])
+    if val:
+        names = [("listwise " + f"{v['listwise_penalty']:g}" if "listwise_penalty" in v else f"ridge {v['ridge']:g}")
+                 + (f", decode ×{v['decode_weight']:g}" if v.get("decode_weight") is not None else "") for v in val]
+        fig.add_bar(x=names, y=[v["kl"] for v in val], name="validation KL (prefill)")
+        if log.get("val_heuristic"):
+            fig.add_scatter(x=names, y=[log["val_heuristic"]] * len(names), mode="lines", name="H2O, same contexts",
+                            line=dict(dash="dash"))
+    return _layout(fig, "Distilled scorer: candidates on validation", "candidate", "KL(full ‖ pruned)")
 
 
 def distil_curve(log: dict | None) -> go.Figure:

@@ -11,7 +11,8 @@ with the table ``NAME`` of ``TABLES`` rendered from the records under ``assets/`
 from what the records give. So a number in a docs table cannot drift from its record. Every
 table ends with a line naming its record file(s) and the command that made each record (the
 ``.toml`` beside it when one holds the record's settings, else the flags rebuilt from the
-record's settings).
+record's settings). One table is not a record's: ``test-ledger`` lists every run on the test slice from
+``docs/test_ledger.json``, which ``python -m research.test_ledger`` writes from the git history.
 
 Library layer: imports records and config (no torch) and reads nothing at import; the paired
 bootstrap intervals are the benches' own (``scdviz.metrics``, imported when a table needs one),
@@ -21,6 +22,7 @@ so an interval here is the one the bench prints.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import tomllib
 from collections.abc import Callable, Sequence
@@ -50,7 +52,7 @@ def _rel(path: Path) -> str:
 
 
 @functools.cache
-def _read(rel: str) -> records.BenchRecord:
+def shipped_record(rel: str) -> records.BenchRecord:
     """A shipped record by its path under assets/ (``scd/jargon/bench.json``), read once per process
     (every table and source line names its records again; the tables only read them)."""
     return records.read(settings.ASSETS_DIR / rel)
@@ -150,8 +152,8 @@ SLICE_WORDS = {"test": "test slice", "dev": "dev slice",
 
 
 def _source_line(rels: Sequence[str]) -> str:
-    made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}` ({SLICE_WORDS[slice_of(_read(r))]}): "
-                     f"`{command(settings.ASSETS_DIR / r, _read(r))}`" for r in rels)
+    made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}` ({SLICE_WORDS[slice_of(shipped_record(r))]}): "
+                     f"`{command(settings.ASSETS_DIR / r, shipped_record(r))}`" for r in rels)
     return f"*Records (and the command that made each):* {made}."
 
 
@@ -220,7 +222,7 @@ SCD_NAMES = {"SCD full": "**SCD**", "DroidSpeak recompute": "DroidSpeak (2 layer
 
 
 def _scd_rows(rel: str, group: str, domain: str | None = None) -> list[dict]:
-    return [r for r in _read(rel).rows if r.get("row") == "measured" and r.get("group") == group
+    return [r for r in shipped_record(rel).rows if r.get("row") == "measured" and r.get("group") == group
             and (domain is None or r["domain"] == domain)]
 
 
@@ -286,22 +288,6 @@ def scd_patch() -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
-def scd_rank_claim() -> str:
-    """The rank claim: keys or values at a reduced rank (the other side at full rank), KL relative to full rank."""
-    rels = [f"scd/{s}/rank_claim.json.gz" for s in SPECIALISTS]
-    out, ranks = [], None
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
-        full = next(r for r in _scd_rows(rel, "method") if r["method"] == "SCD reuse-only")
-        sweep = _scd_rows(rel, "rank claim")
-        for side, label in (("SCD r_K", "keys reduced"), ("SCD r_V", "values reduced")):
-            rows = sorted((r for r in sweep if r["method"].startswith(side)),
-                          key=lambda r: int(r["method"].split("=")[1].split()[0]))
-            ranks = ranks or [int(r["method"].split("=")[1].split()[0]) for r in rows]
-            out.append([spec, label] + [_ratio(full, r) for r in rows])
-    head = ["specialist", "reduced side"] + [f"rank {k}" for k in ranks]
-    return _table(head, out) + "\n\n" + _source_line(rels)
-
-
 def scd_lodo(record: str = "lodo_test.json.gz") -> str:
     """Leave-one-domain-out (test slice): per held-out domain, raw reuse vs SCD (int4 operating point and
     transform coded)."""
@@ -348,8 +334,8 @@ def scd_qa(record: str = "lodo_test.json.gz") -> str:
                    + [f"{own[m]['mean']:.3f}" for m in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute")]
                    + [f"{own['SCD full']['mean']:.3f} {_ci(*own['SCD full']['ci'], 3)}",
                       f"{vs['diff']:+.3f} {_ci(*vs['diff_ci'], 3, sign=True)}"])
-    head = ["specialist", "items", "oracle", "raw KV", "4-bit KV", "DroidSpeak", "SCD [95% CI]",
-            "SCD − raw (paired) [95% CI]"]
+    head = ["specialist", "items", "oracle", "raw KV", "4-bit KV", "DroidSpeak",
+            "SCD full, closed form calibrated without the domain [95% CI]", "SCD − raw (paired) [95% CI]"]
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
@@ -386,37 +372,6 @@ def scd_tail(record: str = "tail_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
-def scd_span(record: str = "span_dev.json.gz") -> str:
-    """Spans against tails (dev slice): the consumer runs its last layers itself from an aligned residual code or
-    from the producer's residual (DroidSpeak's way), or runs the prompt's last tokens; KL against raw reuse and
-    against SCD reuse-only by the share of its prefill the consumer computes, each trained plan over its closed
-    form, QA."""
-    from scdviz.scd.plan import CLOSED  # lazily, as the commands: plans import torch
-
-    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
-    out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
-        rows = _scd_rows(rel, "method") + _scd_rows(rel, "budget sweep")
-        plain = {r["method"]: r for r in rows}
-        raw, reuse = plain["raw KV"], plain["SCD reuse-only"]
-        tc = next(m for m in plain if m.startswith("SCD transform-coded") and not m.endswith(")"))
-        tails = [r for r in _scd_rows(rel, "tail sweep") if r["method"].startswith("SCD reuse-only + last")]
-        spans = _scd_rows(rel, "span sweep")
-        twins = {r["method"]: r for r in tails + spans}
-        for r in [raw, reuse, plain[tc], *tails, *spans]:
-            if r["method"].endswith(CLOSED):
-                continue
-            twin = twins.get(r["method"] + CLOSED) or plain.get(r["method"] + CLOSED)
-            out.append([spec, r["method"], f"{r.get('prefill_share', 0.0):.1%}", _b(r["payload_bytes_per_token"]),
-                        f"{r['kl']:.4f}", "" if r is raw else _ratio(raw, r),
-                        "" if r in (raw, reuse) else _ratio(reuse, r), "" if twin is None else _ratio(twin, r),
-                        f"{r['top1']:.3f}", _f(r.get("qa_f1"), 3)])
-    head = ["specialist", "method", "consumer compute (share of its prefill)", "bytes/token", "KL",
-            "KL / raw KV [95% CI]", "KL / SCD reuse-only [95% CI]", "trained / closed form [95% CI]", "top-1",
-            "QA F1"]
-    return _table(head, out) + "\n\n" + _source_line(rels)
-
-
 def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     """Quote recall from two layers sent raw (austen-qkv, test slice): the lineup's SCD plans without and with
     layers 20 and 26 as the producer's 4-bit K, V (chosen on dev), with their closed-form twins: bytes, KL
@@ -441,23 +396,29 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
 
 
 def scd_ttft() -> str:
-    """Time to first token, measured (medians of interleaved rounds)."""
-    rel = "scd/jargon/ttft.json"
-    rows = _read(rel).rows
+    """Time to first token, measured (medians of interleaved rounds), each specialist's trained stage with its
+    closed form in the same rounds."""
+    rels = [f"scd/{s}/ttft_receive.json" for s in SPECIALISTS]
+    return "\n\n".join(_ttft_one(rel, spec) for rel, spec in zip(rels, SPECIALISTS, strict=True)) + "\n\n" + \
+        _source_line(rels)
+
+
+def _ttft_one(rel: str, spec: str) -> str:
+    rows = shipped_record(rel).rows
     out = [[r["method"], _b(r["bytes_per_token"]),
             f"{round(r['encode_ms'] + r['receive_ms'] + r['first_step_ms']):,} {r['compute_iqr_ms']}",
             f"{round(r['encode_ms']):,} / {round(r['receive_ms']):,}",
             f"{round(r['ttft_10gbps_ms']):,} / {round(r['ttft_with_prefill_10gbps_ms']):,} / "
             f"{round(r['ttft_shared4_10gbps_ms']):,}",
-            f"{_f(r['break_even_gbps'], 3)} / {_f(r['break_even_shared4_gbps'], 3)}"] for r in rows
+            f"{_f(r['break_even_gbps'], 3)} / {_f(r['break_even_shared4_gbps'], 3)}",
+            _f(r.get("receive_vs_closed_form"), 3)] for r in rows
            if r.get("encode_ms") is not None]
     head = ["method", "B/token", "consumer + encode, median [IQR] ms", "encode / receive ms",
             "TTFT at 10 Gbit/s, ms: no producer prefill / with it / shared by 4",
-            "break-even Gbit/s (no prefill / shared by 4)"]
+            "break-even Gbit/s (no prefill / shared by 4)", "receive / closed form's"]
     first = rows[0]
-    return (_table(head, out) + "\n\nOracle (the consumer's own prefill + first step): "
-            f"{round(first['oracle_ms']):,} ms; "
-            f"the producer's prefill: {round(first['producer_prefill_ms']):,} ms.\n\n" + _source_line([rel]))
+    return (f"**{spec}**\n\n" + _table(head, out) + "\n\nOracle (the consumer's own prefill + first step): "
+            f"{round(first['oracle_ms']):,} ms; the producer's prefill: {round(first['producer_prefill_ms']):,} ms.")
 
 
 # ----------------------------------------------------------------------------- eviction tables
@@ -468,7 +429,7 @@ def _joined(rels: list[str], mode: str = "agnostic") -> dict[tuple[str, str], di
     method two records share must agree per context (to another machine's float rounding)."""
     out: dict[tuple[str, str], dict] = {}
     for rel in rels:
-        for row in _read(rel).rows:
+        for row in shipped_record(rel).rows:
             if row.get("mode") != mode or "kl_per_context" not in row:
                 continue
             key = (row["method"], row["keep"])
@@ -515,7 +476,6 @@ PROTOCOL = ["policy/bench/test.json"]  # the eviction protocol on the test slice
 # the shipped headline (the student, chosen on validation) first, then the protocol record beside it (the same 66
 # contexts; its chosen policy, the lookahead, is the expensive reference)
 HEADLINE_PROTOCOL = ["policy/bench/student_window_test.json", *PROTOCOL]
-PROTOCOL_BEFORE = ["policy/bench/protocol_tail.json", "policy/bench/protocol.json"]  # read before the slices
 
 
 def evict_headline() -> str:
@@ -559,7 +519,7 @@ def evict_domains() -> str:
 def evict_lodo(*rels: str) -> str:
     """Leave-one-domain-out (test slice): the policy's recipe retrained without the domain it is scored on;
     the left-out domains of each record, in order (a run can be split over records by ``corpora``)."""
-    rows = [r for rel in rels for r in _read(rel).rows]
+    rows = [r for rel in rels for r in shipped_record(rel).rows]
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"].startswith("agnostic lodo-")):
         left = mode.split("lodo-", 1)[1]
@@ -582,7 +542,8 @@ def evict_lodo(*rels: str) -> str:
 def evict_qa() -> str:
     """Context-QA accuracy of each method's pruned cache (the protocol's 66 contexts), and of the full cache."""
     rows = _joined(PROTOCOL)
-    full = next(r for rel in PROTOCOL for r in _read(rel).rows if r["method"] == "full cache" and "qa_acc" in r)
+    full = next(r for rel in PROTOCOL for r in shipped_record(rel).rows
+                if r["method"] == "full cache" and "qa_acc" in r)
     methods = sorted(dict.fromkeys(m for m, _ in rows),
                      key=lambda m: (-max(rows[(m, k)].get("qa_acc") or 0 for k in KEEPS if (m, k) in rows), m))
     out = [["full cache", f"{full['qa_acc']:.2f}", "", ""]]
@@ -594,24 +555,37 @@ def evict_qa() -> str:
     return _table(head, out) + "\n\n" + _source_line(PROTOCOL)
 
 
+# decode-time records: each context's prefill selection, then 256 greedy tokens teacher-forced with the cache held at
+# 128 tokens (cut every 8); "ObservedAttention" there is the windowed variant (the last 64 rows), "H2O" accumulates
+# every query (scdviz.evict.h2o)
+DECODE = ["policy/bench/student_window_decode_test.json"]
+DECODE_AGAINST = ("H2O", "ObservedAttention")  # the ratios shown, where the record has the method
+
+
 def evict_decode() -> str:
-    """Decode-time quality: 128 greedy tokens teacher-forced with the cache held at the budget."""
-    rel = "policy/bench/decode.json"
-    rows = _read(rel).rows
-    prefill = {(r["method"], r["keep"]): r for r in rows if r["mode"] == "agnostic" and "kl" in r}
-    out = []
-    for keep in KEEPS:
-        at = sorted((r for r in rows if r["mode"] == "agnostic decode128" and r["keep"] == keep and "kl" in r),
-                    key=lambda r: r["kl"])
+    """Decode-time quality, one table per record: every method's KL over the decoded tokens, and its ratio to H2O
+    (accumulated over every query) and to the windowed ObservedAttention, with passage-bootstrap intervals."""
+    parts = []
+    for rel in DECODE:
+        rows = shipped_record(rel).rows
+        mode = next(r["mode"] for r in rows if "decode" in r["mode"])
+        at = sorted((r for r in rows if r["mode"] == mode and "kl_per_context" in r), key=lambda r: r["kl"])
+        by = {r["method"]: r for r in at}
+        against = [m for m in DECODE_AGAINST if m in by]
+        out = []
         for r in at:
-            diff = ("(best baseline)" if r["kl_minus_best"] is None else
-                    f"{r['kl_minus_best']:+.4f} {_ci(*r['kl_minus_best_ci95'], 4, sign=True)}")
-            out.append([_pct(keep), r["method"] + (" *" if r.get("chosen_on_validation") else ""),
-                        f"{r['kl']:.4f} ± {r['kl_se']:.4f}", diff, _f(r.get("qa_acc"), 2),
-                        _f(prefill.get((r["method"], keep), {}).get("kl"))])
-    head = ["kept", "method", "KL over 128 decoded tokens ± se", "KL − best [95% CI]", "QA acc.",
-            "prefill-only KL (32 tokens)"]
-    return _table(head, out) + "\n\n" + _source_line([rel])
+            ratios = ["" if m == r["method"] else
+                      "{:.3f}× {}".format((b := _paired(by[m]["kl_per_context"], r["kl_per_context"], _passages(r)))
+                                          ["ratio"], _ci(*b["ratio_ci"], 3)) for m in against]
+            out.append([_pct(r["keep"]), r["method"], f"{r['kl']:.4f} ± {r['kl_se']:.4f}", *ratios,
+                        f"{r['top1']:.3f}", f"{r['ppl']:.3f}"])
+        n, tokens = at[0]["n_contexts"], mode.rsplit("decode", 1)[1]
+        head = ["kept", "method", f"KL over {tokens} decoded tokens ± se",
+                *[f"KL / {'H2O (every query)' if m == 'H2O' else 'ObservedAttention (last 64 rows)'} [95% CI]"
+                  for m in against], "top-1", "perplexity"]
+        where = SLICE_WORDS[slice_of(shipped_record(rel))].capitalize()
+        parts.append(f"{where}, {n} contexts:\n\n" + _table(head, out))
+    return "\n\n".join(parts) + "\n\n" + _source_line(DECODE)
 
 
 LOOKAHEAD = "research/lookahead_matched.json"
@@ -620,7 +594,7 @@ LOOKAHEAD = "research/lookahead_matched.json"
 def evict_lookahead() -> str:
     """The lookahead policy against compute-matched scorers on the same sampled continuations (dev slice):
     KL per sampling seed, and / H2O per seed with the cluster-bootstrap interval."""
-    rows = _read(LOOKAHEAD).rows
+    rows = shipped_record(LOOKAHEAD).rows
     seeds = sorted({r["sampling_seed"] for r in rows})
     out = []
     for horizon in sorted({r["horizon"] for r in rows}):
@@ -645,7 +619,7 @@ COST = "policy/bench/cost.json"
 def evict_cost() -> str:
     """Every eviction method's cost in one run of ``bench cost``: added time to first token and time per
     decoded token against a plain SDPA prefill and decode of the full cache, at each context length."""
-    rec = _read(COST)
+    rec = shipped_record(COST)
     out = []
     for r in rec.rows:
         if r.get("cannot_run"):
@@ -671,7 +645,33 @@ def evict_cost() -> str:
     return what + "\n\n" + _table(head, out) + "\n\n" + _source_line([COST])
 
 
+# ----------------------------------------------------------------------------- every run on the test slice
+
+LEDGER = "docs/test_ledger.json"  # relative to the checkout; written by `python -m research.test_ledger`
+
+
+def test_ledger() -> str:
+    """Every run on the test slice in the order it was made, from the ledger ``research.test_ledger`` writes
+    from the git history: its record and commit, what it measured, its result and whether it is shipped now."""
+    entries = json.loads((settings.REPO_DIR / LEDGER).read_text(encoding="utf-8"))
+    out = [[str(i), e["date"][:16].replace("T", " "), f"`{e['commit']}`" if e["commit"] else "not committed",
+            e["family"], f"`{e['record']}`", e["measured"], e["result"],
+            "no" if not e["shipped"] else "yes" if e["shipped"] == e["record"] else f"yes, as `{e['shipped']}`"]
+           for i, e in enumerate(entries, 1)]
+    head = ["#", "date (UTC)", "commit", "family", "record", "measured", "result", "shipped now"]
+    return (_table(head, out) + f"\n\n*Records:* every test-slice version of a bench record under `assets/` in the "
+            f"history of HEAD, one row per run, listed in `{LEDGER}` by `python -m research.test_ledger`.")
+
+
 # ----------------------------------------------------------------------------- the README's headline
+
+
+# the eviction rows of the headline: the headline method, the seed's DistillCache as specified and per head, and the
+# lookahead policy (an expensive reference: sampled continuations at every prefill)
+HEADLINE_EVICTION = (("Distilled scorer (headline)", "distilled-scorer"),
+                     ("DistillCache as specified (one token set)", "DistillCache"),
+                     ("DistillCache per KV head", "DistillCache-per-head"),
+                     ("Lookahead policy (expensive reference)", "lookahead-policy"))
 
 
 def _headline(scd_record: str, protocol: list[str]) -> str:
@@ -694,15 +694,13 @@ def _headline(scd_record: str, protocol: list[str]) -> str:
         at = {m: r for (m, k), r in rows.items() if k == keep}
         base = {m: r for m, r in at.items() if r.get("baseline")}
         best = min(base, key=lambda m: base[m]["kl"])
-        # each record's chosen policy, the first record's first: the shipped headline, then earlier headlines
-        for i, chosen in enumerate(m for m, r in at.items() if r.get("chosen_on_validation")):
-            boot = _paired(base[best]["kl_per_context"], at[chosen]["kl_per_context"], _passages(at[chosen]))
-            what = "" if i == 0 else " (expensive reference)"
-            out.append([f"DistillCache `{chosen}`{what}, {_pct(keep)} kept",
-                        f"6 domains, {at[chosen]['n_contexts']} contexts", f"{best} (best of kvpress's presses)",
+        for what, method in HEADLINE_EVICTION:
+            boot = _paired(base[best]["kl_per_context"], at[method]["kl_per_context"], _passages(at[method]))
+            out.append([f"{what} `{method}`, {_pct(keep)} kept",
+                        f"6 domains, {at[method]['n_contexts']} contexts", f"{best} (best of kvpress's presses)",
                         f"{boot['ratio']:.2f}× {_ci(*boot['ratio_ci'])}",
-                        f"{at[chosen]['top1']:.3f} vs {base[best]['top1']:.3f}",
-                        f"{at[chosen]['ppl']:.2f} vs {base[best]['ppl']:.2f}"])
+                        f"{at[method]['top1']:.3f} vs {base[best]['top1']:.3f}",
+                        f"{at[method]['ppl']:.2f} vs {base[best]['ppl']:.2f}"])
     head = ["method", "measured on", "against", "KL / theirs [95% CI]", "top-1 agreement, method vs theirs",
             "continuation perplexity, method vs theirs"]
     rels = [f"scd/{s}/{scd_record}" for s in SPECIALISTS] + protocol
@@ -715,30 +713,20 @@ def headline() -> str:
     return _headline("test.json", HEADLINE_PROTOCOL)
 
 
-def headline_before() -> str:
-    """The same headline from the records made before the dev/test slices (their windows are now dev): kept
-    for the history, beside the test numbers."""
-    return _headline("bench.json", PROTOCOL_BEFORE)
-
-
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline,
-    "headline-before": headline_before,
     "scd-own": scd_own,
     "scd-budget": scd_budget,
     "scd-patch": scd_patch,
-    "scd-rank-claim": scd_rank_claim,
     "scd-lodo": scd_lodo,
     "scd-qa": scd_qa,
     "scd-ttft": scd_ttft,
     "scd-tail": scd_tail,
-    "scd-span": scd_span,
     "scd-recall": scd_recall,
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
     "evict-domains": evict_domains,
     "evict-lodo": functools.partial(evict_lodo, "policy/bench/lodo_test.json"),
-    "evict-lodo-before": functools.partial(evict_lodo, "policy/bench/lodo_tail.json"),
     "evict-lodo-student": functools.partial(evict_lodo, "policy/bench/student_window_lodo_test_a.json.gz",
                                             "policy/bench/student_window_lodo_test_b.json.gz"),
     "evict-qa": evict_qa,
@@ -746,6 +734,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "evict-gemma": evict_gemma,
     "evict-lookahead": evict_lookahead,
     "evict-cost": evict_cost,
+    "test-ledger": test_ledger,
 }
 
 

@@ -201,25 +201,25 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
-    from scdviz.app.requests import CHEAP_STUDENT
+    from scdviz.app.requests import HEADLINE_SCORER
     from scdviz.app.ui.evict_tab import FIGURES
     from scdviz.evict import bench
 
-    page.get_by_role("tab", name="DistillCache eviction").click()
+    page.get_by_role("tab", name="Eviction").click()
     page.locator("#ev-run").click()
     page.locator("#ev-info").get_by_text("keeps").wait_for(timeout=300_000)
     table = page.locator("#ev-table").inner_text()
     for method in bench.focus_methods():  # the focused set by default, and nothing else
         assert method in table
-    assert "TOVA" not in table and "distillcache-global" not in table
+    assert "TOVA" not in table and "DistillCache" not in table
     assert len(page.locator("#ev-kept").inner_text().split()) > 50  # the context, token by token
     assert len(page.locator("#ev-versus").inner_text().split()) > 50  # and where it differs from H2O's choice
     assert "overlap with H2O's kept slots (Jaccard)" in table and "jaccard_vs_h2o" not in table  # in words
-    assert "distillcache-head" in page.locator("#ev-texts").inner_text()
+    assert "DistillCache-per-head" in page.locator("#ev-texts").inner_text()
     assert not LONG_FLOAT.search(table), table
     _plots_drawn(page, "ev", FIGURES)
     shown = page.locator("#ev-show input")  # the inspected method, the long student name uncut
-    assert shown.input_value() == CHEAP_STUDENT
+    assert shown.input_value() == HEADLINE_SCORER
     assert shown.evaluate("e => e.scrollWidth <= e.clientWidth"), "the inspected method's name is cut off"
     _shot(page, "evict", tmp_path_factory)
     _downloads_work(page, "ev", "evict", FIGURES)
@@ -252,26 +252,26 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
 
     folder = tmp_path_factory.mktemp("uploads")
     uploads = []
-    for name in ("decode", "qa"):
+    for name in ("decode", "test"):
         uploads.append(folder / f"{name}.json")
         shutil.copy(settings.ASSETS_DIR / "policy" / "bench" / f"{name}.json", uploads[-1])
     page.locator("#res-upload input[type=file]").set_input_files([str(p) for p in uploads])
     page.locator("#res-info").get_by_text("4 records (evict, scd)").wait_for(timeout=60_000)
     assert page.locator("#res-figs a[download]").count() == 0  # the files of the earlier figures are withdrawn
     _plots_drawn(page, "res", ("payload_vs_kl", "kl_vs_budget"))
-    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "qa"}
+    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "test"}
     assert "plotted separately" in page.locator("#res-info").inner_text()
 
     run = Path(app_url_work[app_url]) / "runs" / "bench" / "my-sweep"  # a bench run of this machine
     run.mkdir(parents=True)
-    mine = records.read(settings.ASSETS_DIR / "policy" / "bench" / "agnostic.json")
+    mine = records.read(settings.ASSETS_DIR / "policy" / "bench" / "student_window_test.json")
     records.write(mine, run / "record.json")
     page.locator("#res-runs-refresh").click()
     page.wait_for_timeout(1000)
     _choose(page, "#res-runs", "my-sweep")
     page.keyboard.press("Escape")
     page.locator("#res-info").get_by_text("5 records").wait_for(timeout=60_000)
-    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "qa", "my-sweep"}
+    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "test", "my-sweep"}
     assert "my-sweep" in page.locator("#res-settings").inner_text()
     _shot(page, "results", tmp_path_factory)
 
@@ -286,7 +286,7 @@ def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
     _downloads_work(page, "train", "train", ("policy_training",), static=True)
     # the trained policy is this visitor's own eviction method from now on
     assert "yours:my-policy" in page.locator("#train-info").inner_text()
-    page.get_by_role("tab", name="DistillCache eviction").click()
+    page.get_by_role("tab", name="Eviction").click()
     context = page.locator("#ev-context textarea")
     context.fill(" ".join(context.input_value().split()[:90]))
     page.locator("#ev-run").click()
@@ -327,7 +327,7 @@ def test_bad_input_shows_a_message_not_a_traceback(page):
     page.locator("#pair-prompt textarea").fill("   ")
     page.locator("#pair-generate").click()
     page.get_by_text("the prompt is empty").first.wait_for(timeout=60_000)
-    page.get_by_role("tab", name="DistillCache eviction").click()
+    page.get_by_role("tab", name="Eviction").click()
     page.locator("#ev-budget input").fill("250")
     page.locator("#ev-run").click()
     page.get_by_text("must be between 0 and 100").first.wait_for(timeout=60_000)
@@ -362,7 +362,7 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     two.locator("#pair-prompt textarea").fill(prompt)
     two.locator("#pair-generate").click()
     two.locator("#pair-gen-info").get_by_text("generated positions").wait_for(timeout=300_000)
-    two.get_by_role("tab", name="DistillCache eviction").click()
+    two.get_by_role("tab", name="Eviction").click()
     two.locator("#ev-context textarea").fill(context)
     two.locator("#ev-run").click()
     one.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=600_000)

@@ -122,6 +122,30 @@ def test_the_method_inspected_by_default_is_the_shipped_cheap_student_in_the_foc
     focus set would make the default request fail ("not among the methods compared")."""
     from scdviz.evict import bench
 
-    assert requests.CHEAP_STUDENT == bench.cheap_on_validation((), bench.EvalConfig().question_len)
-    assert requests.CHEAP_STUDENT in bench.focus_methods()
-    assert requests.EvictRequest.__dataclass_fields__["method"].default == requests.CHEAP_STUDENT
+    assert requests.HEADLINE_SCORER == bench.cheap_on_validation((), bench.EvalConfig().question_len)
+    assert requests.HEADLINE_SCORER in bench.focus_methods()
+    assert requests.EvictRequest.__dataclass_fields__["method"].default == requests.HEADLINE_SCORER
+
+
+def test_the_committed_controls_stub_is_what_gradio_writes(tmp_path):
+    """gradio writes ``controls.pyi`` beside a module that defines a component (WholeSlider) when it finds none,
+    and afterwards rewrites only the class's part: the stub is committed (so the app never writes into its
+    package) and must be, byte for byte, what gradio writes for today's controls.py (regenerate: delete it and
+    import the app once, or copy what this test's subprocess wrote)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from scdviz import settings
+    from scdviz.app.ui import controls
+
+    source = Path(controls.__file__)
+    (tmp_path / "stubcheck").mkdir()
+    shutil.copy(source, tmp_path / "stubcheck" / "controls.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(settings.REPO_DIR)])}
+    subprocess.run([sys.executable, "-c", "import stubcheck.controls"], cwd=tmp_path, env=env, check=True,
+                   timeout=300)
+    written = (tmp_path / "stubcheck" / "controls.pyi").read_text(encoding="utf-8")
+    assert source.with_suffix(".pyi").read_text(encoding="utf-8") == written

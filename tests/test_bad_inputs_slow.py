@@ -27,7 +27,7 @@ CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches fro
 SCD = dict(text=None, cont=32, gen=8, bits="4", rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
            gbps=10, latency=0.5, fan=False, budget=0, coder="transform", tail=0)
 EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer",
-          method="distillcache-student-decode-window32-listwise", methods=None)
+          method="distilled-scorer", methods=None)
 CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits="4", name="bad-input-run")
 TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
 DI = dict(train_windows=2, val_windows=1, epochs=2, rank=32, recall=0.1, recall_target="quote", budgets=True,

@@ -46,7 +46,8 @@ def _scd(pair, text):
 
 
 def _evict(pair, context):
-    out = evict.evict_run(pair, EvictRequest(context, "", False, "% kept", 25, "producer", "distillcache-head", FEW))
+    out = evict.evict_run(pair, EvictRequest(context, "", False, "% kept", 25, "producer", "DistillCache-per-head",
+                                             FEW))
     return ("evict", tuple(tok for tok, _ in out["kept"]), tuple(round(x, 3) for _, x in out["kept"]),
             tuple(round(x, 4) for x in out["table"]["kl"]), tuple(tuple(r) for r in out["texts"]))
 
@@ -103,13 +104,13 @@ def _http(url, kind, arg):
         col = out[1]["headers"].index("method")  # the table as shown: columns in words
         what = (out[0].split(" prompt tokens")[0], tuple(row[col] for row in out[1]["data"]))
     else:
-        out = client.predict(arg, "", False, "% kept", 25, "producer", "distillcache-head", FEW, api_name="/evict")
+        out = client.predict(arg, "", False, "% kept", 25, "producer", "DistillCache-per-head", FEW, api_name="/evict")
         what = "".join(d["token"] for d in out[1])
     return what, time.perf_counter() - t0
 
 
 _EXPECTED: dict = {}
-FEW = ["distillcache-head", "SnapKV"]  # the eviction methods these visitors compare (H2O runs as well)
+FEW = ["DistillCache-per-head", "SnapKV"]  # the eviction methods these visitors compare (H2O runs as well)
 
 
 def _expected(pair, kind, arg):
@@ -126,7 +127,7 @@ def _alone(pair, kind, arg):
     if kind == "scd":
         out = scd.scd_run(pair, ScdRequest(arg, 16, 8, 4, 0, 0, 2, "selected", "", 10, 0.5))
         return (out["info"].split(" prompt tokens")[0], tuple(out["table"]["method"]))
-    out = evict.evict_run(pair, EvictRequest(arg, "", False, "% kept", 25, "producer", "distillcache-head", FEW))
+    out = evict.evict_run(pair, EvictRequest(arg, "", False, "% kept", 25, "producer", "DistillCache-per-head", FEW))
     return "".join(tok for tok, _ in out["kept"])
 
 

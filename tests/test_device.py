@@ -65,16 +65,15 @@ def _window(n: int, seed: int) -> list[int]:
 
 
 def _scd_paths(pair, calib, dtype):
-    """Every SCD plan of the line-up, the budget planner's (its curves measured here, entropy coded
-    too) and the span sweep (its codes fitted here): payload, receive, teacher-forced scoring and
-    generation."""
-    from scdviz.scd import rate, span
+    """Every SCD plan of the line-up and the budget planner's (its curves measured here, entropy coded
+    too): payload, receive, teacher-forced scoring and generation."""
+    from scdviz.scd import rate
 
     cases = measure.prepare_cases(pair, [_window(40, s) for s in range(2)], 8, progress=False)
     curves = rate.measure(pair, calib, 1, progress=False)
     rd = plans.rd_plan(curves, 30.0, cases[0].state.ids.shape[1])[0]
-    calib = span.fit(pair, dataclasses.replace(calib, rate=curves), span.SpanConfig(starts=[1, 2]), False)[0]
-    lineup = [*plans.lineup(calib, entropy=True), rd, plans.tc_plan(calib, 30.0), *plans.span_sweep(calib)]
+    calib = dataclasses.replace(calib, rate=curves)
+    lineup = [*plans.lineup(calib, entropy=True), rd, plans.tc_plan(calib, 30.0)]
     oracle, gens = measure.oracle_result(pair, cases, 3)
     for plan in lineup:
         blob = transfer.build_payload(cases[0].state, plan, calib)
@@ -92,15 +91,14 @@ def _scd_paths(pair, calib, dtype):
 
 def _distil_paths(pair, calib, case, dtype) -> None:
     """The correction stage: trained through the consumer (backprop in the model's dtype, float32
-    parameters; a span's aligner through the consumer's own layers too), and a calibration carrying one
-    received into the consumer's dtype and device."""
+    parameters), and a calibration carrying one received into the consumer's dtype and device."""
     from scdviz.scd import distil
 
     plan = plans.operating_plan(calib)
+    # cut prompts: their state and logits held, moved back
     cfg = distil.DistilConfig(rank=2, epochs=2, train_windows=2, val_windows=1, prompt_len=32, cont_len=8, budgets=[],
-                              min_prompt=16, schedule="cosine", mlp=2, attn=1)  # cut prompts: their state and logits
-    # held, moved back; the gated MLP and the causal attention terms in the model's dtype and device
-    _, log = distil.distil(pair, calib, cfg, progress=False, at=[plan, plans.span_plan(calib, 1)])
+                              min_prompt=16, schedule="cosine")
+    _, log = distil.distil(pair, calib, cfg, progress=False, at=[plan])
     assert all(math.isfinite(x) for x in log["val_kl"] + log["train_kl"]) and log["cut_steps"] > 0
     blob = transfer.build_payload(case.state, plan, calib)
     start = distil.initial(distil.row_spread(calib, [blob]), 2, 0)
@@ -225,7 +223,7 @@ def _eviction_paths(model, dtype, baseline):
         with torch.device("cpu"):  # as Policy.load gives one
             torch.manual_seed(0)
             look = Policy(PolicyConfig(hidden=8, per_head=True, window=16, lookahead=2, lookahead_samples=2)).eval()
-        policies = {"distillcache-head": _policy(True), "distillcache-head-look": look}
+        policies = {"DistillCache-per-head": _policy(True), "distillcache-head-look": look}
         failed = {}  # (kvpress's own presses are not run here: its fake-key search fails on a random tiny model)
         scorers = {"baseline": baseline, "distillcache-student": StudentPress(student=_student(model, True)),
                    "distillcache-student-window4": StudentPress(student=_student(model, True, 4))}

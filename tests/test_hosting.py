@@ -192,7 +192,7 @@ def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(mon
     app = importlib.reload(app)
     try:
         assert set(asked) == {"load", "generate", "_scd_one", "_scd_fan_out", "evict_run", "calibrate", "distil",
-                              "train"}
+                              "fit", "train"}
         assert all(30 <= s <= 300 for s in asked.values())
         assert "server_name" not in app.launch_kwargs() and "server_port" not in app.launch_kwargs()
         assert app.launch_kwargs()["max_file_size"] == f"{settings.max_upload_mb()}mb"

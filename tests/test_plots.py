@@ -31,7 +31,7 @@ def scd_record(scale: float = 1.0, prompt_len: int = 256) -> records.BenchRecord
 def evict_record(scale: float = 1.0) -> records.BenchRecord:
     rows = [{"model": "builtin:smollm2-135m", "mode": "agnostic", "method": m, "keep": keep, "tokens_kept": 512 * keep,
              "kl": scale * (i + 1) / keep / 100, "top1": 0.8}
-            for i, m in enumerate(("distillcache-head", "SnapKV", "TOVA"))
+            for i, m in enumerate(("DistillCache-per-head", "SnapKV", "TOVA"))
             for keep in (0.5, 0.125, 0.25)]
     rows.append({"model": "builtin:smollm2-135m", "mode": "agnostic", "method": "full cache", "keep": 1, "kl": None})
     return records.BenchRecord("evict", {"eval": {"limit": 12, "keeps": [0.25, 0.125]}}, 0, rows)
@@ -88,7 +88,7 @@ def test_record_figures_take_one_record_and_mixed_kinds():
     one = plots.record_figures([("solo", evict_record())])
     assert list(one) == ["kl_vs_budget"]
     lines = one["kl_vs_budget"].data
-    assert {t.name for t in lines} == {"distillcache-head", "SnapKV", "TOVA"}  # the full cache has no KL
+    assert {t.name for t in lines} == {"DistillCache-per-head", "SnapKV", "TOVA"}  # the full cache has no KL
     assert all(list(t.x) == sorted(t.x) == [12.5, 25.0, 50.0] for t in lines)  # sorted by budget
     assert len({t.marker.symbol for t in lines}) == 3  # one record: a marker per method
     mixed = plots.record_figures([("s", scd_record()), ("e", evict_record()), ("t", ttft_record())])
@@ -229,13 +229,13 @@ def test_scd_tab_pareto_has_no_text_and_groups_specialists():
 
 def test_the_compute_axis_puts_each_method_at_its_share_of_the_prefill():
     """One point per method at (prefill_share, KL); the oracle (all compute, no error) is left out."""
-    table = pd.DataFrame({"method": ["oracle", "raw KV", "DroidSpeak recompute", "SCD span 23-29 (aligned)"],
+    table = pd.DataFrame({"method": ["oracle", "raw KV", "DroidSpeak recompute", "SCD reuse-only + last 64 recomputed"],
                           "prefill_share": [1.0, 0.0, 0.067, 0.233], "kl": [0.0, 0.23, 0.2, 0.078],
                           "bytes_per_token": [0, 22953, 21423, 5574], "top1": [1, 0.75, 0.76, 0.83]})
     fig = plots.compute_axis(table)
     points = {t.name: (t.x[0], t.y[0]) for t in fig.data}
     assert points == {"raw KV": (0.0, 0.23), "DroidSpeak recompute": (0.067, 0.2),
-                      "SCD span 23-29 (aligned)": (0.233, 0.078)}
+                      "SCD reuse-only + last 64 recomputed": (0.233, 0.078)}
     assert "share of the prefill: 0.233" in fig.data[2].hovertext[0]
     assert fig.layout.xaxis.tickformat == ".0%"  # the share as a percentage of the prefill
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.dtick == "D2"  # KL labelled at 1, 2, 5 per decade

@@ -46,7 +46,7 @@ def _check(ns: dict) -> None:
     assert list(table["method"])[0] == "oracle" and "SCD full" in set(table["method"])
     assert ns["press"].compression_ratio == pytest.approx(0.75)
     methods = {r["method"] for r in ns["view"].rows}
-    assert {"ObservedAttention", "SnapKV", "distillcache-global"} <= methods, methods  # ObservedAttention: H2O
+    assert {"ObservedAttention", "SnapKV", "DistillCache"} <= methods, methods  # ObservedAttention: H2O
 
 
 def test_the_readme_example_runs_on_tiny_models(tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None,
         "features": plots.feature_distributions(view.features, view.kept_fraction[method], view.feature_names),
     }
     kls = {row["method"]: row["kl"] for row in view.rows}
-    learned = {m for m in kls if m.startswith(("distillcache", "yours:"))}
+    learned = {m for m in kls if m.startswith(bench.LEARNED)}
     focus = {method, plots.best_other(kls, learned | {method})}
     for name in ("kl_steps", "sweep"):  # the inspected method and the best baseline strong, the rest faint
         plots.paint(figures[name], focus)

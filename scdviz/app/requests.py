@@ -35,15 +35,16 @@ def _evict_focus() -> list[str]:
     return bench.focus_methods()
 
 
-CODE_BITS = (4, 8, 16)  # code precisions the SCD controls offer (calibration and transfer)
-BITS_SHOWN = tuple((str(b), str(b)) for b in CODE_BITS)  # as the radio sends them (API clients: the strings)
+OFFERED_BITS = (4, 8, 16)  # the code precisions the SCD controls offer (calibration and transfer)
+BITS_SHOWN = tuple((str(b), str(b)) for b in OFFERED_BITS)  # as the radio sends them (API clients: the strings)
 PLACEMENTS = ("selected", "drift", "manual")
 CODERS = (("transform coding: one step per section, entropy coded", "transform"),
           ("rate-distortion plan: ranks, bits and patches", "rd"))
 EVICT_UNITS = ("% kept", "tokens kept")
-# the shipped cheap student, the method inspected by default: the focus set's cheap pick (bench.cheap_on_validation,
-# kept equal by tests/test_app_requests.py; named here so that building a request reads no policy file)
-CHEAP_STUDENT = "distillcache-student-decode-window32-listwise"
+# the shipped distilled scorer (the headline), the method inspected by default: the focus set's cheap pick
+# (bench.cheap_on_validation, kept equal by tests/test_app_requests.py; named here so that building a request reads
+# no policy file)
+HEADLINE_SCORER = "distilled-scorer"
 EVICT_MODELS = ("producer", "consumer")
 RECALL_TARGETS = (("the oracle's distribution (KL)", "oracle"),  # scdviz.scd.distil.RECALL_TARGETS, labelled
                   ("the quote itself (NLL less the oracle's)", "quote"))
@@ -107,8 +108,8 @@ class EvictRequest(Request):
     # its range depends on the unit: checked by scdviz.app.evict
     budget: float = control(25, "Budget", "number", widget="number", row="budget", props={"elem_id": "ev-budget"})
     model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
-    method: str = control(CHEAP_STUDENT, "Method to inspect (its kept tokens)", "pick",
-                          name="Method to inspect", choices=(CHEAP_STUDENT,), row="budget",
+    method: str = control(HEADLINE_SCORER, "Method to inspect (its kept tokens)", "pick",
+                          name="Method to inspect", choices=(HEADLINE_SCORER,), row="budget",
                           props={"elem_id": "ev-show", "scale": 3, "min_width": 400})  # the student's name is long
     # None: the focused set (bench.focus_methods); the full cache is always the reference
     methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",
@@ -152,8 +153,20 @@ class DistilRequest(Request):
 
 
 @dataclass
+class FitRequest(Request):
+    """Calibrate / train tab: the headline eviction method, the distilled scorer, fitted on the producer and saved
+    as a run (``python -m scdviz fit-student`` with the sizes a live session can afford)."""
+
+    contexts: int = control(12, "Training contexts", "int", lo=6, hi=60, step=6, row="fit")
+    val_contexts: int = control(6, "Validation contexts", "int", lo=6, hi=24, step=6, row="fit")
+    window: int = control(32, "Window (recent queries read; 0: none)", "int", lo=0, hi=64, step=8, row="fit")
+    name: str = control("my-scorer", "Save as", "text", hi=200, required=False, row="fit")
+
+
+@dataclass
 class TrainRequest(Request):
-    """Calibrate / train tab: a DistillCache policy trained on the producer, saved as a run."""
+    """Calibrate / train tab: a DistillCache policy (REINFORCE, docs/design.md#training) trained on the producer,
+    saved as a run."""
 
     steps: int = control(20, "REINFORCE steps", "int", lo=5, hi=300, step=5, row="train")
     contexts: int = control(4, "Training contexts", "int", lo=2, hi=32, step=2, row="train")

@@ -1,5 +1,5 @@
 """The Calibrate / train tab's work: SCD calibration, its trained correction stage, loading a saved one,
-DistillCache training.
+fitting the distilled scorer (the headline eviction method), DistillCache training (REINFORCE: docs/design.md#training).
 
 What a visitor makes or loads goes into their ``Session`` (and a run folder), never a global.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scdviz.app import hosting
-from scdviz.app.requests import CalibrateRequest, DistilRequest, TrainRequest
+from scdviz.app.requests import CalibrateRequest, DistilRequest, FitRequest, TrainRequest
 from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
@@ -68,11 +68,30 @@ def load_calibration_for(pair: Pair, session: Session, folder) -> object:
     return calib
 
 
+def fit_scorer(pair: Pair, session: Session, request: FitRequest, folder: Path,
+               progress: bool | Reporter = True) -> dict:
+    """Fit the distilled scorer (``scdviz.fit_student``: closed form on the future's attention, ridge and decode weight
+    chosen on validation, then the listwise stage) on the pair's producer, save it in ``folder`` (a run of
+    ``session``) and add it to this session's eviction methods; returns its fit log. The shipped recipe's settings
+    but the sizes (contexts, decode validation) a live session can afford."""
+    from scdviz.evict.student import Student, StudentConfig
+    from scdviz.evict.student_fit import FitConfig, fit
+
+    req = request.checked()
+    cfg = FitConfig(out=str(folder), contexts=req.contexts, val_contexts=req.val_contexts,
+                    val_decode=min(req.val_contexts, 6), student=StudentConfig(window=req.window))
+    student = fit(cfg, pair, progress=progress)
+    student.save(folder)
+    session.policies[f"yours:{folder.name}"] = Student.load(folder)
+    return student.log
+
+
 def train_policy(pair: Pair, session: Session, request: TrainRequest, folder: Path, progress: bool | Reporter = True,
                  on_log=None) -> dict:
-    """Train a DistillCache policy on the pair's producer into ``folder`` (a run of ``session``); ``on_log(log)``
-    after every step and checkpoint (a live plot). The best policy joins this session's eviction methods;
-    returns the final log. ``progress``: a reporter (``scdviz.progress``) that may stop the work."""
+    """Train a DistillCache policy (REINFORCE: docs/design.md#training) on the pair's producer into ``folder`` (a run of
+    ``session``); ``on_log(log)`` after every step and checkpoint (a live plot). The best policy joins this
+    session's eviction methods; returns the final log. ``progress``: a reporter (``scdviz.progress``) that may
+    stop the work."""
     from scdviz.evict.policy import Policy, PolicyConfig
     from scdviz.evict.train import TrainConfig, checkpoints_to, train
 

@@ -30,7 +30,7 @@ from scdviz.app.ui.common import redraw_on_select
 # Seconds of GPU each handler may hold on a ZeroGPU Space (its default is 60; its maximum
 # is about 300). Calibration and training are capped by their controls to fit.
 GPU_SECONDS = {"load": 120, "generate": 60, "scd": 120, "scd_fan_out": 240, "evict": 120, "calibrate": 300,
-               "distil": 300, "train": 300}
+               "distil": 300, "fit": 300, "train": 300}
 
 try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
     import spaces  # type: ignore
@@ -217,6 +217,30 @@ def load_calibration(key, sess, folder):
             plots.selection_curve(calib.selection_kl, calib.patch_order), sess)
 
 
+@gpu("fit")
+def fit(jobs, key, sess, request, http=None, progress=None):
+    """Fit the distilled scorer for this visitor (a heavy job): yields (markdown, figure or gr.skip(), session)."""
+    from scdviz import plots
+
+    pair, sess, req = _pair(key), _session(sess, _page(http)), request.checked()
+    made = {}
+
+    def work(folder, report):
+        made["log"] = training.fit_scorer(pair, sess, req, folder, report)
+
+    for item in _run_job(jobs, "fit", sess, http, req.name, "policies", work, progress):
+        if isinstance(item, Step):
+            yield (f"Fitting on {pair.producer_source}: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
+                   gr.skip(), sess)
+        elif isinstance(item, Path):
+            log = made["log"]
+            chosen = min(log["val"], key=lambda v: v["kl"]) if log["val"] else {}
+            yield (f"Fitted in {log['seconds']:.0f} s on {log['rows']:,} token rows; saved in `{_shown(item)}` and "
+                   f"added to your eviction methods as `yours:{item.name}`. Validation KL of the best candidate "
+                   f"{chosen.get('kl', float('nan')):.4f} against H2O's {log['val_heuristic']:.4f} on the same "
+                   f"{len(log.get('h2o_per_context', []))} contexts and budgets.", plots.fit_candidates(log), sess)
+
+
 @gpu("train")
 def train(jobs, key, sess, request, http=None, progress=None):
     """Train a policy for this visitor (a heavy job): yields (markdown, figure, session) as it trains."""
@@ -336,14 +360,14 @@ def build_demo() -> gr.Blocks:
         with gr.Tab("SCD transfer") as tab:
             redraw_on_select(tab)
             scd_tab.build(scd_run, windows, pair_state, sess, export=export)
-        with gr.Tab("DistillCache eviction") as tab:
+        with gr.Tab("Eviction") as tab:
             redraw_on_select(tab)
             evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, export=export)
         with gr.Tab("Calibrate / train") as tab:
             redraw_on_select(tab)
             train_tab.build(functools.partial(calibrate, jobs), load_calibration, functools.partial(train, jobs),
                             functools.partial(stop_jobs, jobs), pair_state, sess, export=export,
-                            distil=functools.partial(distil, jobs))
+                            distil=functools.partial(distil, jobs), fit=functools.partial(fit, jobs))
         with gr.Tab("Results") as tab:
             redraw_on_select(tab)
             uploads = (Path(get_upload_folder()),)  # where gradio puts uploaded files

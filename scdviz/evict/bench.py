@@ -56,15 +56,11 @@ from scdviz.evict.student import Student, StudentPress, is_student
 from scdviz.models import hf
 from scdviz.records import BenchRecord
 
-SHIPPED_POLICIES = (
-    SHIPPED_DIR / "per_head" / "best.safetensors",  # per-head, W = 512
-    SHIPPED_DIR / "global" / "best.safetensors",  # one set for all layers (as specified)
-    SHIPPED_DIR / "per_head_w64" / "best.safetensors",  # per-head, W = 64
-    SHIPPED_DIR / "lookahead_w64" / "best.safetensors",  # per-head, W = 64, + lookahead feature
-    SHIPPED_DIR / "lookahead_w512" / "best.safetensors",  # W = 512, lookahead G = 40, K = 8
-    SHIPPED_DIR / "student" / "best.safetensors",  # the student: linear on H_in, per layer and KV head
-    SHIPPED_DIR / "student_layer" / "best.safetensors",  # the student, one kept set per layer (paged KV)
-    SHIPPED_DIR / "student_window" / "best.safetensors",  # the student + the last 32 queries' attention, decode rows
+SHIPPED_POLICIES = (  # assets/policy/README.md says what each is and how it was made
+    SHIPPED_DIR / "per_head" / "best.safetensors",  # the seed's method per layer and KV head, W = 512
+    SHIPPED_DIR / "global" / "best.safetensors",  # the seed's method as specified: one set for all layers
+    SHIPPED_DIR / "lookahead_w512" / "best.safetensors",  # + the lookahead feature (G = 40, K = 8): the expensive one
+    SHIPPED_DIR / "student_window" / "best.safetensors",  # the distilled linear scorer with a 32-query window
 )
 
 
@@ -200,17 +196,11 @@ class LoadedPolicy:
             return self.policy.meta.get("val_kl")
         return _lowest_logged(self.log)
 
-    @property
-    def validation_question_len(self) -> int | None:
-        """The unscored tokens its validation teacher-forced before the scored ones (0 in logs older than
-        the setting), or None without a log."""
-        return None if self.log is None else int(((self.log.get("config") or {}).get("question_len")) or 0)
-
-    @property
-    def validation_spread(self) -> bool:
-        """Whether its validation contexts were spread evenly through the calib split, as the benchmark's are
-        through the eval split (logs without the setting drew each split's first windows)."""
-        return bool(((self.log or {}).get("config") or {}).get("spread"))
+    def validated_like_the_bench(self, question_len: int | None) -> bool:
+        """Whether its log validated as the benchmark scores: on the tail after ``question_len`` unscored tokens,
+        on windows spread through the calib split (as the bench's are through the eval split)."""
+        cfg = (self.log or {}).get("config") or {}
+        return cfg.get("question_len") == question_len and cfg.get("spread") is True
 
     @property
     def trained_on(self) -> list[str] | None:
@@ -250,12 +240,12 @@ def method_names() -> list[str]:
 
 
 def load_policies(paths: tuple[str, ...]) -> dict[str, Policy]:
-    """Feature policies by method name (distillcache-head / distillcache-global[-lookahead][-wW])."""
+    """Feature policies by method name (``policy_name``)."""
     return {name: loaded.policy for name, loaded in load_all(paths).items() if isinstance(loaded.policy, Policy)}
 
 
 def load_students(paths: tuple[str, ...]) -> dict[str, Student]:
-    """Students by method name (distillcache-student, -student-layer for one set per layer)."""
+    """Students by method name (``student_name``)."""
     return {name: loaded.policy for name, loaded in load_all(paths).items() if isinstance(loaded.policy, Student)}
 
 
@@ -268,8 +258,8 @@ def chosen_on_validation(paths: tuple[str, ...], question_len: int | None = None
     """The method name of the policy with the lowest validation KL in its training log:
     the headline policy, chosen without looking at any evaluation result.
 
-    question_len: the benchmark's; when some logs validated with that many unscored tokens
-    before the scored ones, only those compete (KLs measured on other tails are not comparable)."""
+    question_len: the benchmark's (None: its default); when some logs validated as it scores (that many
+    unscored tokens before the scored ones, windows spread through the split), only those compete."""
     return _lowest_validation(load_all(paths), question_len)
 
 
@@ -295,15 +285,13 @@ def expensive(loaded: LoadedPolicy) -> bool:
 
 def _lowest_validation(loaded: dict[str, LoadedPolicy], question_len: int | None = None) -> str | None:
     """The lowest validation KL; when every competing log also holds its heuristic's KL on the same contexts
-    (``val_heuristic``, H2O's score), the lowest ratio to it, since logs validate on different contexts. The
-    KVzap-style baseline (``surrogate``) never competes. Only logs validated like the benchmark compete when
-    some were: on its tail (``question_len``), then on windows spread through the split (first windows flatter:
-    the prefill-only student was 0.875x H2O on them, 1.17x on spread ones; assets/policy/README.md)."""
-    vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None
-            and not surrogate(p.policy)}
-    same = {name: v for name, v in vals.items() if loaded[name].validation_question_len == question_len}
-    vals = same or vals
-    vals = {name: v for name, v in vals.items() if loaded[name].validation_spread} or vals
+    (``val_heuristic``, H2O's score), the lowest ratio to it, since logs validate on different contexts. When
+    some logs validated like the benchmark (``validated_like_the_bench``; ``question_len`` None: the bench's
+    default), only those compete: KLs of another tail, or of first windows (which flatter), are not comparable
+    with theirs."""
+    question_len = EvalConfig().question_len if question_len is None else question_len
+    vals = {name: p.validation_kl for name, p in loaded.items() if p.validation_kl is not None}
+    vals = {name: v for name, v in vals.items() if loaded[name].validated_like_the_bench(question_len)} or vals
     lines = {name: (loaded[name].log or {}).get("val_heuristic") for name in vals}
     if vals and all(isinstance(h, (int, float)) and h > 0 for h in lines.values()):
         vals = {name: v / lines[name] for name, v in vals.items()}
@@ -320,45 +308,34 @@ def load_all(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
             out[_unique(student_name(student), out)] = LoadedPolicy(student, student.log)
             continue
         policy = Policy.load(path)
-        name = ("distillcache-head" if policy.config.per_head else "distillcache-global") + (
-            "-lookahead" if policy.config.lookahead else "")
-        out[name if name not in out else f"{name}-w{policy.config.window}"] = LoadedPolicy(policy, policy.log)
+        name = policy_name(policy)
+        if name in out:  # two of a kind: the second by its query window, then a number
+            name = f"{name}-w{policy.config.window}"
+        out[_unique(name, out)] = LoadedPolicy(policy, policy.log)
     return out
 
 
-def surrogate(student) -> bool:
-    """Whether a student is the KVzap-style baseline (fitted by KVzap's recipe, ``fit-student --teacher kvzip+``):
-    a baseline like kvpress's presses, never the headline."""
-    return isinstance(student, Student) and _fitted(student).get("teacher") == "kvzip+"
+DISTILLCACHE = "DistillCache"  # the seed's method as specified: one token set for all layers (docs/design.md)
+DISTILLCACHE_PER_HEAD = "DistillCache-per-head"  # the same MLP and training, a kept set per layer and KV head
+LOOKAHEAD = "lookahead-policy"  # DistillCache's MLP over the five features plus sampled continuations' attention
+SCORER = "distilled-scorer"  # the headline: a linear scorer distilled from the future's attention (student.py)
+LEARNED = (DISTILLCACHE, LOOKAHEAD, SCORER, "lodo-", "yours:")  # how the names of learned methods start
 
 
-def _fitted(student: Student) -> dict:
-    """The settings a student was fitted with (its log's config, or that of the student its REINFORCE started
-    from, ``FitConfig.start``; {} without a log)."""
-    log = student.log or {}
-    return (log.get("started_from") or {}).get("config") or log.get("config") or {}
+def policy_name(policy: Policy) -> str:
+    """What a REINFORCE-trained policy is: DistillCache (one set for all layers, as specified), DistillCache-per-head,
+    or, with the lookahead feature (not in the seed), the lookahead policy."""
+    if policy.config.lookahead:
+        return LOOKAHEAD
+    return DISTILLCACHE_PER_HEAD if policy.config.per_head else DISTILLCACHE
 
 
 def student_name(student: Student) -> str:
-    """distillcache-student[-layer][-decode][-recallW][-sinkN][-windowW][-listwise][-closed-form]: one set per
-    layer, the reconstruction teacher's weight, a per-head student with no REINFORCE step kept (a per-layer one has its
-    closed form only); KVzap-linear[-layer] for the KVzap-style baseline (``surrogate``); -sinkN when its
-    first N positions are always kept (``StudentConfig.sinks``); -decode when its fit also regressed decode states
-    (``FitConfig.decode_len``); -windowW when it reads the attention of the last W queries (``StudentConfig.window``);
-    -listwise when its fit's listwise stage was kept (``FitConfig.listwise``); -reinforce when REINFORCE steps were
-    kept after starting from a finished student (``FitConfig.start``)."""
-    shape = (f"-sink{student.config.sinks}" if student.config.sinks else "") + (
-        f"-window{student.config.window}" if student.config.window else "")
-    if surrogate(student):
-        return "KVzap-linear" + ("" if student.config.per_head else "-layer") + shape
-    fitted = _fitted(student)
-    recall, decode = fitted.get("recall") or 0, "-decode" if fitted.get("decode_len") else ""
+    """What a fitted student is: the distilled scorer (``-per-layer`` when one kept set serves a layer's heads);
+    ``-closed-form`` for a per-head one whose listwise stage was not kept (the fit's first stage alone)."""
     listwise = student.meta.get("listwise_penalty") is not None
-    closed = student.config.per_head and not student.meta.get("rl_steps") and not listwise
-    resumed = "started_from" in (student.log or {}) and student.meta.get("rl_steps")
-    return ("distillcache-student" + ("" if student.config.per_head else "-layer") + decode
-            + (f"-recall{recall:g}" if recall else "") + shape + ("-listwise" if listwise else "")
-            + ("-closed-form" if closed else "") + ("-reinforce" if resumed else ""))
+    return (SCORER + ("" if student.config.per_head else "-per-layer")
+            + ("-closed-form" if student.config.per_head and not listwise else ""))
 
 
 def _unique(name: str, taken: dict) -> str:
@@ -627,10 +604,6 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
     return records_
 
 
-# recipe fields added after policies were shipped, with the value the older logs ran with
-AS_RAN = {"spread": False, "decode_len": 0, "val_decode": 0, "decode_weights": (1.0,)}
-
-
 def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, chosen: str) -> list[dict]:
     """Leave-one-domain-out for the policy (``scdviz.protocol.by_domain``): for each domain the chosen
     policy was trained on, train its recipe (the settings in its training log) again on the other
@@ -644,10 +617,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
 
     is_fit = isinstance(recipe.policy, Student)  # a student's recipe is its closed-form fit
     recipe_cls = student_fit.FitConfig if is_fit else train.TrainConfig
-    raw = (recipe.log or {}).get("config") or {}
-    saved, _ = config.from_dict(recipe_cls, raw, f"{chosen}'s training log")
-    before = {k: v for k, v in AS_RAN.items() if k not in raw and hasattr(saved, k)}  # older logs, as they ran
-    saved = dataclasses.replace(saved, question_len=recipe.validation_question_len, **before)
+    saved, _ = config.from_dict(recipe_cls, (recipe.log or {}).get("config") or {}, f"{chosen}'s training log")
     domains = [d for d in saved.corpora if d in cfg.corpora]
     if len(saved.corpora) < 2 or getattr(saved, "texts", None) or not domains:
         raise ValueError(f"--lodo needs a policy trained on 2+ shipped domains that are also in --corpora; {chosen} "
@@ -688,7 +658,7 @@ def lodo(cfg: EvalConfig, model, tokenizer, source: str, recipe: LoadedPolicy, c
 def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies, items=None,
               chosen: str | None = None, students: dict | None = None) -> list[dict]:
     """Every context of one model and mode, aggregated into records (students scored as presses in the
-    shared prefill, never counted as baselines but the KVzap-style one, ``surrogate``)."""
+    shared prefill, never counted as baselines)."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
     failed, fitting = {}, {}
     for name, student in (students or {}).items():  # a student fits one model's shapes: others say so
@@ -699,7 +669,6 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
             failed[name] = str(err)
     base = {k: v for k, v in baselines(cfg.seed).items() if not cfg.scorer_names or k in cfg.scorer_names}
     presses = base | student_presses(fitting)
-    kvzap = {name for name, student in fitting.items() if surrogate(student)}  # a baseline fitted here
     natives = {k: v for k, v in native_baselines().items() if not cfg.native_names or k in cfg.native_names
                } if cfg.natives else {}
     per_ctx = []
@@ -712,13 +681,13 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
             decoded.append(decode_context(model, ids, prefix, cfg, out, policies, presses, decode_failed,
                                           items[n] if items else None))
     full_qa = [c.get(("full cache", "full")) for c in per_ctx]  # aggregate pops it
-    records = aggregate(per_ctx, model, source, mode, set(base) | set(natives) | kvzap,
+    records = aggregate(per_ctx, model, source, mode, set(base) | set(natives),
                         windows=windows, chosen=chosen, failed=failed)
     if decoded:
         for c, full in zip(decoded, full_qa, strict=True):  # the decode rows' QA beside the full cache's
             if full is not None and "qa_correct" in full:  # (its perplexity was scored on other tokens)
                 c[("full cache", "full")] = {k: v for k, v in full.items() if k != "nll"}
-        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base) | kvzap | {H2O},
+        records += aggregate(decoded, model, source, f"{mode} decode{cfg.decode_tokens}", set(base) | {H2O},
                              windows=windows, chosen=chosen, failed=decode_failed)
     return records
 

@@ -1,4 +1,10 @@
-"""The DistillCache student: a linear scorer on what each layer computes anyway, distilled from the future.
+"""The distilled scorer (``Student``): a linear scorer on what each layer computes anyway, distilled from the future.
+
+The headline eviction method. Not the seed's DistillCache (an MLP over five attention features trained by
+REINFORCE: scdviz.evict.policy / train): a KVzap-style scorer fitted to the attention the text after each
+context pays its tokens, with no reinforcement learning. The class keeps its historical name, ``Student``
+(it was first fitted as DistillCache's student); every table, the app and the README call it the distilled
+scorer.
 
 Per layer and KV head (or, ``per_head=False``, one row per layer that every head shares, for
 paged-KV servers whose pages span heads) a token's score is ``w . x`` with
@@ -23,7 +29,7 @@ decode steps (eager or ``hf.ROWS`` attention), buffered by ``DecodeEvictor``, so
 at every cut like the age term (``dynamic``).
 
 It is fitted by ``scdviz.evict.student_fit`` (closed-form distillation from the future's
-attention, then REINFORCE) and is one scdviz artefact (``save`` / ``load``) with its fit log
+attention, then a listwise stage) and is one scdviz artefact (``save`` / ``load``) with its fit log
 beside it, laid out as a policy folder (``best.safetensors`` + ``log.json``) so the benches read
 both alike.
 
@@ -50,9 +56,9 @@ from scdviz.models import hf
 KIND = "distillcache-student"
 N_EXTRA = 4  # columns after H_in without a window: log ||v||, log(1 + pos), log(n - pos), 1
 WINDOW_EPS = 1e-6  # added to the window column before its log (a token no window row saw)
-SHIPPED = SHIPPED_DIR / "student"  # the shipped student (per layer and KV head)
+SHIPPED = SHIPPED_DIR / "student_window"  # the shipped distilled scorer (per head, window 32): the headline
 SINK_BONUS = 1e4  # added to the scores of the first StudentConfig.sinks positions: above any fitted score
-CLOSED_FORM = "closed_form.safetensors"  # beside a student's best.safetensors: its stage before REINFORCE
+CLOSED_FORM = "closed_form.safetensors"  # beside a student's best.safetensors: its closed form (before listwise)
 
 
 @dataclass
@@ -94,7 +100,7 @@ class Student(nn.Module):
         self.identity: dict = {}  # the model it was fitted on (source, weight fingerprint)
         self.meta: dict = {}  # what its fit recorded
         self.log: dict | None = None  # its fit log (log.json beside its file), when known
-        self.stages: dict[str, Student] = {}  # after a fit: "closed_form", its distilled stage before REINFORCE
+        self.stages: dict[str, Student] = {}  # after a fit: "closed_form", its closed form before the listwise stage
 
     @classmethod
     def for_model(cls, model, config: StudentConfig | None = None) -> Student:
@@ -165,7 +171,7 @@ class Student(nn.Module):
 
     def save(self, path: str | Path, identity: dict | None = None, meta: dict | None = None) -> Path:
         """Write the student (scdviz.artefact): a ``.safetensors`` file, or a folder (its ``best.safetensors``,
-        ``closed_form.safetensors`` when REINFORCE moved it from its closed form, and, with a fit log,
+        ``closed_form.safetensors`` when the listwise stage moved it from its closed form, and, with a fit log,
         ``log.json`` beside them). Returns what was written."""
         path = Path(path)
         if path.suffix == ".safetensors":
@@ -174,11 +180,17 @@ class Student(nn.Module):
                                  self.meta if meta is None else meta)
         self.save(path / FILE, identity, meta)
         closed = self.stages.get("closed_form")
-        if closed is not None and closed is not self:  # the stage before REINFORCE, beside it
+        if closed is not None and closed is not self:  # the closed form, beside it
             closed.save(path / CLOSED_FORM, identity)
         if self.log is not None:
             (path / LOG).write_text(json.dumps(self.log, indent=1))
         return path
+
+    @classmethod
+    def shipped(cls) -> Student:
+        """The shipped distilled scorer (``assets/policy/student_window``): the headline eviction method, fitted on the
+        built-in producer (its recipe is in its fit log, ``log.json`` beside it)."""
+        return cls.load(SHIPPED)
 
     @classmethod
     def load(cls, path: str | Path) -> Student:
@@ -226,7 +238,7 @@ def is_student(path: str | Path) -> bool:
 
 @dataclass
 class StudentPress(ScorerPress):
-    """The DistillCache student as a kvpress press: ``score`` is the student's (no attention needed).
+    """The distilled scorer as a kvpress press: ``score`` is the student's (no attention needed).
 
     Parameters
     ----------

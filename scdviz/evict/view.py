@@ -20,6 +20,7 @@ from scdviz.evict import bench
 from scdviz.evict.context import prune, why_not
 from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
+from scdviz.evict.student import Student
 from scdviz.models import hf
 from scdviz.progress import Reporter, steps, tell
 
@@ -75,11 +76,11 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     """Compress ``context`` (plus ``question`` when aware) with each method at ``keep`` and compare.
 
     lengths: (tokens of the full cache's continuation scored, tokens generated from each pruned cache).
-    policies: extra learned policies by method name (e.g. one a user just trained) beside the shipped ones,
-    always run. methods: the shipped policies, kvpress scorers and native presses to run (None: all; H2O
-    always runs, as every method is compared with it). Native presses (KVzip, PyramidKV, ...) prune inside
-    kvpress, so their rows, curves and texts are shown but not which tokens they keep; each costs a prefill
-    per budget, so they run at the chosen budget only (in the sweep: one point).
+    policies: extra learned policies and distilled scorers (``Student``) by method name (e.g. one a user just
+    trained or fitted) beside the shipped ones, always run. methods: the shipped policies, kvpress scorers and
+    native presses to run (None: all; H2O always runs, as every method is compared with it). Native presses (KVzip,
+    PyramidKV, ...) prune inside kvpress, so their rows, curves and texts are shown but not which tokens they keep;
+    each costs a prefill per budget, so they run at the chosen budget only (in the sweep: one point).
     progress: a reporter (``scdviz.progress``) told each phase and each method's generation.
     """
     cont_len, gen_tokens = lengths
@@ -89,6 +90,8 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     presses = {k: v for k, v in bench.baselines().items() if wanted is None or k in wanted}
     # the shipped students score inside the same prefill, as presses do (they read each layer's input)
     students = {k: v for k, v in bench.load_students(()).items() if wanted is None or k in wanted}
+    students |= {k: v for k, v in (policies or {}).items() if isinstance(v, Student)}  # a visitor's own
+    policies = {k: v for k, v in (policies or {}).items() if not isinstance(v, Student)}
     presses |= bench.student_presses(students)
     natives = {k: v for k, v in bench.native_baselines().items() if wanted is not None and k in wanted}
     # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
@@ -106,7 +109,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         keeps = tuple(sorted(set(SWEEP) | ({keep} if isinstance(keep, float) else set()), reverse=True))
         cfg = bench.EvalConfig(keeps=keeps, token_budgets=(keep,) if isinstance(keep, int) else (), cont_len=cont_len)
         shipped = {k: v for k, v in bench.load_policies(()).items() if wanted is None or k in wanted}
-        policies = shipped | dict(policies or {})
+        policies = shipped | policies
         tell(progress, f"one eager prefill: {len(presses)} scorers and {len(policies)} policies at each budget", 0, 1)
         failed: dict = {}
         policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}

@@ -16,6 +16,8 @@ import gradio as gr
 
 from scdviz.app.inputs import Control
 
+from gradio.events import Dependency
+
 class WholeSlider(gr.Slider):
     """A slider of whole numbers: typed ``int`` in the API (precision 0), yet a fraction an API client
     sends is not rounded away: it reaches the request's check, which refuses it by name."""
@@ -44,18 +46,22 @@ def widget(c: Control, value) -> gr.components.Component:
     if kind == "textbox":
         return gr.Textbox(label=c.label, value=value, max_length=hi, **props)
     if kind == "slider":
-        make = WholeSlider if c.kind == "int" else gr.Slider
-        return make(lo, hi, value=value, step=c.step or (1 if c.kind == "int" else None), label=c.label, **props)
+        if c.kind == "int":
+            return WholeSlider(lo, hi, value=value, step=c.step or 1, precision=0, label=c.label, **props)
+        return gr.Slider(lo, hi, value=value, step=c.step, label=c.label, **props)
     if kind == "number":
         return gr.Number(value=value, minimum=lo, maximum=hi, precision=0 if c.kind == "int" else None,
                          label=c.label, **props)
     if kind == "checkbox":
         return gr.Checkbox(value=value, label=c.label, **props)
     if kind == "radio":
+        if value is not None and all(isinstance(o, str) for o in c.options()):
+            value = str(value)  # e.g. code bits: the radio holds "4", the request the number
         return gr.Radio(shown, value=value, label=c.label, **props)
     if c.kind == "choices":
-        return gr.Dropdown(shown, value=list(c.options()) if value is None else value, multiselect=True,
-                           label=c.label, **props)
+        if value is None:
+            value = c.initial() if c.initial is not None else list(c.options())
+        return gr.Dropdown(shown, value=value, multiselect=True, label=c.label, **props)
     return gr.Dropdown(shown, value=value, label=c.label, allow_custom_value=c.kind == "pick", **props)
 
 
@@ -83,3 +89,22 @@ def build(request_type: type, values: dict | None = None, after: dict[str, Calla
                     after[f.name](out[f.name])
         i += len(group)
     return out
+
+
+def build_run(request_type: type, text_field: str, examples: list[str], examples_label: str, button_after: str,
+              button: dict) -> tuple[dict[str, gr.components.Component], gr.Button]:
+    """A run tab's controls (``build``): the first example in ``text_field`` with the examples under it,
+    and the run button (``gr.Button(**button)``) right after the ``button_after`` field. Returns
+    (field name -> widget, the button)."""
+    made = {}
+
+    def add_examples(text):
+        if examples:
+            gr.Examples([[e] for e in examples], inputs=[text], label=examples_label)
+
+    def add_button(_):
+        made["button"] = gr.Button(variant="primary", **button)
+
+    widgets = build(request_type, {text_field: examples[0] if examples else ""},
+                    after={text_field: add_examples, button_after: add_button})
+    return widgets, made["button"]

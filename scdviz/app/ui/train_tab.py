@@ -1,5 +1,6 @@
-"""Calibrate / train tab: SCD calibration, its correction stage trained through the consumer, and
-DistillCache policy training for the loaded pair.
+"""Calibrate / train tab: SCD calibration, its correction stage trained through the consumer, the distilled
+scorer (the headline eviction method) fitted, and a DistillCache policy (docs/design.md#training) trained,
+for the loaded pair.
 
 Widgets and wiring only; the work arrives from app.py. Progress bars follow the library's
 tqdm bars; the training plot updates while the policy trains.
@@ -11,18 +12,20 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from scdviz.app.requests import CalibrateRequest, DistilRequest, TrainRequest
+from scdviz.app.requests import CalibrateRequest, DistilRequest, FitRequest, TrainRequest
 from scdviz.app.ui import controls
 from scdviz.app.ui.common import figure_downloads, guard
 
 
 def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop: Callable, pair_state: gr.State,
-          session: gr.State, export: Callable | None = None, distil: Callable | None = None) -> None:
+          session: gr.State, export: Callable | None = None, distil: Callable | None = None,
+          fit: Callable | None = None) -> None:
     """Add the tab (its controls built from ``CalibrateRequest`` and ``TrainRequest``): ``calibrate(pair_key,
     session, request, http, progress)`` and ``train(...)`` (the same) yield (markdown, figure, session) as they
     run; ``load_calibration(pair_key, session, folder)`` returns them; ``stop(session, what)`` cancels the
     visitor's "calibrate", "distil" or "train" job (its Stop button) and returns a message; ``distil(...)``
-    (as ``calibrate``) trains the correction stage of the visitor's calibration, else the shipped one;
+    (as ``calibrate``) trains the correction stage of the visitor's calibration, else the shipped one; ``fit(...)``
+    (the same) fits the distilled scorer on the producer;
     ``export`` (see ``common.figure_downloads``) offers the tab's two figures as files.
 
     What a visitor makes or loads lives in their ``session`` (gr.State), never in a global."""
@@ -51,9 +54,22 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
             dis_btn, dis_stop = _job_buttons("Train correction stage", "distil")
         dis_info, dis_plot = _summary_and_plot("distil", "Correction stage training")
 
-    gr.Markdown("### DistillCache policy training\nREINFORCE with Gumbel top-B sampling and a leave-one-out "
-                "baseline on the producer, after a short warm start. Saved as a run named NAME and added to your "
-                "eviction methods. "
+    if fit is not None:
+        gr.Markdown("### Distilled scorer (the headline eviction method)\nA linear scorer per layer and KV head on "
+                    "what the layer computes anyway (its input, ‖v‖, position, age and, with a window, the attention "
+                    "of the last W queries), fitted in closed form to the attention the text *after* each training "
+                    "context pays it (KVzap's recipe on a richer input), then refined by a listwise loss; ridge "
+                    "strength and decode-state weight chosen on *calib* contexts against H2O's KL there. Saved as a "
+                    "run named NAME and added to your eviction methods. (Same code as `python -m scdviz "
+                    "fit-student`; the shipped one used 120 contexts.)")
+        fitting = controls.build(FitRequest)
+        with gr.Row():
+            fit_btn, fit_stop = _job_buttons("Fit scorer", "fit")
+        fit_info, fit_plot = _summary_and_plot("fit", "Distilled scorer fit")
+
+    gr.Markdown("### DistillCache policy training (the seed's method)\nAn MLP over five attention features per "
+                "token, trained by REINFORCE with Gumbel top-B sampling and a leave-one-out baseline on the producer, "
+                "after a short warm start. Saved as a run named NAME and added to your eviction methods. "
                 "(Same code as `python -m scdviz train-policy`.)")
     buttons = {}
 
@@ -87,6 +103,12 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
         for out in train(pair_key, session, TrainRequest(**values), http=request, progress=progress):
             yield with_figure(out, figures, "policy_training")
 
+    def on_fit(pair_key, session, figures, request: gr.Request, progress=gr.Progress(), **values):  # noqa: B008
+        if not pair_key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        for out in fit(pair_key, session, FitRequest(**values), http=request, progress=progress):
+            yield with_figure(out, figures, "scorer_fit")
+
     def on_distil(pair_key, session, figures, request: gr.Request, progress=gr.Progress(), **values):  # noqa: B008
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
@@ -108,6 +130,12 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                                   [dis_info, dis_plot, session, figs, *downloads], inputs_kwargs=distilling,
                                   concurrency_limit=None, api_name="distil", show_progress_on=[dis_info])
         dis_stop.click(lambda sess: stop(sess, "distil"), [session], [dis_info], cancels=[dis_event], api_name=False,
+                       queue=False)
+    if fit is not None:
+        fit_event = fit_btn.click(guard(on_fit), [pair_state, session, figs],
+                                  [fit_info, fit_plot, session, figs, *downloads], inputs_kwargs=fitting,
+                                  concurrency_limit=None, api_name="fit", show_progress_on=[fit_info])
+        fit_stop.click(lambda sess: stop(sess, "fit"), [session], [fit_info], cancels=[fit_event], api_name=False,
                        queue=False)
     # Stop: the job is told to end at its next step (its files are removed), and the event is cancelled
     cal_stop.click(lambda sess: stop(sess, "calibrate"), [session], [cal_info], cancels=[cal_event], api_name=False,
