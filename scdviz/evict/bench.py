@@ -476,7 +476,7 @@ def native_scored(model, make, ids: torch.Tensor, prefix: int, n_keep: int, cfg:
 
 
 DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")
-H2O = "H2O"  # decode rows: H2O accumulated over every query (scdviz.evict.h2o); "ObservedAttention" there is windowed
+H2O = "H2O"  # decode rows: ObservedAttention's prefill, then every query accumulated (scdviz.evict.h2o)
 
 
 def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: dict, policies: dict,
@@ -491,7 +491,9 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     lookahead policy, which DecodeEvictor refuses (its feature exists only after a prefill),
     lands in ``failed`` like any scorer that cannot score while decoding.
     SnapKV is left out: its observation window (64 rows) must exceed the rows a decode
-    step buffers. kvpress's ``DecodingPress`` is not used (scdviz.evict.decode says why).
+    step buffers. ObservedAttention continues as H2O (``H2O``: every decode row accumulated, not the last
+    ``DECODE_WINDOW`` rows over a prefill's visibility, which is what kvpress's score gives a decode step).
+    kvpress's ``DecodingPress`` is not used (scdviz.evict.decode says why).
     """
     obs, first = out["observed"], ids[:, prefix : prefix + 1]
     full = hf.make_cache(model, obs.keys, obs.values)
@@ -501,8 +503,8 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
     scorers = {name: DistillCachePress(policy=p) for name, p in policies.items() if p.config.per_head}
     scorers |= {name: presses[name] for name in DECODE_BASELINES if name in presses}
     scorers |= {name: p for name, p in presses.items() if isinstance(p, StudentPress)}
-    if "ObservedAttention" in presses:  # H2O proper: ObservedAttention's prefill, then every decode row accumulated
-        scorers[H2O] = H2OPress()
+    if scorers.pop("ObservedAttention", None) is not None:  # while decoding, H2O proper instead of a window of rows:
+        scorers[H2O] = H2OPress()  # ObservedAttention's prefill, then every decode row accumulated
     results = {}
     for label, n_keep in budgets(cfg, prefix):
         for name, press in scorers.items():
