@@ -118,8 +118,9 @@ def _calibrate(cmd: Calibrate) -> None:
     t0 = time.perf_counter()
     calib = cal.calibrate(cmd.calib, pair)
     calib.save(out, cmd.store_rank)
-    _save_run(cmd, out, "calibrate", cmd.calib.seed, str(pair.device), time.perf_counter() - t0)
-    print(f"patch order ({calib.config.selection}): {calib.patch_order}; drift order: {calib.drift_order}")
+    _save_run(cmd, out, "calibrate", None, str(pair.device), time.perf_counter() - t0)
+    print(f"patch order ({'given' if calib.config.given else 'greedy'}): {calib.patch_order}; "
+          f"drift order: {calib.drift_order}")
     if calib.selection_kl:
         print("selection KL after each added patch: " + ", ".join(f"{x:.4f}" for x in calib.selection_kl))
     print(f"saved to {out} in {calib.stats['seconds_total']} s")

@@ -278,6 +278,9 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
 
 def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
     page.get_by_role("tab", name="Calibrate / train").click()
+    # the headline method is fitted here too (its job: tests/test_explore_slow.py), above DistillCache's REINFORCE
+    fit, train = page.locator("#fit-run"), page.locator("#train-run")
+    assert fit.is_visible() and fit.bounding_box()["y"] < train.bounding_box()["y"]
     page.locator("#train-run").click()
     page.locator("#train-info").get_by_text("REINFORCE steps").wait_for(timeout=300_000)  # live updates
     page.locator("#train-info").get_by_text("Done:").wait_for(timeout=600_000)

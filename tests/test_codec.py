@@ -49,7 +49,7 @@ def test_decode_needs_only_the_bytes_and_the_calibration(pair, calib):
 def test_full_rank_fp16_codec_on_the_same_model_is_the_models_own_cache(texts):  # noqa: F811
     model = tiny_model("llama")
     same = make_pair(model, model)
-    calib = scdviz.calibrate(small_cfg(texts, ridge=0.0, selection="given", given=[1]), same, progress=False)
+    calib = scdviz.calibrate(small_cfg(texts, ridge=0.0, given=[1]), same, progress=False)
     rk, rv = plans.full_ranks(calib)
     codec = scdviz.Codec(plans.scd_plan(rk, rv, code_bits=16), calib)
     ids = _prefix()

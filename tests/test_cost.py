@@ -52,7 +52,10 @@ def test_cost_times_every_method_against_a_plain_prefill(tmp_path):
         paths.append(str(tmp_path / name / "best.safetensors"))
     window = Student.for_model(model, StudentConfig(window=4))  # reads the decode steps' attention rows
     paths.append(str(window.save(tmp_path / "window.safetensors")))
-    cfg = cost.CostConfig(policies=tuple(paths), context_lens=(48,), keep=0.25, decode_steps=4, rounds=2, warmup=1)
+    # decode_interval 2: the evicting trials cut (12 kept + 4 steps reach 12 + 2), so a press the evictor changed
+    # would keep another budget at the next round's prefill (each method's kept tokens come from its last trial)
+    cfg = cost.CostConfig(policies=tuple(paths), context_lens=(48,), keep=0.25, decode_steps=4, decode_interval=2,
+                          rounds=2, warmup=1)
     rows = cost.run(cfg, model, _Words(), progress=False)
     by = {r["method"]: r for r in rows}
     lineup = [m.name for m in cost.methods(cfg, 12, 48)]

@@ -442,7 +442,7 @@ def test_a_lookahead_policy_refuses_features_without_it_and_others_ignore_it(eag
         pass
 
 
-def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_its_own_rate(eager_tiny):
+def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_the_training_rate(eager_tiny):
     obs = observe(eager_tiny, _ids(20), 16, lookahead=(2, 2))
     look, alpha = obs.head_features[..., 5], obs.head_features[..., 0]
     prior = 0.75 * look / look.sum(-1, keepdim=True) + 0.25 * alpha / alpha.sum(-1, keepdim=True)
@@ -455,10 +455,10 @@ def test_a_new_lookahead_policy_scores_as_its_prior_and_warm_starts_at_its_own_r
     assert not no_prior.has_prior and no_prior.mlp[-1].weight.abs().sum() > 0
     sample = Sample(obs, _ids(4), torch.zeros(4, 97))
     opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
-    cfg = TrainConfig(out="unused", warm_steps=30, warm_lr=1e-2, lr=1e-4, policy=policy.config)
+    cfg = TrainConfig(out="unused", warm_steps=30, lr=1e-2, policy=policy.config)
     log = {"warm": []}
     warm_start(policy, [sample], cfg, opt, log)
-    assert opt.param_groups[0]["lr"] == 1e-4 and log["warm"][-1] < log["warm"][0]  # imitated, then REINFORCE's rate
+    assert opt.param_groups[0]["lr"] == 1e-2 and log["warm"][-1] < log["warm"][0]  # imitated at REINFORCE's rate
 
 
 def test_train_writes_no_file_and_hands_checkpoints_to_its_callback(tmp_path, monkeypatch):

@@ -179,3 +179,33 @@ def test_raw_layers_add_their_rows_on_the_builtin_pair(builtin_pair):
         assert 0 < mixed["bytes_per_token"] - table.loc[base, "bytes_per_token"] < 100
     with pytest.raises(UserError, match="raw layers must be between 0 and 29"):
         app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, False, raw_layers="30"))
+
+
+def test_a_visitor_fits_the_distilled_scorer_that_only_they_then_inspect(builtin_pair, tmp_path, monkeypatch):
+    """The Calibrate / train tab's distilled scorer on the real pair: fitted on the producer, saved in the visitor's
+    run (a folder that loads back to the same weights), one of their eviction methods from then on, whose kept
+    tokens they can inspect, and nobody else's."""
+    from scdviz import data
+    from scdviz.app.requests import FitRequest
+    from scdviz.app.session import Session
+    from scdviz.evict.student import Student
+
+    monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
+    a, b = Session(), Session()
+    folder = a.new_run("mine", "policies")
+    log = train.fit_scorer(builtin_pair, a, FitRequest(contexts=6, val_contexts=6, window=32, name="mine"), folder,
+                           progress=False)
+    mine = a.policies["yours:mine"]
+    assert isinstance(mine, Student) and mine.config.window == 32 and not b.policies
+    assert torch.equal(Student.load(folder).weight, mine.weight)
+    assert log["config"]["contexts"] == 6 and log["val"] and log["val_heuristic"] > 0
+    assert mine.meta["val_kl"] in {v["kl"] for v in log["val"]}  # the candidate the fit chose, as logged
+    context = " ".join(data.load_split("jargon", "eval")[5].split()[:120])
+    out = evict.evict_run(builtin_pair, EvictRequest(context, "", False, "% kept", 25, "producer", "yours:mine",
+                                                     ["ObservedAttention"]), session=a)
+    assert "yours:mine" in set(out["table"]["method"]) and "yours:mine" in out["methods"]
+    kept = [frac for _, frac in out["kept"]]
+    assert 0.2 < sum(kept) / len(kept) < 0.3  # a quarter of the context kept, averaged over layers and heads
+    with pytest.raises(UserError, match="yours:mine"):  # another visitor cannot inspect it
+        evict.evict_run(builtin_pair, EvictRequest(context, "", False, "% kept", 25, "producer", "yours:mine",
+                                                   ["ObservedAttention"]), session=b)

@@ -1,5 +1,5 @@
 """Hosted mode over HTTP: every file the app writes lies under SCDVIZ_WORK, and no visitor's file is
-served by its path (issue 30: gradio's temp files, exports and Chromium's profile used to land in the
+served by its path (docs/hosting.md: gradio's temp files, exports and Chromium's profile used to land in the
 home folder and the system's temporary folder, and another visitor's CSV was fetchable by path)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def test_the_example_notebook_runs_and_draws_its_figures(tmp_path, monkeypatch):
     consumer = tiny_folder(tmp_path / "consumer", text)  # same tokenizer; its own random weights (seed 0 again)
     pair = load_pair(str(producer), str(consumer))
     calib = cal.calibrate(calibration.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
-                                                  cont_len=8, aligner_steps=5, n_candidates=2, patch_k=1, op_patch_k=1,
+                                                  cont_len=8, n_candidates=2, patch_k=1, op_patch_k=1,
                                                   rate_windows=0), pair, progress=False)
     calib.save(tmp_path / "calib")
     for key, value in {"PRODUCER": producer, "CONSUMER": consumer, "CALIBRATION": tmp_path / "calib",

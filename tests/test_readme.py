@@ -54,7 +54,7 @@ def test_the_readme_example_runs_on_tiny_models(tmp_path, monkeypatch):
     producer, consumer = tiny_folder(tmp_path / "p", text), tiny_folder(tmp_path / "c", text)
     pair = scdviz.load_pair(str(producer), str(consumer))
     calib = scdviz.calibrate(scdviz.CalibConfig(domains=["austen", "gcide"], n_fit=4, n_select=2, prompt_len=48,
-                                                cont_len=8, aligner_steps=5, n_candidates=2, patch_k=2,
+                                                cont_len=8, n_candidates=2, patch_k=2,
                                                 op_patch_k=2, rate_windows=0, gate_patches=False),
                              pair, progress=False)
     calib.save(tmp_path / "calib")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def quick_calib(builtin_pair):
-    cfg = calibration.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, aligner_steps=30, n_candidates=2,
+    cfg = calibration.CalibConfig(domains=["jargon", "bible"], n_fit=8, n_select=2, n_candidates=2,
                                   patch_k=1, op_patch_k=1)
     return cal.calibrate(cfg, builtin_pair, progress=False)
 

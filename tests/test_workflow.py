@@ -59,7 +59,7 @@ def test_own_text_goes_through_every_command_without_touching_the_repository(flo
                      "2", "--prompt-len", "48", "--cont-len", "8", "--out", str(report)]) == 0
     assert list(json.loads(report.read_text())["corpora"]) == ["texts"]  # measured on the user's eval split
     assert cli.main(["calibrate", "--producer", tiny, "--consumer", str(spec), "--texts", text, "--n-fit", "4",
-                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8", "--aligner-steps", "5",
+                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8",
                      "--n-candidates", "2", "--patch-k", "1", "--op-patch-k", "1", "--rate-windows", "0"]) == 0
     calib = runs.root() / "calibrations" / "mine"
     assert (calib / "calibration.safetensors").is_file() and (calib / "run.json").is_file()
@@ -126,11 +126,11 @@ def test_rate_on_a_shipped_calibration_saves_a_new_run_and_leaves_the_shipped_on
     monkeypatch.setattr(settings, "ASSETS_DIR", fake_assets)
     shipped = fake_assets / "scd" / "tiny"
     assert cli.main(["calibrate", "--producer", tiny, "--consumer", tiny, "--texts", text, "--n-fit", "4",
-                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8", "--aligner-steps", "5",
+                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8",
                      "--n-candidates", "2", "--patch-k", "1", "--op-patch-k", "1", "--rate-windows", "0",
                      "--out", str(shipped)]) == 2  # inside assets/ without the flag: refused
     assert cli.main(["calibrate", "--producer", tiny, "--consumer", tiny, "--texts", text, "--n-fit", "4",
-                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8", "--aligner-steps", "5",
+                     "--n-select", "2", "--prompt-len", "48", "--cont-len", "8",
                      "--n-candidates", "2", "--patch-k", "1", "--op-patch-k", "1", "--rate-windows", "0",
                      "--out", str(shipped), "--maintainer"]) == 0
     before = (shipped / "calibration.safetensors").read_bytes()

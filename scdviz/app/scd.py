@@ -30,11 +30,8 @@ def calibration_summary(calib) -> str:
     gated = [int(k) for k, v in st.get("patch_gate", {}).items() if not v["kept"]] if calib.config.gate_patches else []
     parts.append(f"Patch order {calib.patch_order}"
                  + (f"; gated out (worse than the code off-domain): {gated}." if gated else "."))
-    mlp = [int(k) for k, v in st.get("patch_gate", {}).items() if v.get("mlp")]
     if st.get("patch_gate"):
-        parts.append("Aligners: identity + a linear correction shrunk toward identity (chosen on held-out domains)"
-                     + (f"; the MLP helped off-domain on layers {mlp} only." if mlp
-                        else "; the MLP helped on no layer off-domain."))
+        parts.append("Aligners: identity + a linear correction shrunk toward identity (chosen on held-out domains).")
     trained = st.get("distil")
     if calib.corrections and trained:
         kl = trained["val_kl"]

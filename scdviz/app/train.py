@@ -73,13 +73,13 @@ def fit_scorer(pair: Pair, session: Session, request: FitRequest, folder: Path,
     """Fit the distilled scorer (``scdviz.fit_student``: closed form on the future's attention, ridge and decode weight
     chosen on validation, then the listwise stage) on the pair's producer, save it in ``folder`` (a run of
     ``session``) and add it to this session's eviction methods; returns its fit log. The shipped recipe's settings
-    but the sizes (contexts, decode validation) a live session can afford."""
+    but the sizes a live session can afford: the request's contexts, 2 validation contexts decoding 64 tokens."""
     from scdviz.evict.student import Student, StudentConfig
     from scdviz.evict.student_fit import FitConfig, fit
 
     req = request.checked()
-    cfg = FitConfig(out=str(folder), contexts=req.contexts, val_contexts=req.val_contexts,
-                    val_decode=min(req.val_contexts, 6), student=StudentConfig(window=req.window))
+    cfg = FitConfig(out=str(folder), contexts=req.contexts, val_contexts=req.val_contexts, val_decode=2,
+                    val_decode_tokens=64, student=StudentConfig(window=req.window))
     student = fit(cfg, pair, progress=progress)
     student.save(folder)
     session.policies[f"yours:{folder.name}"] = Student.load(folder)

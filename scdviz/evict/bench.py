@@ -57,8 +57,8 @@ from scdviz.models import hf
 from scdviz.records import BenchRecord
 
 SHIPPED_POLICIES = (  # assets/policy/README.md says what each is and how it was made
-    SHIPPED_DIR / "per_head" / "best.safetensors",  # the seed's method per layer and KV head, W = 512
-    SHIPPED_DIR / "global" / "best.safetensors",  # the seed's method as specified: one set for all layers
+    SHIPPED_DIR / "per_head" / "best.safetensors",  # DistillCache per layer and KV head, W = 512
+    SHIPPED_DIR / "global" / "best.safetensors",  # DistillCache as docs/design.md specifies it: one set
     SHIPPED_DIR / "lookahead_w512" / "best.safetensors",  # + the lookahead feature (G = 40, K = 8): the expensive one
     SHIPPED_DIR / "student_window" / "best.safetensors",  # the distilled linear scorer with a 32-query window
 )
@@ -315,7 +315,7 @@ def load_all(paths: tuple[str, ...]) -> dict[str, LoadedPolicy]:
     return out
 
 
-DISTILLCACHE = "DistillCache"  # the seed's method as specified: one token set for all layers (docs/design.md)
+DISTILLCACHE = "DistillCache"  # as docs/design.md specifies it: one token set for all layers
 DISTILLCACHE_PER_HEAD = "DistillCache-per-head"  # the same MLP and training, a kept set per layer and KV head
 LOOKAHEAD = "lookahead-policy"  # DistillCache's MLP over the five features plus sampled continuations' attention
 SCORER = "distilled-scorer"  # the headline: a linear scorer distilled from the future's attention (student.py)

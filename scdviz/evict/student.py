@@ -1,10 +1,10 @@
 """The distilled scorer (``Student``): a linear scorer on what each layer computes anyway, distilled from the future.
 
-The headline eviction method. Not the seed's DistillCache (an MLP over five attention features trained by
-REINFORCE: scdviz.evict.policy / train): a KVzap-style scorer fitted to the attention the text after each
-context pays its tokens, with no reinforcement learning. The class keeps its historical name, ``Student``
-(it was first fitted as DistillCache's student); every table, the app and the README call it the distilled
-scorer.
+The headline eviction method. Not DistillCache as docs/design.md specifies it (an MLP over five attention
+features trained by REINFORCE: scdviz.evict.policy / train): a KVzap-style scorer fitted to the attention the
+text after each context pays its tokens, with no reinforcement learning. The class keeps its historical name,
+``Student`` (it was first fitted as DistillCache's student); every table, the app and the README call it the
+distilled scorer.
 
 Per layer and KV head (or, ``per_head=False``, one row per layer that every head shares, for
 paged-KV servers whose pages span heads) a token's score is ``w . x`` with

@@ -70,9 +70,6 @@ class FitConfig:
     val_decode_tokens: int = opt(128, "validation while decoding: tokens generated (the full cache's greedy choice, "
                                  "teacher-forced as bench evict --decode-tokens does)")
     decode_interval: int = opt(8, "validation while decoding: tokens between cuts (bench evict's decode_interval)")
-    spread: bool = opt(True, "draw each corpus's windows evenly through its split (as the benchmark's eval contexts "
-                       "are) instead of its first ones: the train and calib splits interleave passages of one "
-                       "text, so their first windows come from neighbouring parts of it")
     listwise: tuple[float, ...] = opt((1e-3,), "then the listwise stage (future teacher): from the chosen closed "
                                       "form, the weights minimising the cross-entropy between the teacher's "
                                       "attention, normalised over each context (and decode state), and the softmax "
@@ -239,11 +236,13 @@ def listwise_layer(lists: Lists, layer: int, start: Tensor, penalty: float, deco
 
 
 def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> list[list[int]]:
-    """``count`` windows of ``length`` tokens, equally many from each corpus's ``split``."""
+    """``count`` windows of ``length`` tokens, equally many from each corpus's ``split``, drawn evenly through it (as
+    the benchmark's eval contexts are: the train and calib splits interleave passages of one text, so their first
+    windows come from neighbouring parts of it)."""
     per = -(-count // len(cfg.corpora))
     out = []
     for c in cfg.corpora:
-        out += data.token_windows(tokenizer, data.passages(c, split), length, per, cfg.spread)
+        out += data.token_windows(tokenizer, data.passages(c, split), length, per, spread=True)
     if len(out) < count:
         raise ValueError(f"only {len(out)} {split} windows of {length} tokens in {', '.join(cfg.corpora)}")
     return out[:count]
@@ -388,7 +387,8 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     normal = accumulate(model, tokenizer, cfg, base, progress, lists)
     decoding = bool(normal.decode)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
-    log = {"config": config.to_dict(cfg), "val": [], "rows": normal.rows,
+    # windows are always spread through their splits: the log says so, as a policy's does (bench.LoadedPolicy reads it)
+    log = {"config": {**config.to_dict(cfg), "spread": True}, "val": [], "rows": normal.rows,
            "decode_rows": normal.decode.rows if normal.decode else 0}
 
     def scorer(student: Student):

@@ -94,7 +94,6 @@ class TrainConfig:
     steps: int = opt(300, 'REINFORCE steps (one context each)')
     warm_steps: int = opt(100, "imitation steps on alpha's ranking (observed attention, H2O's score) before REINFORCE "
                           "(0: none)")
-    warm_lr: float | None = opt(None, "Adam learning rate of the warm start (default: lr)")
     lr: float = opt(3e-4, "Adam learning rate (3e-3 degraded the warm start on validation: assets/policy/README.md)")
     entropy_coef: float = opt(1e-4, "beta, weight of the entropy bonus")
     checkpoint_every: int = opt(25, 'steps between checkpoints (each also scores the validation contexts)')
@@ -175,15 +174,10 @@ def prepare(model, tokenizer, cfg: TrainConfig, split: str, count: int, progress
 
 def warm_start(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict,
                progress: bool | Reporter = True) -> None:
-    """Imitate alpha's ranking (H2O's score): maximise its Plackett-Luce likelihood (at ``cfg.warm_lr`` when
-    given; REINFORCE then continues at ``cfg.lr``)."""
+    """Imitate alpha's ranking (H2O's score): maximise its Plackett-Luce likelihood, at ``cfg.lr`` as REINFORCE."""
     for group in opt.param_groups:
-        group["lr"] = cfg.lr if cfg.warm_lr is None else cfg.warm_lr
-    try:
-        _imitate(policy, samples, cfg, opt, log, progress)
-    finally:
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr
+        group["lr"] = cfg.lr
+    _imitate(policy, samples, cfg, opt, log, progress)
 
 
 def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch.optim.Optimizer, log: dict,

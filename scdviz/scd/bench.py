@@ -29,7 +29,7 @@ from scdviz.records import BenchRecord
 from scdviz.scd import calibrate as cal
 from scdviz.scd import calibration, distil, measure, rate
 from scdviz.scd import plan as plans
-from scdviz.scd.plan import SINKS, Plan
+from scdviz.scd.plan import Plan
 
 CODERS = ("transform", "rd")  # how a byte budget becomes a plan (budget_plan)
 
@@ -59,24 +59,17 @@ class ScdBenchConfig:
                            "itself over the received cache (e.g. 16 32 64); KL against bytes and against the "
                            "consumer's compute (prefill_share)")
     raw_layers: list[int] = opt([], "the raw-layer sweep: SCD reuse-only, SCD full and SCD transform coded at each "
-                                "--budgets with these layers sent as the producer's own K, V (--raw-layer-bits) "
-                                "instead of codes, where quote recall reads the producer's keys better (austen-qkv: "
-                                "20 26, chosen on dev by `python -m research.recall_layers`)")
-    raw_layer_bits: int = opt(plans.RAW_LAYER_BITS, "bits of the raw layers' K, V (quantised as 4-bit KV is; 16: fp16)",
-                              choices=(4, 8, 16))
+                                "--budgets with these layers sent as the producer's own K, V (in 4 bits, as 4-bit KV "
+                                "sends them) instead of codes, where quote recall reads the producer's keys better "
+                                "(austen-qkv: 20 26, chosen on dev by `python -m research.recall_layers`)")
     budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
                                "(default: the calibration's operating point)")
     coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section "
                      "scaled by its measured KL sensitivity, entropy coded; the rank follows from the step) or rd "
                      "(ranks, bits and patches chosen on the rate-distortion curves)", choices=CODERS)
-    sink: str = opt("recompute", "token 0 for every method: recomputed by the consumer, or the producer's sent",
-                    choices=SINKS)
-    sent_rows: bool = opt(True, "also every method with token 0 treated the other way (extra rows)")
+    sent_rows: bool = opt(True, "also every method with the producer's token 0 sent instead of recomputed (extra "
+                          "rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
-    kivi_window: int = opt(0, "the 4-bit KV baseline sends its last this-many tokens in fp16 (KIVI's recent window; 0: "
-                           "none)")
-    entropy: bool = opt(False, "entropy-code the quantised sections of 4-bit KV and SCD alike (rANS with each "
-                        "section's histogram)")
     seed: int = opt(0, "torch seed set before the run")
 
 
@@ -122,19 +115,12 @@ def consumer_flops_per_token(plan: Plan, calib: calibration.Calibration, small_d
             ratio = (plan.rank_k[layer] + plan.rank_v[layer]) / (2 * small_d_kv)
             per_layer.append(2 * 2 * ratio * d_kv * d_kv)  # decode K and V codes
         elif mode == "patch":
-            hidden = calib.patch_for(layer).aligner.hidden / hf_hidden(calib) * big.hidden
-            per_layer.append(2 * big.hidden**2 + 2 * 2 * big.hidden * hidden  # aligner: linear + MLP
-                             + 2 * big.hidden * 2 * d_kv)  # k/v proj
+            per_layer.append(2 * big.hidden**2 + 2 * big.hidden * 2 * d_kv)  # linear aligner, k/v proj
         elif mode == "recompute":
             per_layer.append(2 * big.params / big.layers)
         else:
             per_layer.append(0.0)
     return sum(per_layer) * big.layers / len(plan.modes)
-
-
-def hf_hidden(calib: calibration.Calibration) -> int:
-    """Hidden size of the calibrated pair."""
-    return int(calib.identity["facts"]["hidden"])
 
 
 def pair_shape(pair: Pair) -> links.ModelShape:
@@ -176,11 +162,11 @@ def bench(
     cfg.budget: SCD full is instead the ``cfg.coder`` plan at this many bytes/token (``budget_plan``).
     cfg.budgets: the transform-coded plan, the rate-distortion plan (packed and entropy coded) and the
     rank-only allocation at each ("budget sweep"). Both use the calibration's rate curves, measured now
-    when it has none. cfg.sink: token-0 handling of every method in the lineup; cfg.sent_rows: the
-    lineup again with the other handling, as the "token 0" group. (cfg's texts, domains, lodo, limit,
+    when it has none. Every method of the lineup recomputes token 0 at the consumer; cfg.sent_rows: the
+    lineup again with the producer's token 0 sent, as the "token 0" group. (cfg's texts, domains, lodo, limit,
     prompt_len and seed choose the windows: ``reports`` reads them.)
     """
-    cont_len, gen_tokens, budget, budgets, sink = cfg.cont_len, cfg.gen_tokens, cfg.budget, cfg.budgets, cfg.sink
+    cont_len, gen_tokens, budget, budgets, sink = cfg.cont_len, cfg.gen_tokens, cfg.budget, cfg.budgets, "recompute"
     if any(not 0 <= layer < calib.n_layers for layer in cfg.raw_layers):
         raise ValueError(f"--raw-layers are 0 to {calib.n_layers - 1} on this pair; got {list(cfg.raw_layers)}")
     cases = measure.prepare_cases(pair, windows, cont_len, progress, cfg.qa_answer_len)
@@ -192,14 +178,13 @@ def bench(
     if budget:
         scd_full = budget_plan(calib, curves, budget, n_tokens, sink, cfg.coder, name="SCD full")
     oracle, gens = measure.oracle_result(pair, cases, gen_tokens)
-    lineup = plans.lineup(calib, scd_full, sink, cfg.kivi_window, cfg.entropy)
+    lineup = plans.lineup(calib, scd_full, sink)
     lineup, calibs = plans.with_closed_form(lineup, calib)
     results = measure.run_methods(pair, calibs, cases, lineup, "method", gen_tokens, gens, progress)
     report = BenchReport(specialist or pair.consumer_source, [oracle, *results], plans={p.name: p for p in lineup},
                          calibrated_on=list(calib.stats.get("domains", [])))
     if cfg.sent_rows:
-        other = plans.lineup(calib, scd_full, "send" if sink == "recompute" else "recompute", cfg.kivi_window,
-                             cfg.entropy)
+        other = plans.lineup(calib, scd_full, "send")
         report.sweeps += measure.run_methods(pair, calib, cases, other, "token 0", progress=progress)
     if cfg.sweeps:
         report.sweeps += measure.run_methods(pair, calib, cases, plans.patch_sweep(calib), "patch sweep",
@@ -212,7 +197,7 @@ def bench(
         report.sweeps += measure.run_methods(pair, calibs, cases, tailed, "tail sweep", progress=progress)
     if cfg.raw_layers:
         mixed, calibs = plans.with_closed_form(plans.raw_layer_sweep(
-            calib, list(cfg.raw_layers), cfg.raw_layer_bits, tuple(budgets) if calib.rate else ()), calib)
+            calib, list(cfg.raw_layers), budgets=tuple(budgets) if calib.rate else ()), calib)
         report.sweeps += measure.run_methods(pair, calibs, cases, mixed, "raw layers", progress=progress)
     if budgets:
         swept = []

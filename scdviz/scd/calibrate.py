@@ -7,8 +7,8 @@ refinement of both, which the consumer adds to the decoded rows (keys and values
 projections of one hidden state, so each carries some of what the other misses; kept per
 layer only where it lowers the leave-one-domain-out error), measures raw-reuse
 drift, ranks layers by the KL gain of an *ideal* patch (the consumer's own K, V at that
-layer), trains aligners for the candidates and orders patch layers greedily on
-continuation KL (or by drift, or as given). ``save`` / ``load`` write and read the
+layer), fits aligners for the candidates and orders patch layers greedily on
+continuation KL (or as given). ``save`` / ``load`` write and read the
 artefact (one safetensors file, scdviz.artefact); ``load`` refuses one made for another pair.
 
 It does not evaluate on held-out text (scdviz.scd.measure).
@@ -31,7 +31,7 @@ from scdviz.progress import Reporter, steps
 from scdviz.scd import calibration, rate, transfer
 from scdviz.scd import plan as plans
 from scdviz.scd.calibration import CalibConfig, Calibration, domains_of, pair_identity
-from scdviz.scd.patch import MlpFit, Patch, fit_patch, fit_patches
+from scdviz.scd.patch import Patch, fit_patch, fit_patches
 from scdviz.scd.rrr import LinearCode, RRRStats
 
 # ----------------------------------------------------------------------------- fitting
@@ -103,13 +103,14 @@ def lodo_error(stats: list, layer: int, ridge: float, shrink: float) -> float:
 
 
 def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
-    """The REUSE maps' shrinkage and per-layer identity fallback, both by leave-one-domain-out error.
+    """The REUSE maps' shrinkage and per-layer identity fallback (the identity code where it beats the map), both by
+    leave-one-domain-out error.
 
     Returns {"shrink", "lodo_error" (shrink -> mean error over layers, K and V), "shrink_k",
     "shrink_v" (per layer: the shrinkage used, inf where the identity code won)}.
     """
     n = len(fits.k_stats[0])
-    grid = [cfg.shrink] if cfg.shrink is not None else list(cfg.shrink_grid)
+    grid = list(cfg.shrink_grid)
     kinds = {"k": fits.k_stats, "v": fits.v_stats}
     per_layer = {alpha: {name: [lodo_error(st, layer, cfg.ridge, alpha) for layer in range(n)]
                          for name, st in kinds.items()}
@@ -120,8 +121,7 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
     for name, st in kinds.items():
         chosen = []
         for layer in range(n):
-            use_identity = cfg.identity_fallback and (
-                lodo_error(st, layer, cfg.ridge, float("inf")) < per_layer[best][name][layer])
+            use_identity = lodo_error(st, layer, cfg.ridge, float("inf")) < per_layer[best][name][layer]
             chosen.append(float("inf") if use_identity else best)
         out[f"shrink_{name}"] = chosen
     return out
@@ -206,20 +206,18 @@ def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
 
 
 def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight, cfg: CalibConfig) -> dict:
-    """The aligner's shrinkage, whether its MLP helps, and the gate, all by held-out-domain K/V error.
+    """The aligner's shrinkage and the gate, both by held-out-domain K/V error.
 
     Domains are grouped round-robin into ``cfg.gate_folds`` folds. Per fold, the linear
-    aligners of every shrinkage (and the identity aligner), the MLP on top of the best one,
-    and the REUSE codes (with the layer's joint refinement, ``refine`` = (rank, ridge)) are fitted without the
-    fold and scored on it. Returns {"shrink"
-    (a number, or "identity"), "lodo_sse" (shrink -> linear aligner's held-out SSE),
-    "mlp" (the MLP lowered it), "patch_sse", "code_sse", "kept"}.
+    aligners of every shrinkage (and the identity aligner) and the REUSE codes (with the layer's joint
+    refinement, ``refine`` = (rank, ridge)) are fitted without the fold and scored on it. Returns {"shrink"
+    (a number, or "identity"), "lodo_sse" (shrink -> linear aligner's held-out SSE), "patch_sse" (the chosen
+    one's), "code_sse", "kept"}.
     """
     n_folds = min(cfg.gate_folds, len(fits.k_stats))
-    grid = [cfg.patch_shrink] if cfg.patch_shrink is not None else [*cfg.patch_shrink_grid, float("inf")]
-    kv_weight = weight if cfg.aligner_loss == "kv" else None
+    grid = [*cfg.patch_shrink_grid, float("inf")]
     w = weight.float().T
-    lodo, mlp_sse, code_sse = dict.fromkeys(grid, 0.0), 0.0, 0.0
+    lodo, code_sse = dict.fromkeys(grid, 0.0), 0.0
     split = [(_rows_of(fits, layer, lambda g, f=f: g % n_folds != f),
               _rows_of(fits, layer, lambda g, f=f: g % n_folds == f))
              for f in range(n_folds)]
@@ -228,24 +226,19 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
         return float(((patch.decode(patch.encode(held[0])) @ w - torch.cat([held[3], held[5]], 1)) ** 2).sum())
 
     for train, held in split:
-        for alpha, patch in zip(grid, fit_patches(layer, train[0], train[1], kv_weight, cfg.rank_h,
+        for alpha, patch in zip(grid, fit_patches(layer, train[0], train[1], weight, cfg.rank_h,
                                                   grid, cfg.ridge)):
             lodo[alpha] += sse(patch, held)
     best = min(lodo, key=lodo.get)
-    for f, (train, held) in enumerate(split):
-        if cfg.aligner_steps:
-            mlp_sse += sse(fit_patch(layer, train[0], train[1], kv_weight, cfg.rank_h, _mlp(cfg), shrink=best,
-                                     ridge=cfg.ridge), held)
+    for f, (_, held) in enumerate(split):
         _, _, kp, kc, vp, vc = held
         mu_x, mu_y, b, _ = joint_map(summed(fits.kv_stats, layer, lambda i, f=f: i % n_folds != f), cfg.ridge,
                                      shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], refine[1], refine[0] or 0)
         code_sse += float((((torch.cat([kp, vp], 1).double() - mu_x) @ b + mu_y
                             - torch.cat([kc, vc], 1).double()) ** 2).sum())
-    use_mlp = bool(cfg.aligner_steps) and mlp_sse < lodo[best]
-    patch_sse = mlp_sse if use_mlp else lodo[best]
+    patch_sse = lodo[best]
     return {"shrink": "identity" if best == float("inf") else best,
             "lodo_sse": {("identity" if k == float("inf") else str(k)): round(v, 2) for k, v in lodo.items()},
-            "mlp": use_mlp, "mlp_sse": round(mlp_sse, 2) if cfg.aligner_steps else None,
             "patch_sse": round(patch_sse, 2), "code_sse": round(code_sse, 2), "kept": patch_sse < code_sse}
 
 
@@ -308,16 +301,10 @@ def _greedy(pair: Pair, cases, calib: Calibration, candidates: list[int], k: int
     return chosen, kls
 
 
-def _mlp(cfg: CalibConfig) -> MlpFit:
-    """The aligners' MLP training of ``cfg``."""
-    return MlpFit(hidden=cfg.aligner_hidden, steps=cfg.aligner_steps, seed=cfg.seed)
-
-
 def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) -> Calibration:
     """Fit codes and aligners on a mixture of domains, select patch layers; see the module docstring.
 
     progress: a tqdm bar per step (True), nothing, or a reporter (``scdviz.progress``), which may stop the work."""
-    torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     windows, folds, select = calibration.windows(pair, cfg)
     fits = _prefills(pair, windows, folds, cfg, progress)
@@ -340,7 +327,7 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) ->
     drift = [fits.drift_k[i] + fits.drift_v[i] for i in range(n)]
     by_drift = sorted(range(n), key=lambda i: -drift[i])
     by_gain = sorted(range(n), key=lambda i: -gains[i])
-    want = cfg.given if cfg.selection == "given" else by_gain[: cfg.n_candidates]
+    want = cfg.given or by_gain[: cfg.n_candidates]
     candidates = sorted(set(want) | set(by_drift[: cfg.patch_k]))
     t1 = time.perf_counter()
     gates = {}
@@ -349,19 +336,17 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) ->
         choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]),
                                               weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
-        calib.patches[layer] = fit_patch(layer, hp, hc, weight if cfg.aligner_loss == "kv" else None, cfg.rank_h,
-                                         _mlp(cfg) if choice["mlp"] else None,
+        calib.patches[layer] = fit_patch(layer, hp, hc, weight, cfg.rank_h,
                                          shrink=float("inf") if choice["shrink"] == "identity" else choice["shrink"],
                                          ridge=cfg.ridge)
     t_align = time.perf_counter() - t1
     calib.drift_order = by_drift[: cfg.patch_k]
     calib.ideal_gain = gains
-    if cfg.selection == "greedy":
+    if cfg.given:
+        calib.patch_order, calib.selection_kl = list(cfg.given), []
+    else:
         passed = [c for c in by_gain[: cfg.n_candidates] if gates[c]["kept"] or not cfg.gate_patches]
         calib.patch_order, calib.selection_kl = _greedy(pair, cases, calib, passed, cfg.patch_k, progress)
-    else:
-        calib.patch_order = list(cfg.given) if cfg.selection == "given" else calib.drift_order
-        calib.selection_kl = []
     calib.stats = {
         "domains": domains_of(cfg),
         "text": cfg.texts or "assets/text/<domain>/calib.txt",

@@ -26,7 +26,6 @@ from scdviz.models.pair import Pair
 from scdviz.scd.patch import Aligner, Patch
 from scdviz.scd.rrr import LinearCode
 
-SELECTIONS = ("greedy", "drift", "given")
 SHIPPED_DIR = settings.ASSETS_DIR / "scd"  # shipped calibrations, one folder per built-in specialist
 CODE_FIELDS = ("mu_in", "mu_out", "enc", "dec", "spectrum", "fit_err")
 PATCH_FIELDS = ("in_mean", "in_std", "out_mean", "out_std")
@@ -56,6 +55,13 @@ class RateCurves:
         return int(self.err_k.shape[0])
 
 
+# settings a saved calibration's config may still hold that CalibConfig no longer has (read as today's recipe; their
+# variants left in the one-recipe cleanup: docs/history.md): the aligner's MLP and its seed, the aligner fitted on H_in
+# error, the rank-only operating point, pinned shrinkages, switching the identity fallback off, and the patch order by
+# drift (with it the switch between the greedy and a given order: a given order is one given)
+RETIRED_CONFIG = frozenset({"aligner_hidden", "aligner_steps", "seed", "aligner_loss", "budget_bytes", "shrink",
+                            "patch_shrink", "identity_fallback", "selection"})
+
 
 @dataclass
 class CalibConfig:
@@ -70,12 +76,9 @@ class CalibConfig:
     prompt_len: int = opt(256, 'prompt tokens per window')
     cont_len: int = opt(32, 'continuation tokens scored during selection')
     ridge: float = opt(1e-3, 'RRR ridge, relative to the mean input eigenvalue')
-    shrink: float | None = opt(None, "REUSE maps: ridge on the correction toward identity, relative to the mean input "
-                               "eigenvalue (default: chosen from shrink_grid by leave-one-domain-out error)")
-    shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "candidate shrinkages for the "
-                                         "leave-one-domain-out choice")
-    identity_fallback: bool = opt(True, "per layer and K/V, use the identity code where it beats the map on held-out "
-                                  "domains")
+    shrink_grid: tuple[float, ...] = opt((0.0, 0.03, 0.1, 0.3, 1.0, 3.0), "REUSE maps: candidate ridges on the "
+                                         "correction toward identity, relative to the mean input eigenvalue, one "
+                                         "chosen by leave-one-domain-out error")
     joint_rank: int | None = opt(None, "REUSE: rank of the joint refinement that maps the decoded keys and values "
                                  "together (each alone misses what the other carries of the producer's hidden state); "
                                  "0: none (default: chosen from joint_rank_grid with the ridge by leave-one-domain-out "
@@ -87,38 +90,22 @@ class CalibConfig:
                                                "does not lower that error gets none")
     gate_patches: bool = opt(True, "drop a candidate patch whose aligner does not beat the REUSE code on held-out "
                              "domains")
-    patch_shrink: float | None = opt(None, "aligners: ridge on the linear correction toward the identity aligner, "
-                                     "relative (default: chosen per layer from patch_shrink_grid and the identity "
-                                     "aligner by held-out-domain K/V error)")
-    patch_shrink_grid: tuple[float, ...] = opt((0.1, 0.3, 1.0, 3.0, 10.0, 30.0), "candidate aligner shrinkages for the "
-                                               "held-out-domain choice")
+    patch_shrink_grid: tuple[float, ...] = opt((0.1, 0.3, 1.0, 3.0, 10.0, 30.0), "aligners: candidate ridges on the "
+                                               "linear correction toward the identity aligner, relative, one chosen "
+                                               "per layer (or the identity aligner) by held-out-domain K/V error")
     gate_folds: int = opt(3, "the patch gate groups the domains into at most this many held-out folds (one aligner fit "
                           "each)")
     max_rank: int | None = opt(None, 'store codes up to this rank (None: full d_kv)')
     rank_h: int | None = opt(None, 'PATCH code width (None: the whole normalised H_in)')
-    aligner_hidden: int = opt(128, 'aligner MLP width')
-    aligner_steps: int = opt(300, 'Adam steps per aligner')
-    aligner_loss: str = opt("kv", 'kv: error of the regenerated K, V; h: normalised H_in error', choices=("kv", "h"))
     h_stride: int = opt(2, "keep every n-th token's H_in for aligner training (memory)")
     n_candidates: int = opt(10, 'layers (by ideal-patch gain) that get an aligner')
     patch_k: int = opt(8, 'patch layers kept in selection order (the budget sweep goes 0..patch_k)')
-    selection: str = opt("greedy", "patch-layer order: greedy on selection KL, by drift, or as given",
-                         choices=SELECTIONS)
-    given: list[int] = opt([], "patch layers for --selection given")
+    given: list[int] = opt([], "patch layers in this order instead of the greedy order on selection KL (the patch "
+                           "sweep labels them given)")
     code_bits: int = opt(4, "operating point: bits of code sections", choices=(4, 8, 16))
     code_group: int = opt(64, 'operating point: tokens per quantisation group of a code channel')
-    budget_bytes: float | None = opt(None, 'operating point: payload bytes/token (None: full rank)')
     op_patch_k: int = opt(6, 'operating point: patch layers used')
     rate_windows: int = opt(6, "calibration windows for the rate-distortion curves of the budget planner (0: none)")
-    seed: int = opt(0, 'aligner initialisation and batches')
-
-    def __post_init__(self) -> None:
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"unknown patch selection {self.selection!r}; use one of {SELECTIONS}")
-        if self.selection == "given" and not self.given:
-            raise ValueError("selection 'given' needs a list of patch layers")
-        if self.aligner_loss not in ("kv", "h"):
-            raise ValueError("aligner_loss must be 'kv' or 'h'")
 
 @dataclass
 class Calibration:
@@ -129,7 +116,7 @@ class Calibration:
     key_codes: list[LinearCode]  # (L,) REUSE codes of pre-RoPE keys
     value_codes: list[LinearCode]  # (L,) REUSE codes of values
     patches: dict[int, Patch]  # layer -> PATCH code + aligner (candidates only)
-    patch_order: list[int]  # patch layers in selection order (greedy, drift or given)
+    patch_order: list[int]  # patch layers in selection order (greedy, or as given)
     drift_order: list[int]  # candidate layers ordered by raw-reuse drift (largest first)
     drift_k: list[float]  # (L,) raw reuse ‖K^P − K^C‖² / ‖K^C‖² (post-RoPE, token 0 excluded)
     drift_v: list[float]  # (L,) same for values
@@ -511,8 +498,10 @@ def _from_artefact(art: artefact.Artefact) -> Calibration:
     patches = {}
     for layer in meta["patch_layers"]:
         prefix = f"p.{layer}.aligner."
-        up = t.get(prefix + "up.weight")
-        aligner = Aligner(t[f"p.{layer}.in_mean"].numel(), 0 if up is None else up.shape[0])
+        if prefix + "up.weight" in t:
+            raise ValueError(f"{art.path}: the aligner of layer {layer} has an MLP, a variant retired in the "
+                             "one-recipe cleanup (docs/history.md); calibrate this pair again")
+        aligner = Aligner(t[f"p.{layer}.in_mean"].numel())
         state = {k[len(prefix) :]: v.float() for k, v in t.items() if k.startswith(prefix)}
         state["lin.weight"] = artefact.from_int8_rows(t[prefix + "lin.weight"], t[f"p.{layer}.lin_scale"])
         aligner.load_state_dict(state)

@@ -24,7 +24,6 @@ so payloads of the two never mix) and a log; ``save`` / ``load`` are the calibra
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass, replace
@@ -41,7 +40,6 @@ from scdviz.scd import transfer
 from scdviz.scd.calibration import CORRECTION_FACTORS, Calibration, correction_tensors, domains_of, stored
 
 RECALL_TARGETS = ("oracle", "quote")  # DistilConfig.recall_target
-SCHEDULES = ("constant", "cosine")  # DistilConfig.schedule
 TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its factors and its scale
 
 
@@ -59,18 +57,9 @@ class DistilConfig:
     val_windows: int = opt(2, "validation windows per domain (calib split), which choose the epoch")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens scored per window")
-    min_prompt: int = opt(0, "cut each training window's prompt anew at every step, to a length drawn evenly from "
-                          "this to --prompt-len (the producer is causal: one prefill serves every cut; recall and "
-                          "validation windows stay whole): each epoch meets other continuations of the same text. "
-                          "0: every window whole")
     lr: float = opt(1e-4, "AdamW learning rate")
-    schedule: str = opt("constant", "the learning rate over the run: 'constant', or 'cosine' (from --lr down to 0 at "
-                        "the last step, half a cosine)", choices=SCHEDULES)
     weight_decay: float = opt(0.05, "AdamW weight decay")
     clip: float = opt(1.0, "gradient norm clip")
-    tails: list[int] = opt([], "also train at each of these plans with the consumer recomputing the last this-many "
-                           "prompt tokens itself (`bench scd --tails`): the correction learns what the tail reads "
-                           "of the received prefix (e.g. 32 64)")
     recall: float = opt(0.1, "share of the training and validation windows whose continuation quotes their own "
                         "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
                         "them): a quote-recall term of the objective")
@@ -87,31 +76,19 @@ class DistilConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.recall <= 1:
             raise ValueError(f"--recall is a share of the windows, from 0 to 1; got {self.recall}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule is 'constant' or 'cosine', got {self.schedule!r}")
         if self.recall_target not in RECALL_TARGETS:
             raise ValueError(f"--recall-target is 'oracle' or 'quote', got {self.recall_target!r}")
         if any(not b > 0 for b in self.budgets):
             raise ValueError(f"--budgets must be positive bytes per token, got {self.budgets}")
-        if any(not 1 <= t < self.prompt_len for t in self.tails):  # a tail leaves token 0
-            raise ValueError(f"--tails are 1 to {self.prompt_len - 1} prompt tokens (--prompt-len "
-                             f"{self.prompt_len}; token 0 stays), got {self.tails}")
-        shortest = max(self.tails, default=0) + 2  # a cut prompt's prefix (all but its last token) keeps token 0
-        if self.min_prompt and not shortest <= self.min_prompt <= self.prompt_len:
-            raise ValueError(f"--min-prompt is {shortest} to --prompt-len ({self.prompt_len}) tokens"
-                             f"{' (the longest --tails, token 0 and the fed token)' if self.tails else ''}, "
-                             f"or 0; got {self.min_prompt}")
 
 
 def trained_plans(calib: Calibration, cfg: DistilConfig) -> list[plans.Plan]:
     """The operating points the correction is trained at: the calibration's own plan, then the
-    transform-coded plan at each of ``cfg.budgets``, then each of those with each recomputed tail of
-    ``cfg.tails``."""
+    transform-coded plan at each of ``cfg.budgets``."""
     if cfg.budgets and calib.rate is None:
         raise ValueError("--budgets trains at transform-coded plans, which need the calibration's rate curves: run "
                          "`python -m scdviz rate` on it first, or pass --budgets with no value")
-    coded = [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets]
-    return coded + [plans.with_tail(p, t) for p in coded for t in cfg.tails]
+    return [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in cfg.budgets]
 
 
 def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[list[int]], list[list[int]]]:
@@ -178,38 +155,29 @@ def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
 
 @dataclass
 class Source:
-    """A training window as training keeps it: the consumer's own logits (on the host; those of every
-    continuation it may be cut for, in float16 when there are many), the window's ids, and, when its prompt is
-    cut anew at each step (``DistilConfig.min_prompt``), the producer's state of its whole prompt (what the
-    trained plans read, ``transfer.read_by``), of which a cut's state is a prefix."""
+    """A training window as training keeps it: the window's ids, the consumer's own teacher-forced logits of its
+    continuation (on the host) and, for a recall window scored against its quote, where the quoted answer starts."""
 
     ids: torch.Tensor  # (1, L) the window: prompt, then continuation
-    logits: torch.Tensor  # (m, V) the consumer's own teacher-forced logits at positions L - 1 - m .. L - 2
+    logits: torch.Tensor  # (n, V) the consumer's own teacher-forced logits at positions L - 1 - n .. L - 2
     quote: int | None  # a recall window scored against its quote: where the quoted answer starts
-    state: transfer.ProducerState | None = None
 
-    def target(self, prompt: int, cont_len: int, device) -> Target:
-        """The window cut after its first ``prompt`` tokens, scored on the ``cont_len`` tokens after them."""
-        start, first = prompt - 1, self.ids.shape[1] - 1 - self.logits.shape[0]
-        if start < first or prompt + cont_len > self.ids.shape[1]:
-            raise ValueError(f"this window keeps the continuations of prompts of {first + 1} to "
-                             f"{self.ids.shape[1] - cont_len} tokens, not {prompt}")
-        oracle = self.logits[start - first : start - first + cont_len].to(device).float()
-        truth = None if self.quote is None else self.ids[0, prompt : prompt + cont_len]
-        return Target(self.ids[:, start : start + cont_len], start, oracle, truth, self.quote)
+    def target(self, device) -> Target:
+        """The window's continuation as training scores it, its oracle logits on ``device``."""
+        n = self.logits.shape[0]
+        start = self.ids.shape[1] - 1 - n
+        truth = None if self.quote is None else self.ids[0, start + 1 :]
+        return Target(self.ids[:, start : start + n], start, self.logits.to(device).float(), truth, self.quote)
 
 
-def source(pair: Pair, window: list[int], prompt_len: int, shortest: int, quote: int | None,
-           at: list[plans.Plan] | None) -> tuple[Source, transfer.ProducerState]:
-    """(the ``Source`` of a window of ``prompt_len`` prompt tokens whose cuts go down to ``shortest`` (it keeps the
-    state ``at`` reads when ``at`` is given), the producer's whole state of its prompt): the producer's prefill
-    of the prompt less its last token and the consumer's one teacher-forced pass over the window."""
+def source(pair: Pair, window: list[int], prompt_len: int, quote: int | None) -> tuple[Source, transfer.ProducerState]:
+    """(the ``Source`` of a window of ``prompt_len`` prompt tokens, the producer's state of its prompt): the
+    producer's prefill of the prompt less its last token and the consumer's one teacher-forced pass over the
+    window."""
     ids = torch.tensor([window], dtype=torch.long, device="cpu")  # host-side ids; hf moves them to the model
     state = transfer.producer_state(pair.producer, ids[:, : prompt_len - 1])
-    logits = hf.forward(pair.consumer, ids[:, :-1], last_logits=ids.shape[1] - shortest).logits[0]  # from shortest - 1
-    kept = transfer.read_by(state, at).cast(torch.float16) if at is not None else None  # float32 again to encode
-    dtype = torch.float16 if shortest < prompt_len else torch.float32  # a cut window's logits are many
-    return Source(ids, logits.detach().to("cpu", dtype), quote, kept), state
+    logits = hf.forward(pair.consumer, ids[:, :-1], last_logits=ids.shape[1] - prompt_len).logits[0]  # continuation
+    return Source(ids, logits.detach().to("cpu", torch.float32), quote), state
 
 
 @dataclass
@@ -276,14 +244,6 @@ def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: 
             "flops_per_token": int(flops), "of_prefill": round(flops / (2 * consumer_params), 5)}
 
 
-def learning_rate(cfg: DistilConfig, k: int, total: int) -> float:
-    """The learning rate of step ``k`` (from 0) of ``total``: ``cfg.lr`` throughout, or (cosine) from it at the
-    first step down half a cosine to 0 after the last."""
-    if cfg.schedule == "constant":
-        return cfg.lr
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * k / total))
-
-
 def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.Tensor, clip: float) -> float:
     """One optimiser step on ``loss`` with the gradient norm clipped to ``clip``; returns the norm before.
 
@@ -317,25 +277,22 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     device = hf.device_of(pair.consumer)
     answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
 
-    def prepared(ws, what, cuts):
+    def prepared(ws, what):
         sources, blobs = [], []
         for w, recall in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
                                progress):
-            shortest = cfg.min_prompt if cuts and not recall else cfg.prompt_len
-            src, state = source(pair, w, cfg.prompt_len, shortest, answer if recall else None,
-                                at if shortest < cfg.prompt_len else None)
+            src, state = source(pair, w, cfg.prompt_len, answer if recall else None)
             sources.append(src)
             blobs.append([transfer.build_payload(state, p, calib) for p in at])
-        return sources, blobs  # ~4 MB a whole window; ~30 MB a cut one (its logits, code layers' K, V in float16)
+        return sources, blobs  # ~4 MB a window (its logits in float32, its payloads)
 
-    train, val = prepared(train_w, "training", bool(cfg.min_prompt)), prepared(val_w, "validation", False)
-    val = ([s.target(cfg.prompt_len, cfg.cont_len, device) for s in val[0]], val[1])
+    train, val = prepared(train_w, "training"), prepared(val_w, "validation")
+    val = ([s.target(device) for s in val[0]], val[1])
     start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed)
     params = {layer: {k: v.to(device).requires_grad_(k in TRAINED) for k, v in p.items()}
               for layer, p in start.items()}
     trained = [t for p in params.values() for k, t in p.items() if k in TRAINED]  # sigma, tau: fixed
     opt_ = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total_steps = cfg.epochs * len(train_w)
 
     def validation() -> list[float]:
         """Mean validation KL at each plan."""
@@ -352,25 +309,19 @@ def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | R
     log = {"config": config.to_dict(cfg), "plans": [p.name for p in at], "train_windows": len(train_w),
            "val_windows": len(val_w), "recall_windows": [sum(r for _, r in train_w), sum(r for _, r in val_w)],
            "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "train_kl": [],
-           "best_epoch": 0, "cut_steps": 0}
+           "best_epoch": 0}
     record(validation())
     best: dict = {}
     order = list(range(len(train_w)))
-    rng, cut_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)
-    schedule = [(epoch, n) for epoch in range(cfg.epochs) for n in range(len(order))]  # one bar, every step
-    for epoch, n in steps(schedule, f"distil: steps through the consumer ({cfg.epochs} epochs, validation after "
+    rng = random.Random(cfg.seed)
+    all_steps = [(epoch, n) for epoch in range(cfg.epochs) for n in range(len(order))]  # one bar, every step
+    for epoch, n in steps(all_steps, f"distil: steps through the consumer ({cfg.epochs} epochs, validation after "
                           "each)", progress):
         if n == 0:
             rng.shuffle(order)
             total = 0.0
         i, j = order[n], (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
-        src = train[0][i]
-        prompt = cut_rng.randint(cfg.min_prompt, cfg.prompt_len) if src.state is not None else cfg.prompt_len
-        blob = (train[1][i][j] if prompt == cfg.prompt_len
-                else transfer.build_payload(src.state.prefix(prompt - 1).cast(torch.float32), at[j], calib))
-        log["cut_steps"] += prompt < cfg.prompt_len
-        loss = continuation_kl(pair, src.target(prompt, cfg.cont_len, device), blob, calib, params, True)
-        opt_.param_groups[0]["lr"] = learning_rate(cfg, epoch * len(order) + n, total_steps)
+        loss = continuation_kl(pair, train[0][i].target(device), train[1][i][j], calib, params, True)
         step(opt_, trained, loss, cfg.clip)
         total += float(loss.detach())
         if n < len(order) - 1:

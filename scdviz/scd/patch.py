@@ -1,4 +1,4 @@
-"""PATCH: a code of the producer's normalised H_in and a small MLP aligner to the consumer's.
+"""PATCH: a code of the producer's normalised H_in and a linear aligner to the consumer's.
 
 At a patch layer the producer sends a code of its H_in (the output of input_layernorm)
 instead of K/V; the consumer maps it to an estimate of its *own* H_in and regenerates
@@ -7,13 +7,11 @@ standardised (mean, std from calibration), so the few huge activation dimensions
 dominate the PCA basis or the quantisation ranges. ``rank_h = d`` sends the whole
 normalised H_in (no PCA).
 
-The aligner works in normalised space: identity + a linear correction + a residual MLP,
-``ĥ_C = ĥ_P + ĥ_P Δ + b + W2 gelu(W1 ĥ_P + b1) + b2``. The linear part is fitted in closed
-form with a ridge α on Δ (shrinkage toward the identity aligner, i.e. toward "the
+The aligner works in normalised space: identity + a linear correction, ``ĥ_C = ĥ_P + ĥ_P Δ + b``,
+fitted in closed form with a ridge α on Δ (shrinkage toward the identity aligner, i.e. toward "the
 consumer regenerates K, V from the producer's own H_in"), on the error of the K, V the
 consumer's own projections make from it (``kv_weight`` given) or on the normalised H
-error; the MLP then starts at zero (W2 = 0) and is trained with Adam on the same loss
-with the linear part frozen, so it only adds what the linear map cannot express.
+error. (A residual MLP on top, the seed's, left in the one-recipe cleanup: docs/history.md.)
 Pure tensors + torch.nn; the model weights come in as tensors (scdviz.models.hf.kv_weights).
 """
 
@@ -26,35 +24,16 @@ from torch import Tensor, nn
 
 
 class Aligner(nn.Module):
-    """Identity + linear correction (+ residual MLP of width ``hidden``, none when 0) on normalised
-    H_in, (N, d) -> (N, d); starts at identity."""
+    """Identity + a linear correction on normalised H_in, (N, d) -> (N, d); starts at identity."""
 
-    def __init__(self, d: int, hidden: int = 0):
+    def __init__(self, d: int):
         super().__init__()
         self.lin = nn.Linear(d, d)
         nn.init.zeros_(self.lin.weight)
         nn.init.zeros_(self.lin.bias)
-        self.up: nn.Linear | None = None
-        self.down: nn.Linear | None = None
-        if hidden:
-            self.add_mlp(hidden)
-
-    def add_mlp(self, hidden: int) -> None:
-        """A residual MLP that starts at zero (W2 = 0), initialised from the current torch seed."""
-        w = self.lin.weight
-        self.up = nn.Linear(w.shape[1], hidden, device=w.device, dtype=w.dtype)
-        self.down = nn.Linear(hidden, w.shape[0], device=w.device, dtype=w.dtype)
-        nn.init.zeros_(self.down.weight)
-        nn.init.zeros_(self.down.bias)
-
-    @property
-    def hidden(self) -> int:
-        """Width of the MLP (0: linear only)."""
-        return 0 if self.up is None else self.up.out_features
 
     def forward(self, h: Tensor) -> Tensor:
-        out = h + self.lin(h)
-        return out if self.up is None else out + self.down(nn.functional.gelu(self.up(h)))
+        return h + self.lin(h)
 
 
 def linear_corrections(zp: Tensor, zc: Tensor, proj: Tensor | None, shrinks: list[float],
@@ -119,7 +98,7 @@ class Patch:
 
 def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None = None, rank_h: int | None = None,
                 shrinks: list[float] = (0.1,), ridge: float = 1e-3) -> list[Patch]:
-    """Linear-only Patches (no MLP) on paired rows h_p, h_c (N, d), one per shrinkage, sharing one fit.
+    """Patches on paired rows h_p, h_c (N, d), one per shrinkage, sharing one fit.
 
     kv_weight: (d_out, d) stacked consumer k_proj/v_proj weights; when given the loss is
     the error of the K, V regenerated from the aligned H_in (else the normalised H error).
@@ -145,53 +124,10 @@ def fit_patches(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None =
     return out
 
 
-@dataclass(frozen=True)
-class MlpFit:
-    """How an aligner's MLP is trained on top of its frozen linear part."""
-
-    hidden: int = 128  # MLP width
-    steps: int = 300  # Adam steps (0: no MLP)
-    batch: int = 512  # rows per step
-    lr: float = 1e-3  # Adam learning rate
-    seed: int = 0  # initialisation and batches
-
-
-def fit_patch(
-    layer: int,
-    h_p: Tensor,
-    h_c: Tensor,
-    kv_weight: Tensor | None = None,
-    rank_h: int | None = None,
-    mlp: MlpFit | None = None,
-    shrink: float = 0.1,
-    ridge: float = 1e-3,
-) -> Patch:
-    """Fit a Patch: the closed-form linear part (``fit_patches``), then, with ``mlp`` (steps > 0), an MLP
-    trained with Adam with the linear part frozen (same loss)."""
-    patch = fit_patches(layer, h_p, h_c, kv_weight, rank_h, [shrink], ridge)[0]
-    if mlp is None or not mlp.steps:
-        return patch
-    hidden, steps, batch, lr, seed = mlp.hidden, mlp.steps, mlp.batch, mlp.lr, mlp.seed
-    zp = patch.encode(h_p.float())
-    zp = zp if patch.basis is None else zp @ patch.basis.T
-    zc = (h_c.float() - patch.out_mean) / patch.out_std
-    proj = _projection(patch.out_std, kv_weight)
-    torch.manual_seed(seed)
-    aligner = patch.aligner
-    aligner.add_mlp(hidden)  # seeded initialisation
-    aligner.train()
-    aligner.lin.requires_grad_(False)
-    opt = torch.optim.Adam([p for p in aligner.parameters() if p.requires_grad], lr=lr)
-    for _ in range(steps):
-        idx = torch.randint(0, zp.shape[0], (min(batch, zp.shape[0]),), device=zp.device)
-        err = aligner(zp[idx]) - zc[idx]
-        loss = ((err @ proj) ** 2).mean() if proj is not None else (err**2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    aligner.eval().requires_grad_(False)
-    patch.fit_err = _kv_error(patch, h_p, h_c, kv_weight)
-    return patch
+def fit_patch(layer: int, h_p: Tensor, h_c: Tensor, kv_weight: Tensor | None = None, rank_h: int | None = None,
+              shrink: float = 0.1, ridge: float = 1e-3) -> Patch:
+    """The Patch of one shrinkage (``fit_patches``)."""
+    return fit_patches(layer, h_p, h_c, kv_weight, rank_h, [shrink], ridge)[0]
 
 
 def _projection(out_std: Tensor, kv_weight: Tensor | None) -> Tensor | None:

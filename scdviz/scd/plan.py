@@ -253,9 +253,10 @@ def operating_plan(
     bits: int | None = None,
     name: str | None = None,
 ) -> Plan:
-    """The SCD plan at the calibration's operating point, with any knob overridden.
+    """The SCD plan at the calibration's operating point (full-rank codes), with any knob overridden.
 
-    placement: "selected" (patch_order, the configured selection) or "drift".
+    placement: "selected" (patch_order, the configured selection) or "drift". budget_bytes: the
+    rank-only allocation instead, ranks by fit error within this many payload bytes per token.
     """
     cfg = calib.config
     order = calib.patch_order if placement == "selected" else calib.drift_order
@@ -264,11 +265,10 @@ def operating_plan(
         raise ValueError(f"this calibration orders {len(order)} patch layers; asked for {k}")
     chosen = order[:k]
     bits = cfg.code_bits if bits is None else bits
-    budget = cfg.budget_bytes if budget_bytes is None else budget_bytes
-    if budget is None:
+    if budget_bytes is None:
         rank_k, rank_v = full_ranks(calib)
     else:
-        rank_k, rank_v = budget_ranks(calib, budget, bits, cfg.code_group, chosen)
+        rank_k, rank_v = budget_ranks(calib, budget_bytes, bits, cfg.code_group, chosen)
     return scd_plan(rank_k, rank_v, chosen, code_bits=bits, code_group=cfg.code_group, name=name)
 
 
@@ -313,27 +313,22 @@ def with_closed_form(lineup: list[Plan], calib: Calibration
     return lineup + twins, [calib] * len(lineup) + [calib.closed_form()] * len(twins)
 
 
-def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute", kivi_window: int = 0,
-           entropy: bool = False) -> list[Plan]:
+def lineup(calib: Calibration, scd_full: Plan | None = None, sink: str = "recompute") -> list[Plan]:
     """The methods of one run: raw KV, 4-bit KV, DroidSpeak, SCD reuse-only, SCD full.
 
     Every method treats token 0 (the attention sink) the same way, ``sink``: "recompute"
     (the consumer computes its own, the fair default) or "send" (labels end in SENT).
     DroidSpeak recomputes the contiguous block of ``op_patch_k`` layers with the largest
     ideal-patch gain, as many layers as SCD patches. scd_full: the SCD plan to compare
-    (default: the calibration's operating point). kivi_window: the 4-bit baseline's
-    full-precision window of recent tokens (KIVI keeps one; 0: none). entropy: entropy-code
-    the quantised sections of 4-bit KV and both SCD plans alike.
+    (default: the calibration's operating point).
     """
     n = calib.n_layers
     tag = SENT if sink == "send" else ""
     full = scd_full or operating_plan(calib, name="SCD full")  # named so even when it patches nothing
-    full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink, entropy=entropy)
-    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink,
-                                entropy=entropy)
+    full = dataclasses.replace(full, name=full.name.removesuffix(SENT) + tag, sink=sink)
+    reuse = dataclasses.replace(operating_plan(calib, patch_k=0), name="SCD reuse-only" + tag, sink=sink)
     block = contiguous_block(calib.ideal_gain, calib.config.op_patch_k)
-    four = dataclasses.replace(raw_plan(n, bits=4, sink=sink, window=kivi_window), entropy=entropy)
-    return [raw_plan(n, sink=sink), four, droidspeak_plan(n, block, sink), reuse, full]
+    return [raw_plan(n, sink=sink), raw_plan(n, bits=4, sink=sink), droidspeak_plan(n, block, sink), reuse, full]
 
 
 def droidspeak_sweep(calib: Calibration, ks: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[Plan]:
@@ -347,7 +342,7 @@ def patch_sweep(calib: Calibration, k_max: int | None = None) -> list[Plan]:
     k_max = min(k_max if k_max is not None else calib.config.patch_k, len(calib.patch_order), len(calib.drift_order))
     out = []
     for placement in ("selected", "drift"):
-        label = calib.config.selection if placement == "selected" else "drift"
+        label = ("given" if calib.config.given else "greedy") if placement == "selected" else "drift"
         out += [operating_plan(calib, k, placement, name=f"SCD k={k} ({label})") for k in range(k_max + 1)]
     return out
 

@@ -13,7 +13,7 @@ h_in / resid (T, d).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -36,23 +36,6 @@ class ProducerState:
     h_in: list[Tensor]  # (T, d) input_layernorm outputs
     resid: list[Tensor]  # (T, d) residual entering layer l (L + 1 entries)
     seconds: float  # the producer's prefill time
-
-    def prefix(self, n: int) -> ProducerState:
-        """The state of the prompt's first ``n`` tokens: every row after them dropped (the producer is causal,
-        so it is what a prefill of those tokens alone gives). A layer's tensor that is None stays None."""
-        if not 1 <= n <= self.ids.shape[1]:
-            raise ValueError(f"a prefix of this {self.ids.shape[1]}-token state has 1 to {self.ids.shape[1]} tokens, "
-                             f"got {n}")
-        return self._each(lambda t: t[:n], self.ids[:, :n])
-
-    def cast(self, dtype: torch.dtype) -> ProducerState:
-        """The state with every tensor in ``dtype`` (float16 to hold many prompts; float32 to encode them)."""
-        return self._each(lambda t: t.to(dtype), self.ids)
-
-    def _each(self, fn, ids: Tensor) -> ProducerState:
-        rows = lambda ts: [None if t is None else fn(t) for t in ts]  # noqa: E731
-        return ProducerState(ids, rows(self.keys_pre), rows(self.keys), rows(self.values), rows(self.h_in),
-                             rows(self.resid), self.seconds)
 
 
 @dataclass
@@ -165,24 +148,6 @@ def build_payload(state: ProducerState, plan: Plan, calib=None) -> bytes:
     if plan.rate_target:  # bytes per prefix token: the recomputed tail's tokens count, as every token does
         return _rate_controlled(head, sections, int(plan.rate_target * n_tokens))
     return payload.encode(head, sections)
-
-
-READS = {"raw": ("keys", "values"), "code": ("keys_pre", "values"), "patch": ("h_in",)}  # what ``build_payload``
-# reads of a ProducerState for a layer of each mode (a recomputed run reads ``resid`` at its start)
-
-
-def read_by(state: ProducerState, plans: list[Plan]) -> ProducerState:
-    """``state`` keeping only the tensors a payload of one of ``plans`` reads (``READS`` per layer mode, and a
-    recomputed run's entering residual), the others None: what a stage that builds payloads again later needs to hold of
-    many prompts."""
-    need: dict[str, set[int]] = {name: set() for name in ("keys_pre", "keys", "values", "h_in", "resid")}
-    for plan in plans:
-        for layer, mode in enumerate(plan.modes):
-            for name in READS.get(mode, ()):
-                need[name].add(layer)
-        need["resid"].update(start for start, _ in plan.runs())
-    return replace(state, **{name: [t if i in layers else None for i, t in enumerate(getattr(state, name))]
-                             for name, layers in need.items()})
 
 
 def _rate_controlled(head: Layout, sections: list[Section], allowed: int) -> bytes:

@@ -67,7 +67,7 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
             fit_btn, fit_stop = _job_buttons("Fit scorer", "fit")
         fit_info, fit_plot = _summary_and_plot("fit", "Distilled scorer fit")
 
-    gr.Markdown("### DistillCache policy training (the seed's method)\nAn MLP over five attention features per "
+    gr.Markdown("### DistillCache policy training (the method as designed)\nAn MLP over five attention features per "
                 "token, trained by REINFORCE with Gumbel top-B sampling and a leave-one-out baseline on the producer, "
                 "after a short warm start. Saved as a run named NAME and added to your eviction methods. "
                 "(Same code as `python -m scdviz train-policy`.)")
