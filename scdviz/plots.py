@@ -41,7 +41,7 @@ DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # from their name, moved on only where it would repeat one already in the figure.
 SCD_METHODS = ("SCD full", "raw KV", "DroidSpeak recompute", "SCD reuse-only", "4-bit KV", "SCD transform-coded",
                "SCD RD", "SCD RD+entropy", "SCD rank-only", "SCD r_K", "token 0")
-EVICT_METHODS = ("distilled-scorer", "DistillCache", "DistillCache-per-head", "lookahead-policy", "H2O",
+EVICT_METHODS = ("distilled-scorer", "DistillCache", "DistillCache-per-head", "lookahead-policy", "H2O-no-recent",
                  "ObservedAttention", "SnapKV", "KVzip", "StreamingLLM",
                  "TOVA", "ExpectedAttention", "KeyDiff", "CUR", "LagKV", "Knorm", "Random", "PyramidKV",
                  "AdaKV-SnapKV", "AdaKV-ExpectedAttention", "CriticalKV-SnapKV", "CriticalAdaKV-SnapKV", "FastKVzip",

@@ -215,7 +215,8 @@ def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
     assert len(page.locator("#ev-kept").inner_text().split()) > 50  # the context, token by token
     assert len(page.locator("#ev-versus").inner_text().split()) > 50  # and where it differs from H2O's choice
     assert "overlap with H2O's kept slots (Jaccard)" in table and "jaccard_vs_h2o" not in table  # in words
-    assert "DistillCache-per-head" in page.locator("#ev-texts").inner_text()
+    texts = page.locator("#ev-texts").inner_text()
+    assert HEADLINE_SCORER in texts and "lookahead-policy" in texts  # each focused method's generated text
     assert not LONG_FLOAT.search(table), table
     _plots_drawn(page, "ev", FIGURES)
     shown = page.locator("#ev-show input")  # the inspected method, the long student name uncut
@@ -252,14 +253,14 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
 
     folder = tmp_path_factory.mktemp("uploads")
     uploads = []
-    for name in ("decode", "test"):
+    for name in ("decode_dev", "test"):
         uploads.append(folder / f"{name}.json")
         shutil.copy(settings.ASSETS_DIR / "policy" / "bench" / f"{name}.json", uploads[-1])
     page.locator("#res-upload input[type=file]").set_input_files([str(p) for p in uploads])
     page.locator("#res-info").get_by_text("4 records (evict, scd)").wait_for(timeout=60_000)
     assert page.locator("#res-figs a[download]").count() == 0  # the files of the earlier figures are withdrawn
     _plots_drawn(page, "res", ("payload_vs_kl", "kl_vs_budget"))
-    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "test"}
+    assert _legend_groups(page, "res-kl_vs_budget") == {"decode_dev", "test"}
     assert "plotted separately" in page.locator("#res-info").inner_text()
 
     run = Path(app_url_work[app_url]) / "runs" / "bench" / "my-sweep"  # a bench run of this machine
@@ -271,7 +272,7 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
     _choose(page, "#res-runs", "my-sweep")
     page.keyboard.press("Escape")
     page.locator("#res-info").get_by_text("5 records").wait_for(timeout=60_000)
-    assert _legend_groups(page, "res-kl_vs_budget") == {"decode", "test", "my-sweep"}
+    assert _legend_groups(page, "res-kl_vs_budget") == {"decode_dev", "test", "my-sweep"}
     assert "my-sweep" in page.locator("#res-settings").inner_text()
     _shot(page, "results", tmp_path_factory)
 

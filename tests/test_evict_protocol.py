@@ -239,7 +239,7 @@ def test_decode_quality_holds_every_cache_at_the_budget_and_matches_the_full_cac
         failed = {}
         res = bench.decode_context(model, ids, 96, cfg, out, policies, presses, failed)
         # ObservedAttention continues as H2O: its prefill, then every decode row accumulated (scdviz.evict.h2o)
-        assert {m for m, _ in res} == {"DistillCache-per-head", "H2O", "Knorm", "TOVA"}
+        assert {m for m, _ in res} == {"DistillCache-per-head", bench.H2O, "Knorm", "TOVA"}
         assert not failed
         for r in res.values():
             assert len(r["kl_steps"]) == 12 and r["tokens_kept"] == n_keep
@@ -331,8 +331,8 @@ def test_scorer_names_run_only_those_presses_at_prefill_and_while_decoding(tmp_p
     learned = {r["method"] for r in rows if r["method"].startswith(bench.LEARNED)}
     assert len(learned) == 1
     assert by_mode["agnostic"] == {"ObservedAttention", "TOVA", "full cache"} | learned
-    assert by_mode["agnostic decode8"] == {"H2O", "TOVA"} | learned
-    assert {r["best_baseline"] for r in rows if r["method"] in learned} <= {"ObservedAttention", "H2O", "TOVA"}
+    assert by_mode["agnostic decode8"] == {bench.H2O, "TOVA"} | learned
+    assert {r["best_baseline"] for r in rows if r["method"] in learned} <= {"ObservedAttention", bench.H2O, "TOVA"}
     for bad, word in ((dict(scorer_names=("H2O",)), "scorer"), (dict(natives=True, native_names=("KVZip",)),
                                                                  "native")):
         with pytest.raises(ValueError, match=f"unknown {word} press.*{bad.get('scorer_names', ('KVZip',))[0]}"):

@@ -476,7 +476,9 @@ def native_scored(model, make, ids: torch.Tensor, prefix: int, n_keep: int, cfg:
 
 
 DECODE_BASELINES = ("ObservedAttention", "TOVA", "StreamingLLM", "KeyDiff", "ExpectedAttention", "Knorm")
-H2O = "H2O"  # decode rows: ObservedAttention's prefill, then every query accumulated (scdviz.evict.h2o)
+# decode rows: ObservedAttention's prefill, then every query's attention accumulated (scdviz.evict.h2o): H2O's
+# heavy-hitter score without the recent window H2O also reserves, so named for what it is
+H2O = "H2O-no-recent"
 
 
 def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: dict, policies: dict,

@@ -6,6 +6,11 @@ query that could see it, divided by how many queries saw it (the average, as kvp
 ``ObservedAttentionPress`` does at a prefill, so that early tokens are not favoured for having been
 seen longer); per KV head, the mean over its query heads.
 
+H2O as published also reserves part of the budget for the most recent tokens; this press does not (bench evict
+names its decode rows ``H2O-no-recent``). Without that window the newest token can be evicted at the cut that
+follows it, and on 12 dev contexts decoding 256 tokens held at 128 this score was 3.47× the windowed
+ObservedAttention's KL (``assets/policy/bench/decode_dev.json``): the recent window is the next baseline to add.
+
 ``H2OPress`` is that score as a kvpress ``ScorerPress``: at a prefill it *is* ``ObservedAttentionPress``
 (the same scores). While decoding, ``scdviz.evict.decode.DecodeEvictor`` keeps, for each cached token,
 the attention sum and the number of queries that saw it since the prefill, and adds every decode step's
