@@ -561,7 +561,8 @@ def evict_qa() -> str:
 # accumulates every query (scdviz.evict.h2o: H2O's score without its recent window); "ObservedAttention" there is
 # the windowed variant, kvpress's score over the last 64 rows divided by a prefill's visibility
 DECODE = {"dev": ["policy/bench/decode_dev.json"],
-          "test": ["policy/bench/student_window_decode_test.json"]}
+          "test": ["policy/bench/decode_test_a.json", "policy/bench/decode_test_b.json",
+                   "policy/bench/student_window_decode_test.json"]}
 DECODE_AGAINST = ("ObservedAttention", "H2O-no-recent")  # the ratios shown, where the run has the method
 DECODE_NAMES = {"H2O-no-recent": "H2O's score over every query, no recent window",
                 "ObservedAttention": "ObservedAttention over the last 64 rows"}

@@ -160,7 +160,7 @@ class FitRequest(Request):
     contexts: int = control(12, "Training contexts", "int", lo=6, hi=60, step=6, row="fit")
     val_contexts: int = control(6, "Validation contexts", "int", lo=6, hi=24, step=6, row="fit")
     window: int = control(32, "Window (recent queries read; 0: none)", "int", lo=0, hi=64, step=8, row="fit")
-    name: str = control("my-scorer", "Save as", "text", hi=200, required=False, row="fit")
+    name: str = control("my-scorer", "Save scorer as", "text", hi=200, required=False, row="fit")
 
 
 @dataclass

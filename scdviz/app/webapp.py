@@ -333,7 +333,8 @@ def build_demo() -> gr.Blocks:
     with gr.Blocks(title="scdviz", delete_cache=(3600, 3600)) as demo:
         gr.Markdown(
             "# scdviz\nMove a KV cache from a producer model to a fine-tuned consumer (SCD) and prune it "
-            "with a learned eviction policy (DistillCache), and see what happens inside both models."
+            "with learned eviction (a scorer distilled from the future's attention, and DistillCache), and see what "
+            "happens inside both models."
             + ("\n\n*Hosted demo*: built-in models only; what you calibrate or train lives in this page's session "
                "and is deleted when you close it." if settings.hosted() else "")
         )

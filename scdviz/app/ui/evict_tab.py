@@ -25,9 +25,10 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     checks the request and does the work (``progress``: a reporter, ``common.reporter``); ``export`` (see
     ``common.figure_downloads``) offers the figures as files."""
     gr.Markdown(
-        "Prune the producer's cache of the context to a budget with the learned DistillCache policies and "
-        "kvpress's baselines (one eager prefill serves all), then continue. KL is KL(full cache ‖ pruned) on the "
-        "full cache's own greedy continuation. Same code as `python -m scdviz bench evict`."
+        "Prune the producer's cache of the context to a budget with the learned methods (the distilled scorer, "
+        "DistillCache, the lookahead policy) and kvpress's baselines (one eager prefill serves all), then "
+        "continue. KL is KL(full cache ‖ pruned) on the full cache's own greedy continuation. Same code as "
+        "`python -m scdviz bench evict`."
     )
     widgets, run_button = controls.build_run(request_type, "context", examples,
                                              "Passages from the shipped evaluation text", "method",
