@@ -233,11 +233,10 @@ def fit(jobs, key, sess, request, http=None, progress=None):
             yield (f"Fitting on {pair.producer_source}: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
                    gr.skip(), sess)
         elif isinstance(item, Path):
-            log = made["log"]
-            chosen = min(log["val"], key=lambda v: v["kl"]) if log["val"] else {}
+            log, chosen = made["log"], sess.policies[f"yours:{item.name}"].meta  # the candidate the fit kept
             yield (f"Fitted in {log['seconds']:.0f} s on {log['rows']:,} token rows; saved in `{_shown(item)}` and "
-                   f"added to your eviction methods as `yours:{item.name}`. Validation KL of the best candidate "
-                   f"{chosen.get('kl', float('nan')):.4f} against H2O's {log['val_heuristic']:.4f} on the same "
+                   f"added to your eviction methods as `yours:{item.name}`. Validation KL of the kept candidate "
+                   f"{chosen['val_kl']:.4f} against H2O's {log['val_heuristic']:.4f} on the same "
                    f"{len(log.get('h2o_per_context', []))} contexts and budgets.", plots.fit_candidates(log), sess)
 
 

@@ -49,10 +49,8 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                     "calibration has rate curves). Windows come from the *train* splits; the epoch kept is chosen "
                     "on *calib* windows. The result becomes your calibration; the SCD tab then shows every SCD "
                     "method beside its closed form. (Same code as `python -m scdviz distil`.)")
-        distilling = controls.build(DistilRequest)
-        with gr.Row():
-            dis_btn, dis_stop = _job_buttons("Train correction stage", "distil")
-        dis_info, dis_plot = _summary_and_plot("distil", "Correction stage training")
+        distilling, dis_btn, dis_stop, dis_info, dis_plot = _job_section(DistilRequest, "Train correction stage",
+                                                                         "distil", "Correction stage training")
 
     if fit is not None:
         gr.Markdown("### Distilled scorer (the headline eviction method)\nA linear scorer per layer and KV head on "
@@ -62,10 +60,8 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                     "strength and decode-state weight chosen on *calib* contexts against H2O's KL there. Saved as a "
                     "run named NAME and added to your eviction methods. (Same code as `python -m scdviz "
                     "fit-student`; the shipped one used 120 contexts.)")
-        fitting = controls.build(FitRequest)
-        with gr.Row():
-            fit_btn, fit_stop = _job_buttons("Fit scorer", "fit")
-        fit_info, fit_plot = _summary_and_plot("fit", "Distilled scorer fit")
+        fitting, fit_btn, fit_stop, fit_info, fit_plot = _job_section(FitRequest, "Fit scorer", "fit",
+                                                                      "Distilled scorer fit")
 
     gr.Markdown("### DistillCache policy training (the method as designed)\nAn MLP over five attention features per "
                 "token, trained by REINFORCE with Gumbel top-B sampling and a leave-one-out baseline on the producer, "
@@ -142,6 +138,14 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                    queue=False)
     buttons["stop"].click(lambda sess: stop(sess, "train"), [session], [train_info], cancels=[train_event],
                           api_name=False, queue=False)
+
+
+def _job_section(request_type, label: str, prefix: str, title: str) -> tuple:
+    """A heavy job's controls (built from ``request_type``), its run and Stop buttons, summary and figure."""
+    values = controls.build(request_type)
+    with gr.Row():
+        run, stop = _job_buttons(label, prefix)
+    return values, run, stop, *_summary_and_plot(prefix, title)
 
 
 def _job_buttons(label: str, prefix: str) -> tuple[gr.Button, gr.Button]:
