@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from scdviz import data
 from scdviz.config import opt
+from scdviz.models import hf
 from scdviz.models import pair as pairmod
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -60,7 +61,8 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, target_modules=list(cfg.targets),
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank,
+                      target_modules=hf.lora_targets(model, list(cfg.targets)),
                       lora_dropout=0.0)
     model = get_peft_model(model, lora)
     windows = data.token_windows(tokenizer, data.passages(cfg.corpus or data.USER, "train", cfg.texts), cfg.seq_len)

@@ -3,8 +3,9 @@
 transformers changes its cache API often; everything that knows about
 ``model.model.layers[l].input_layernorm``, ``self_attn.k_proj``, ``DynamicCache.layers``,
 ``rotary_emb`` or kwarg names lives here, so a new transformers release is mended in
-one file. Written for transformers 5.2 and decoder-only Llama-family models (Llama,
-Mistral, Qwen2, Qwen3 with q/k-norm) using the rotate-half RoPE convention.
+one file. Written for transformers 5.2 and the decoder-only families of ``scdviz.models.family`` (what each
+needs: fused or split projections, biases, q/k norms, pre- or post-norm, partial rotary, NoPE layers,
+RoPE per layer type, sliding windows, softcapping); every function here asks that registry.
 
 Shapes (B batch, T tokens, H query heads, Hkv KV heads, D head_dim, d hidden):
   keys / values          (B, Hkv, T, D)    keys after RoPE unless named ``keys_pre``
@@ -33,6 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from scdviz.models import family as families
 
 CAPTURE_ALL = frozenset({"keys_pre", "h_in", "resid"})
 
@@ -147,6 +151,22 @@ def attn_heads(model) -> tuple[int, int, int]:
     return cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
 
 
+def family(model) -> families.Family:
+    """What the model's family needs (``scdviz.models.family``); UnsupportedModel for a refused one."""
+    return families.of(model)
+
+
+def full_layers(model) -> list[int]:
+    """The layers eviction compresses: all but the sliding-window ones (those are never compressed)."""
+    return family(model).full_layers
+
+
+def is_window_layer(module) -> bool:
+    """Whether an attention module (``layer_idx`` set) attends over a sliding window (never compressed)."""
+    found = families.of_attention(module)
+    return found is not None and found.sliding(module.layer_idx)
+
+
 ROWS = "scdviz_rows"  # attention with its probabilities, without eager's per-head copies (``_rows_attention``)
 
 
@@ -157,26 +177,33 @@ def _rows_attention(module, query, key, value, attention_mask, scaling=None, **k
     rows (decode steps): for n rows it builds the (B, H, n, T) matrix eager builds."""
     b, h, n, _ = query.shape
     n_kv, t = key.shape[1], key.shape[2]
-    probs = _grouped_probabilities(query, key, scaling, attention_mask).to(query.dtype)
+    probs = _grouped_probabilities(query, key, scaling, attention_mask, kwargs.get("softcap")).to(query.dtype)
     out = torch.matmul(probs.reshape(b, n_kv, h // n_kv * n, t), value).reshape(b, h, n, value.shape[-1])
     return out.transpose(1, 2).contiguous(), probs
 
 
-def _grouped_probabilities(query: Tensor, key: Tensor, scaling: float | None, attention_mask=None) -> Tensor:
+def _grouped_probabilities(query: Tensor, key: Tensor, scaling: float | None, attention_mask=None,
+                           softcap: float | None = None, window: int | None = None) -> Tensor:
     """(B, H, n, T) float32 softmax of q·k x scaling for queries (B, H, n, D) over keys (B, Hkv, T, D), grouped by
     KV head (query head i reads KV head i // (H / Hkv), no copies); ``attention_mask`` (boolean or additive), or
-    without one the causal pattern with the n queries last."""
+    without one the causal pattern with the n queries last (and, with ``window``, only the last ``window`` keys
+    up to each query: a sliding-window layer). ``softcap``: logits squashed to softcap x tanh(logits / softcap)
+    first, as Gemma-2 does."""
     b, h, n, d = query.shape
     n_kv, t = key.shape[1], key.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
     scores = (torch.matmul(query.reshape(b, n_kv, h // n_kv * n, d), key.transpose(-1, -2)) * scaling)
     scores = scores.reshape(b, h, n, t)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[..., :t]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    elif n > 1:
-        scores = scores.masked_fill(~torch.ones(n, t, dtype=torch.bool, device=scores.device).tril(t - n),
-                                    float("-inf"))
+    elif n > 1 or (window and window < t):
+        seen = torch.ones(n, t, dtype=torch.bool, device=scores.device).tril(t - n)
+        if window and window < t:
+            seen &= ~torch.ones(n, t, dtype=torch.bool, device=scores.device).tril(t - n - window)
+        scores = scores.masked_fill(~seen, float("-inf"))
     return torch.softmax(scores, -1, dtype=torch.float32)
 
 
@@ -223,19 +250,73 @@ def attention(model, implementation: str):
             _attention(model, before)
 
 
-def _key_source(layer):
-    """Module whose output is the pre-RoPE key: k_norm (Qwen3) if present, else k_proj."""
-    attn = layer.self_attn
-    return getattr(attn, "k_norm", None) or attn.k_proj
+def projected(model, layer_idx: int, h_in: Tensor, which: str) -> Tensor:
+    """One layer's queries, keys or values (``which``: "q", "k", "v") before RoPE, (B, n_heads, T, D), from the
+    layer's attention input ``h_in`` (B, T, d), as the layer makes them: split or fused projection with its bias,
+    then its q/k norm (per head or over all heads)."""
+    return _projected(layers(model)[layer_idx].self_attn, family(model), h_in, which)
+
+
+def _projected(attn, fam: families.Family, h_in: Tensor, which: str) -> Tensor:
+    b, t = h_in.shape[:2]
+    d = fam.head_dim
+    if fam.fused_qkv:
+        cfg = attn.config
+        q_end, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        lo, hi = {"q": (0, q_end), "k": (q_end, q_end + kv), "v": (q_end + kv, q_end + 2 * kv)}[which]
+        x = attn.qkv_proj(h_in)[..., lo:hi]
+    else:
+        x = getattr(attn, f"{which}_proj")(h_in)
+    norm = {"q": fam.q_norm, "k": fam.k_norm}.get(which)
+    if norm == "full":
+        x = getattr(attn, f"{which}_norm")(x)
+    x = x.view(b, t, -1, d)
+    if norm == "head":
+        x = getattr(attn, f"{which}_norm")(x)
+    return x.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope(model, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape (B, T, D) for integer positions (B, T), in the model's dtype."""
+def rope(model, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (B, T, R) for integer positions (B, T), in the model's dtype: the RoPE of ``layer``'s
+    type (Gemma-3 has one per layer type), R the rotated dims (< head_dim under partial rotary). A NoPE layer
+    has none: use ``Rope``, which knows."""
     dummy = torch.zeros(1, dtype=dtype_of(model), device=device_of(model))
+    fam = family(model)
+    if fam.rope_per_type:
+        return decoder(model).rotary_emb(dummy, positions.to(device_of(model)), fam.layer_types[layer])
     return decoder(model).rotary_emb(dummy, positions.to(device_of(model)))
+
+
+class Rope:
+    """A model's RoPE at some positions (B, T), per layer: ``rotate(layer, keys_pre)`` / ``unrotate(layer, keys)``
+    apply it as that layer does (its layer type's RoPE, partial rotary, nothing on a NoPE layer), in the keys'
+    dtype and device. cos/sin are computed once per layer type."""
+
+    def __init__(self, model, positions: Tensor):
+        self.model, self.positions, self.family = model, positions, family(model)
+        self._by_type: dict = {}
+
+    def cos_sin(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """(cos, sin) of ``layer`` (None on a NoPE layer)."""
+        if not self.family.rope[layer]:
+            return None
+        kind = self.family.layer_types[layer] if self.family.rope_per_type else None
+        if kind not in self._by_type:
+            self._by_type[kind] = rope(self.model, self.positions, layer)
+        return self._by_type[kind]
+
+    def rotate(self, layer: int, keys_pre: Tensor) -> Tensor:
+        """RoPE applied to pre-RoPE keys (or queries) (B, heads, T, D) of ``layer``."""
+        cs = self.cos_sin(layer)
+        return keys_pre if cs is None else rotate(keys_pre, *(c.to(keys_pre) for c in cs))
+
+    def unrotate(self, layer: int, keys: Tensor) -> Tensor:
+        """The inverse of ``rotate``."""
+        cs = self.cos_sin(layer)
+        return keys if cs is None else unrotate(keys, *(c.to(keys) for c in cs))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -244,14 +325,21 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def rotate(keys_pre: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Apply RoPE: keys (B, Hkv, T, D) with cos/sin (B, T, D)."""
+    """Apply RoPE: keys (B, Hkv, T, D) with cos/sin (B, T, R); R < D rotates the first R dims only (partial
+    rotary, Phi-3.5/4-mini), the rest pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < keys_pre.shape[-1]:
+        return torch.cat([rotate(keys_pre[..., :r], cos[:, 0], sin[:, 0]), keys_pre[..., r:]], -1)
     return keys_pre * cos + _rotate_half(keys_pre) * sin
 
 
 def unrotate(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Inverse of ``rotate`` (rotation by the negative angle)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < keys.shape[-1]:
+        return torch.cat([unrotate(keys[..., :r], cos[:, 0], sin[:, 0]), keys[..., r:]], -1)
     return keys * cos - _rotate_half(keys) * sin
 
 
@@ -260,13 +348,22 @@ def window_rows(module, hidden: Tensor, keys: Tensor, cos: Tensor, sin: Tensor) 
     inputs ``hidden`` (B, W, d) with ``module`` (an attention layer)'s own q_proj (and q_norm), RoPE ``cos`` /
     ``sin`` (B, W, D) of their positions, over the layer's post-RoPE ``keys`` (B, Hkv, Tk, D), whose last W are
     theirs (the causal pattern). SnapKV's observation window, for a prefill that ran SDPA (no probabilities):
-    W query rows, not Tk, so its cost is 2 W H D per cached token, plus W q-projections."""
-    b, w, _ = hidden.shape
+    W query rows, not Tk, so its cost is 2 W H D per cached token, plus W q-projections.
+
+    The layer's family decides the rest (``scdviz.models.family``): fused or biased projections, q-norm, no RoPE
+    on a NoPE layer (``cos`` / ``sin`` ignored there), logit softcapping, and a sliding window (keys further back
+    than it get no probability).
+    """
+    fam = families.of_attention(module)
+    if fam is None:
+        raise ValueError("window_rows: the attention module's model was never read (call hf.family(model) first)")
+    layer = module.layer_idx
     with torch.no_grad():
-        q = module.q_proj(hidden).view(b, w, -1, keys.shape[-1])
-        if getattr(module, "q_norm", None) is not None:
-            q = module.q_norm(q)
-        return _grouped_probabilities(rotate(q.transpose(1, 2), cos, sin), keys, module.scaling)
+        q = _projected(module, fam, hidden, "q")
+        if fam.rope[layer]:
+            q = rotate(q, cos, sin)
+        return _grouped_probabilities(q, keys, module.scaling, softcap=fam.softcap,
+                                      window=fam.window if fam.sliding(layer) else None)
 
 
 def window_rows_at(model, layer_idx: int, hidden: Tensor, keys: Tensor) -> Tensor:
@@ -274,20 +371,42 @@ def window_rows_at(model, layer_idx: int, hidden: Tensor, keys: Tensor) -> Tenso
     whose keys are ``keys`` (all Tk of them, unpruned)."""
     w, tk = hidden.shape[1], keys.shape[2]
     positions = torch.arange(tk - w, tk, device=keys.device).view(1, w).expand(hidden.shape[0], w)
-    cos, sin = rope(model, positions)
+    cos, sin = rope(model, positions, layer_idx)
     return window_rows(layers(model)[layer_idx].self_attn, hidden, keys, cos.to(keys.device), sin.to(keys.device))
 
 
 # ----------------------------------------------------------------------------- cache
 
 
+class WholeWindowLayer(DynamicLayer):
+    """A sliding-window layer of a cache that keeps every token it is given.
+
+    transformers' own sliding layer keeps the last W - 1 tokens; the methods here measure, move and rebuild every
+    token the hooks see, so the caches scdviz makes keep them all and leave the window to the attention mask
+    (transformers builds it from the config, over cache indices: exact while index = position, which holds
+    because window layers are never pruned). ``is_sliding`` makes transformers take this layer's sizes for the
+    sliding mask and a full layer's for the causal one."""
+
+    is_sliding = True
+
+
+def new_cache(model) -> DynamicCache:
+    """An empty cache for ``model``: one full layer per full-attention layer, one ``WholeWindowLayer`` per
+    sliding-window layer."""
+    fam = family(model)
+    cache = DynamicCache(config=model.config)
+    if fam.window is not None:
+        cache.layers = [WholeWindowLayer() if fam.sliding(i) else DynamicLayer() for i in range(len(fam.layer_types))]
+    return cache
+
+
 def make_cache(model, keys: list[Tensor], values: list[Tensor]) -> DynamicCache:
-    """A DynamicCache holding the given per-layer post-RoPE keys and values.
+    """A cache (``new_cache``) holding the given per-layer post-RoPE keys and values.
 
     Each layer may hold a different number of tokens (pruned caches); positions of the
     tokens are whatever RoPE the keys carry.
     """
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     for idx, (k, v) in enumerate(zip(keys, values, strict=True)):
         cache.update(k, v, idx)
     return cache
@@ -316,8 +435,12 @@ def layer_kv(cache: DynamicCache, layer: int) -> tuple[Tensor, Tensor]:
 
 
 def set_layer_kv(cache: DynamicCache, layer: int, keys: Tensor, values: Tensor) -> None:
-    """Replace one layer's keys and values in place (pruning)."""
+    """Replace one layer's keys and values in place (pruning). A sliding-window layer is never pruned: a
+    ValueError for one whose token count would change (its attention mask is built over cache indices)."""
     lyr = cache.layers[layer]
+    if getattr(lyr, "is_sliding", False) and keys.shape[-2] != lyr.keys.shape[-2]:
+        raise ValueError(f"layer {layer} attends over a sliding window: window layers are never compressed "
+                         "(their cache is already bounded); compress the full-attention layers (hf.full_layers)")
     lyr.keys, lyr.values = keys, values
 
 
@@ -326,21 +449,22 @@ def set_layer_kv(cache: DynamicCache, layer: int, keys: Tensor, values: Tensor) 
 
 @contextlib.contextmanager
 def _hooks(model, capture: frozenset, attentions: bool, trace_lists: dict):
-    """Register capture hooks for the duration of one forward pass; always removed."""
+    """Register capture hooks for the duration of one forward pass; always removed.
+
+    ``h_in`` is what the attention layer reads (input_layernorm's output, or the residual stream itself in a
+    post-norm family), taken at the attention module's input; ``keys_pre`` are made from it as the layer makes
+    them (``projected``: bias, fused projection, k-norm included), bit for bit the layer's own."""
     handles = []
     stack = layers(model)
-    n_kv, head_dim = attn_heads(model)[1:]
+    fam = family(model)
 
-    def keep(name, idx):
-        def hook(_module, _inp, out):
-            trace_lists[name][idx] = out
-
-        return hook
-
-    def keep_key(idx):
-        def hook(_module, _inp, out):
-            b, t = out.shape[0], out.shape[1]
-            trace_lists["keys_pre"][idx] = out.reshape(b, t, n_kv, head_dim).transpose(1, 2)
+    def keep_input(idx):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            if "h_in" in capture:
+                trace_lists["h_in"][idx] = h
+            if "keys_pre" in capture:
+                trace_lists["keys_pre"][idx] = _projected(module, fam, h, "k")
 
         return hook
 
@@ -358,10 +482,8 @@ def _hooks(model, capture: frozenset, attentions: bool, trace_lists: dict):
 
     try:
         for idx, layer in enumerate(stack):
-            if "keys_pre" in capture:
-                handles.append(_key_source(layer).register_forward_hook(keep_key(idx)))
-            if "h_in" in capture:
-                handles.append(layer.input_layernorm.register_forward_hook(keep("h_in", idx)))
+            if capture & {"keys_pre", "h_in"}:
+                handles.append(layer.self_attn.register_forward_pre_hook(keep_input(idx), with_kwargs=True))
             if "resid" in capture:
                 handles.append(layer.register_forward_pre_hook(keep_resid(idx), with_kwargs=True))
             if attentions:
@@ -404,7 +526,7 @@ def forward(
     device = device_of(model)
     input_ids = input_ids.to(device)
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
     if positions is None:
         start = cache.get_seq_length()
         positions = torch.arange(start, start + input_ids.shape[1], device=device).expand(input_ids.shape[0], -1)
@@ -413,9 +535,15 @@ def forward(
     lists = {name: [None] * n for name in ("keys_pre", "h_in", "resid", "attn")}
     if attentions and model.config._attn_implementation not in ("eager", ROWS):
         raise ValueError("attention probabilities need eager attention: call hf.set_eager(model) first")
+    extra = {}
+    if (cache.get_seq_length() and any(isinstance(lyr, WholeWindowLayer) for lyr in cache.layers)
+            and len(set(cache_len(cache))) > 1):
+        # full layers pruned beside whole window layers: the masks' query indices are the true positions (a
+        # window layer's cache index is its token's position; the pruned full layers see every key they hold)
+        extra["cache_position"] = positions[0]
     with _hooks(model, frozenset(capture), attentions, lists), torch.set_grad_enabled(grad):
         out = model(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True,
-                    attention_mask=attention_mask, logits_to_keep=int(last_logits))
+                    attention_mask=attention_mask, logits_to_keep=int(last_logits), **extra)
     nl = n - 1
     return Trace(
         logits=out.logits,
@@ -428,25 +556,22 @@ def forward(
     )
 
 
+def kv_pre_from_hin(model, layer_idx: int, h_in: Tensor) -> tuple[Tensor, Tensor]:
+    """One layer's (pre-RoPE keys, values), each (B, Hkv, T, D), regenerated from its attention input H_in
+    (B, T, d) exactly as the layer makes them (``projected``: bias, fused projection, k-norm)."""
+    with torch.no_grad():
+        return projected(model, layer_idx, h_in, "k"), projected(model, layer_idx, h_in, "v")
+
+
 @_one_at_a_time
 def kv_from_hin(model, layer_idx: int, h_in: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Regenerate one layer's (post-RoPE keys, values) from its normalised input H_in.
+    """Regenerate one layer's (post-RoPE keys, values) from its attention input H_in.
 
-    h_in (B, T, d) -> keys, values (B, Hkv, T, D), using the model's own k_proj / v_proj
-    (and k_norm when the model has one) and RoPE at ``positions`` (B, T).
+    h_in (B, T, d) -> keys, values (B, Hkv, T, D): ``kv_pre_from_hin``, then the layer's RoPE at ``positions``
+    (B, T) (none on a NoPE layer).
     """
-    layer = layers(model)[layer_idx]
-    attn = layer.self_attn
-    _, n_kv, head_dim = attn_heads(model)
-    b, t = h_in.shape[:2]
-    with torch.no_grad():
-        k = attn.k_proj(h_in).view(b, t, n_kv, head_dim)
-        if getattr(attn, "k_norm", None) is not None:
-            k = attn.k_norm(k)
-        v = attn.v_proj(h_in).view(b, t, n_kv, head_dim).transpose(1, 2)
-        cos, sin = rope(model, positions)
-        k = rotate(k.transpose(1, 2), cos, sin)
-    return k, v
+    k, v = kv_pre_from_hin(model, layer_idx, h_in)
+    return Rope(model, positions).rotate(layer_idx, k), v
 
 
 def continue_logits(model, cache: DynamicCache, ids: Tensor, start: int | Tensor,
@@ -486,10 +611,10 @@ def press_prefill(model, press, ids: Tensor, attn: str = "sdpa"):
         raise ValueError(f"unknown attention implementation {attn!r}; use sdpa or eager")
     with _lock_of(model):
         before = model.config._attn_implementation
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         try:
             _attention(model, attn)
-            with torch.no_grad(), press(model):
+            with torch.no_grad(), press(model), windows_kept(model):
                 decoder(model)(input_ids=ids.to(device_of(model)), past_key_values=cache, use_cache=True)
             _attention(model, "sdpa")
             yield cache
@@ -500,17 +625,49 @@ def press_prefill(model, press, ids: Tensor, attn: str = "sdpa"):
             _attention(model, before)
 
 
+@contextlib.contextmanager
+def windows_kept(model):
+    """Inside the block, whatever forward hooks registered before it do to a sliding-window layer's cache is undone
+    after them: window layers are never compressed (kvpress's rule for Gemma-3, here for every family), so a kvpress
+    press entered first (``with press(model), windows_kept(model):``) compresses only the full-attention layers.
+    The caller holds the model's lock."""
+    fam = family(model)
+    handles = []
+    kept: dict = {}
+
+    def stash(module, _args, kwargs, _out):
+        lyr = kwargs["past_key_values"].layers[module.layer_idx]
+        kept[module.layer_idx] = (lyr.keys, lyr.values)
+
+    def restore(module, _args, kwargs, _out):
+        lyr = kwargs["past_key_values"].layers[module.layer_idx]
+        lyr.keys, lyr.values = kept.pop(module.layer_idx)
+
+    try:
+        for idx, layer in enumerate(layers(model)):
+            if fam.sliding(idx):
+                handles.append(layer.self_attn.register_forward_hook(stash, with_kwargs=True, prepend=True))
+                handles.append(layer.self_attn.register_forward_hook(restore, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _attention(model, implementation: str) -> None:
     """Switch the model's attention implementation when it is another one (the caller holds its lock)."""
     if model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
 
 
-def kept_per_head(model, cache: DynamicCache) -> float:
+def kept_per_head(model, cache: DynamicCache, only: list[int] | None = None) -> float:
     """Mean tokens a cache lets each layer's KV heads attend to: its length less the keys a
-    head-wise press masked (``masked_key_indices``, read inside ``press_prefill``)."""
+    head-wise press masked (``masked_key_indices``, read inside ``press_prefill``); ``only``: over these
+    layers alone (the full-attention ones, ``full_layers``), None: every layer."""
     sizes, (b, h) = [], cache.layers[0].keys.shape[:2]
-    for layer, n in zip(layers(model), cache_len(cache), strict=True):
+    for idx, (layer, n) in enumerate(zip(layers(model), cache_len(cache), strict=True)):
+        if only is not None and idx not in only:
+            continue
         masked = getattr(layer.self_attn, "masked_key_indices", None)
         sizes.append(n - (0 if masked is None else len(masked[0]) / (b * h)))
     return sum(sizes) / len(sizes)
@@ -665,28 +822,66 @@ def run_layers(model, resid: Tensor, positions: Tensor, start: int, stop: int) -
     tokens, no cache before them. Returns (stream leaving layer stop-1 (B, T, d),
     post-RoPE keys per layer [(B, Hkv, T, D)], values per layer [(B, Hkv, T, D)]). No autograd graph.
     """
-    stack = layers(model)
-    cache = DynamicCache(config=model.config)
-    cos, sin = rope(model, positions)
-    mask = _causal_mask(resid.shape[1], resid.dtype, resid.device)
+    stack, fam = layers(model), family(model)
+    cache = new_cache(model)
+    rope_of = Rope(model, positions)
+    t = resid.shape[1]
+    causal = _causal_mask(t, resid.dtype, resid.device)
+    window = causal
+    if fam.window is not None and fam.window < t:  # a sliding layer sees the last W tokens up to itself
+        window = causal.masked_fill(torch.ones(t, t, dtype=torch.bool, device=resid.device).tril(-fam.window),
+                                    float("-inf"))
     hidden = resid
     with torch.no_grad():
         for idx in range(start, stop):
+            cs = rope_of.cos_sin(idx) or rope(model, positions, idx)  # a NoPE layer ignores what it is given
             hidden = stack[idx](
                 hidden,
-                attention_mask=mask,
+                attention_mask=window if fam.sliding(idx) else causal,
                 position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
-                position_embeddings=(cos, sin),
+                position_embeddings=cs,
             )
+            if isinstance(hidden, tuple):  # some families' layers return (hidden, ...) (Granite)
+                hidden = hidden[0]
     keys, values = cache_kv(cache)
     return hidden, keys[start:stop], values[start:stop]
 
 
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}  # split projection -> the fused module that holds it (Phi-3)
+
+
+def lora_targets(model, wanted: list[str]) -> list[str]:
+    """The decoder's linear modules that adapters on ``wanted`` (split-projection names: q_proj, k_proj, ...) go
+    on: the names themselves, or the fused module holding them (Phi-3's qkv_proj, gate_up_proj). ValueError naming
+    a target the model has no linear module for (e.g. a mixture-of-experts' expert projections)."""
+    present = {name.rsplit(".", 1)[-1] for name, mod in decoder(model).layers.named_modules()
+               if isinstance(mod, torch.nn.Linear)}
+    out, missing = [], []
+    for name in wanted:
+        got = name if name in present else _FUSED.get(name) if _FUSED.get(name) in present else None
+        if got is None:
+            missing.append(name)
+        elif got not in out:
+            out.append(got)
+    if missing:
+        raise ValueError(f"this model ({model.config.model_type}) has no linear module for adapter targets "
+                         f"{missing}: drop them from --targets (its linear modules: {sorted(present)})")
+    return out
+
+
 def kv_weights(model, layer_idx: int) -> tuple[Tensor, Tensor]:
-    """The k_proj and v_proj weights of one layer, each (Hkv*D, d) (biases and k_norm left out)."""
+    """The key and value projection weights of one layer, each (Hkv*D, d) (the rows of a fused qkv_proj; biases
+    and k-norm left out: a linear model of K and V, for fitting aligners; ``kv_pre_from_hin`` is the exact
+    regeneration)."""
     attn = layers(model)[layer_idx].self_attn
+    if family(model).fused_qkv:
+        cfg, d = model.config, family(model).head_dim
+        q_end, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        w = attn.qkv_proj.weight
+        return w[q_end:q_end + kv], w[q_end + kv:q_end + 2 * kv]
     return attn.k_proj.weight, attn.v_proj.weight
 
 
@@ -744,7 +939,7 @@ def decoder_cache(model, ids: Tensor) -> DynamicCache:
     token would be wasted work (and would inflate a measured prefill time).
     """
     device = device_of(model)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     with torch.no_grad():
         decoder(model)(input_ids=ids.to(device), past_key_values=cache, use_cache=True)
     return cache

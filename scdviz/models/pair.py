@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from scdviz import settings
-from scdviz.models import builtin, hf
+from scdviz.models import builtin, family, hf
 
 
 class PairError(ValueError):
@@ -244,6 +244,7 @@ def load_model(source: str, base: str | None = None, progress=None):
             raise PairError("the base of a LoRA adapter must be a full model, not another adapter")
         model, tokenizer = load_model(base, progress=progress)
         return _merge_adapter(model, adapter), tokenizer
+    _check_family(source, where)
     device, dtype = choose_device()
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=False,
@@ -254,6 +255,20 @@ def load_model(source: str, base: str | None = None, progress=None):
     if adapter is not None:
         model = _merge_adapter(model, adapter)
     return model.to(device).eval(), tokenizer
+
+
+def _check_family(source: str, where) -> None:
+    """PairError before any weights load when the config's model family is not supported (``models.family``)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - an unreadable config is the user's input
+        raise PairError(f"could not read the config of {source.strip()!r} ({type(err).__name__}): "
+                        f"{_first_line(err)}") from None
+    why = family.unsupported(config)
+    if why:
+        raise PairError(f"{source.strip()}: {why}")
 
 
 def _first_line(err: Exception, limit: int = 300) -> str:

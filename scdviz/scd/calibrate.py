@@ -205,7 +205,7 @@ def _rows_of(fits: _Fits, layer: int, keep) -> list[torch.Tensor]:
     return [torch.cat(col).float() for col in zip(*picked)]
 
 
-def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight, cfg: CalibConfig) -> dict:
+def _patch_choice(consumer, fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight, cfg: CalibConfig) -> dict:
     """The aligner's shrinkage and the gate, both by held-out-domain K/V error.
 
     Domains are grouped round-robin into ``cfg.gate_folds`` folds. Per fold, the linear
@@ -216,14 +216,18 @@ def _patch_choice(fits: _Fits, layer: int, shrinks: dict, refine: tuple, weight,
     """
     n_folds = min(cfg.gate_folds, len(fits.k_stats))
     grid = [*cfg.patch_shrink_grid, float("inf")]
-    w = weight.float().T
     lodo, code_sse = dict.fromkeys(grid, 0.0), 0.0
     split = [(_rows_of(fits, layer, lambda g, f=f: g % n_folds != f),
               _rows_of(fits, layer, lambda g, f=f: g % n_folds == f))
              for f in range(n_folds)]
 
-    def sse(patch: Patch, held: list[torch.Tensor]) -> float:
-        return float(((patch.decode(patch.encode(held[0])) @ w - torch.cat([held[3], held[5]], 1)) ** 2).sum())
+    param = next(consumer.parameters())
+
+    def sse(patch: Patch, held: list[torch.Tensor]) -> float:  # K and V regenerated as the receiver does
+        h = patch.decode(patch.encode(held[0])).to(device=param.device, dtype=param.dtype).unsqueeze(0)
+        k, v = hf.kv_pre_from_hin(consumer, layer, h)
+        got = torch.cat([transfer.flat(k), transfer.flat(v)], 1).float().to(hf.HOST)
+        return float(((got - torch.cat([held[3], held[5]], 1).float()) ** 2).sum())
 
     for train, held in split:
         for alpha, patch in zip(grid, fit_patches(layer, train[0], train[1], weight, cfg.rank_h,
@@ -333,8 +337,8 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) ->
     gates = {}
     for layer in steps(candidates, "calibrate: aligners", progress):
         weight = torch.cat(hf.kv_weights(pair.consumer, layer)).detach().float().to(hf.HOST)
-        choice = gates[layer] = _patch_choice(fits, layer, shrinks, (joint["rank"], joint["layers"][layer]),
-                                              weight, cfg)
+        choice = gates[layer] = _patch_choice(pair.consumer, fits, layer, shrinks,
+                                              (joint["rank"], joint["layers"][layer]), weight, cfg)
         hp, hc = _rows_of(fits, layer, lambda _: True)[:2]
         calib.patches[layer] = fit_patch(layer, hp, hc, weight, cfg.rank_h,
                                          shrink=float("inf") if choice["shrink"] == "identity" else choice["shrink"],

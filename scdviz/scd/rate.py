@@ -90,11 +90,11 @@ def measure(pair, calib, n_windows: int = 6, progress: bool | Reporter = True) -
     for window in steps(windows, "rate: curves and sensitivities", progress):
         case = transfer.prepare_case(pair.producer, pair.consumer, window, cfg.cont_len)
         oracle_k, oracle_v = hf.cache_kv(case.oracle_cache)
-        cos, sin = hf.rope(pair.consumer,
-                           torch.arange(case.state.ids.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0))
+        rope = hf.Rope(pair.consumer,
+                       torch.arange(case.state.ids.shape[1], device=hf.device_of(pair.consumer)).unsqueeze(0))
         for layer in range(n):  # the consumer's own rows, from the oracle's cache (pre-RoPE keys: rotated back)
             rows["kp"][layer].append(case.state.keys_pre[layer][1:])
-            rows["kc"][layer].append(transfer.flat(hf.unrotate(oracle_k[layer], cos, sin))[1:].float().cpu())
+            rows["kc"][layer].append(transfer.flat(rope.unrotate(layer, oracle_k[layer]))[1:].float().cpu())
             rows["vp"][layer].append(case.state.values[layer][1:])
             rows["vc"][layer].append(transfer.flat(oracle_v[layer])[1:].float().cpu())
         got_k, got_v = hf.cache_kv(transfer.transferred(pair.consumer, case.state, base, calib))

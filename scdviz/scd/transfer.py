@@ -203,7 +203,7 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
 
     skip = 1 if head.sink == "recompute" else 0
     positions = torch.arange(skip, msg.n_tokens, device=hf.device_of(model)).unsqueeze(0)
-    cos, sin = hf.rope(model, positions)
+    rope = hf.Rope(model, positions)
     keys: list[Tensor | None] = [None] * len(modes)
     values: list[Tensor | None] = [None] * len(modes)
     for layer, mode in enumerate(modes):
@@ -219,7 +219,7 @@ def receive(model, blob: bytes, calib=None, corrections: dict | None = None) -> 
             else:  # corrections in training: step by step, their autograd graph kept
                 k_pre, v = reuse_rows(calib, layer, by, noise_of)
                 k_pre, v = calib.correct(layer, dev(k_pre), dev(v), corrections)
-            keys[layer] = hf.rotate(heads(dev(k_pre), n_kv), cos, sin)
+            keys[layer] = rope.rotate(layer, heads(dev(k_pre), n_kv))
             values[layer] = heads(dev(v), n_kv)
         elif mode == "patch":
             h = dev(calib.patch_for(layer).decode(by[layer, "h_code"]))
