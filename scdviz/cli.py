@@ -466,7 +466,7 @@ COMMANDS = [
     ("prepare-text", "rebuild assets/text from Debian's text packages (maintainers)", PrepareText, _prepare_text),
     ("calibrate", "fit an SCD calibration (codes, aligners, patch layers) for a pair", Calibrate, _calibrate),
     ("train-policy", "train the DistillCache eviction policy (REINFORCE)", TrainPolicy, _train_policy),
-    ("fit-student", "fit the DistillCache student (linear on each layer's input) to the future's attention",
+    ("fit-student", "fit the distilled scorer (a linear scorer on each layer's input) to the future's attention",
      FitStudent, _fit_student),
     ("distil", "train an SCD calibration's correction stage through the consumer on its continuation KL",
      Distil, _distil),

@@ -24,6 +24,12 @@ compresses context + question together. Metrics on the continuation: mean KL(ful
 pruned) and top-1 agreement per step, perplexity, tokens kept, fp16 cache bytes, and
 context-QA. Policies trained on one model are applied zero-shot to the others in ``models``.
 
+Sliding-window layers are never compressed (``scdviz.evict.windows``, imported as ``sliding``): every method's
+budget applies to the full-attention layers, and the records of a model with window layers say so
+(``tokens_kept_in``; their ``cache_bytes`` count the window layers at what a bounded window cache holds); a model
+whose every layer is sliding is refused. A student fitted for another model's shapes, or a kvpress press that would
+rebuild the family's attention wrongly (``scdviz.evict.kvpress_limits``), is one ``cannot_run`` row saying why.
+
 This module measures quality only: what each method costs in time is ``bench cost``
 (scdviz.evict.cost, one harness for every method). It does not train (train.py) and draws
 no figures.
@@ -47,6 +53,8 @@ from tqdm import tqdm
 
 from scdviz import data, metrics, protocol, qa
 from scdviz.config import opt
+from scdviz.evict import kvpress_limits
+from scdviz.evict import windows as sliding
 from scdviz.evict.context import Observed, observe, prune, why_not
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.h2o import H2OPress
@@ -254,6 +262,19 @@ def student_presses(students: dict[str, Student]) -> dict[str, StudentPress]:
     return {name: StudentPress(student=s) for name, s in students.items()}
 
 
+def fitting_students(students: dict[str, Student], model, failed: dict) -> dict[str, Student]:
+    """The students fitted for ``model``'s shapes; every other one goes to ``failed`` (name -> why) with
+    ``Student.check_model``'s one line naming both shapes."""
+    fitting = {}
+    for name, student in students.items():
+        try:
+            student.check_model(model)
+            fitting[name] = student
+        except ValueError as err:
+            failed[name] = str(err)
+    return fitting
+
+
 def chosen_on_validation(paths: tuple[str, ...], question_len: int | None = None) -> str | None:
     """The method name of the policy with the lowest validation KL in its training log:
     the headline policy, chosen without looking at any evaluation result.
@@ -374,19 +395,20 @@ def method_indices(
     """Kept indices per method: per-layer lists (B, Hkv, n) or one (B, n) set.
 
     obs carries the press scores; feats the features for each policy's observation
-    (``PolicyConfig.observation``: window, lookahead).
+    (``PolicyConfig.observation``: window, lookahead). A sliding-window layer's entry is None (kept whole).
     """
     out = {}
     for name, policy in policies.items():
         feat = feats[policy.config.observation]
         with torch.no_grad():
             if policy.config.per_head:
-                out[name] = list(policy(feat.head_features).topk(n_keep, dim=-1).indices.unbind(0))
+                out[name] = [None if layer in obs.window_layers else i for layer, i in
+                             enumerate(policy(feat.head_features).topk(n_keep, dim=-1).indices.unbind(0))]
             else:
                 out[name] = policy(feat.global_features).topk(n_keep, dim=-1).indices
     for (name, lab), scores in obs.scores.items():
         if lab == label:
-            out[name] = [s.topk(n_keep, dim=-1).indices for s in scores]
+            out[name] = [None if s is None else s.topk(n_keep, dim=-1).indices for s in scores]
     return out
 
 
@@ -436,7 +458,8 @@ def score_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, polici
         # one batch per budget: every pruned cache holds n_keep tokens (``hf.continue_each``)
         for (name, cache), logits in zip(caches.items(), hf.continue_each(model, list(caches.values()), tail, prefix),
                                          strict=True):
-            results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": n_keep}
+            results[(name, label)] = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": n_keep} | \
+                window_held(model, prefix)
             if qa_item is not None:
                 results[(name, label)] |= qa.answer(model, cache, qa_item, prefix)
             kept[(name, label)] = chosen[name]
@@ -467,9 +490,12 @@ def native_scored(model, make, ids: torch.Tensor, prefix: int, n_keep: int, cfg:
     against the full cache's logits ``ref``, as ``score_context`` reports them; the pruned cache, valid
     inside the block)."""
     tail = ids[:, prefix:]
-    with hf.press_prefill(model, make(1.0 - n_keep / prefix), ids[:, :prefix]) as cache:
+    press = make(1.0 - n_keep / prefix)
+    kvpress_limits.check(press, model, eager=False)  # SDPA: a press that rebuilds attention must get it right
+    with hf.press_prefill(model, press, ids[:, :prefix]) as cache:
         logits = hf.continue_logits(model, cache, tail, prefix)[0]
-        row = _metrics(ref, logits, tail[0], cfg.cont_len) | {"tokens_kept": round(hf.kept_per_head(model, cache), 2)}
+        row = _metrics(ref, logits, tail[0], cfg.cont_len) | \
+            {"tokens_kept": round(sliding.kept_per_head(model, cache), 2)} | window_held(model, prefix)
         if qa_item is not None:
             row |= qa.answer(model, cache, qa_item, prefix)
         yield row, cache
@@ -517,7 +543,7 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
             cache = prune(model, obs, kept)
             # every scorer continues from its kept tokens' true positions; a student from its arrival scores at
             # this context's prefill (score_context scored it last), H2O from the prefill's mean attention
-            arrival = ([press.arrival[layer] for layer in range(len(obs.keys))] if isinstance(press, StudentPress)
+            arrival = ([press.arrival.get(layer) for layer in range(len(obs.keys))] if isinstance(press, StudentPress)
                        else obs.scores[(at_prefill, label)] if name == H2O else None)
             evictor = DecodeEvictor(press, budget=n_keep, window=DECODE_WINDOW, interval=cfg.decode_interval,
                                     prefill_positions=list(kept),  # in cache order (prune keeps it)
@@ -530,8 +556,17 @@ def decode_context(model, ids: torch.Tensor, prefix: int, cfg: EvalConfig, out: 
                 failed[name] = why_not(err)
                 results = {k: v for k, v in results.items() if k[0] != name}
                 continue
-            results[(name, label)] = _metrics(ref, logits, steps[0], steps.shape[1]) | {"tokens_kept": n_keep} | qa_out
+            results[(name, label)] = (_metrics(ref, logits, steps[0], steps.shape[1]) | {"tokens_kept": n_keep}
+                                      | qa_out | window_held(model, prefix + steps.shape[1]))
     return results
+
+
+def window_held(model, n_tokens: int) -> dict:
+    """For a model with sliding-window layers, {"window_tokens": the tokens each of them holds after ``n_tokens``
+    (at most its window: what a bounded window cache keeps; they are never compressed)}; {} without them."""
+    if not sliding.window_layers(model):
+        return {}
+    return {"window_tokens": min(n_tokens, hf.family(model).window)}
 
 
 def _metrics(ref, logits, tail, cont_len: int) -> dict:
@@ -591,6 +626,8 @@ def measure(cfg: EvalConfig, models: dict[str, tuple]) -> list[dict]:
         raise ValueError("--lodo retrains the policy chosen on validation with its recipe: no policy has a "
                          "training log")
     records_ = []
+    for model, _ in models.values():
+        sliding.compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused
     for source, (model, tokenizer) in models.items():
         windows = contexts(cfg, tokenizer)
         items = ([qa.make_item(tokenizer, w.ids[: cfg.context_len], i) for i, w in enumerate(windows)]
@@ -664,13 +701,8 @@ def _run_mode(model, source: str, mode: str, windows, cfg: EvalConfig, policies,
     """Every context of one model and mode, aggregated into records (students scored as presses in the
     shared prefill, never counted as baselines)."""
     prefix = cfg.context_len + (cfg.question_len if mode == "aware" else 0)
-    failed, fitting = {}, {}
-    for name, student in (students or {}).items():  # a student fits one model's shapes: others say so
-        try:
-            student.check_model(model)
-            fitting[name] = student
-        except ValueError as err:
-            failed[name] = str(err)
+    failed = {}
+    fitting = fitting_students(students or {}, model, failed)  # a student fits one model's shapes: others say so
     base = {k: v for k, v in baselines(cfg.seed).items() if not cfg.scorer_names or k in cfg.scorer_names}
     presses = base | student_presses(fitting)
     natives = {k: v for k, v in native_baselines().items() if not cfg.native_names or k in cfg.native_names
@@ -712,6 +744,8 @@ def aggregate(
     ``windows`` the intervals resample whole passages (the cluster bootstrap).
     """
     n_layers, (_, n_kv, head_dim) = hf.n_layers(model), hf.attn_heads(model)
+    n_window = len(sliding.window_layers(model))  # never compressed: they hold their window (``window_held``)
+    counted = {"tokens_kept_in": sliding.counted(model)} if n_window else {}
     domains = None if windows is None else [w.domain for w in windows]
     passages = None if windows is None else [w.cluster for w in windows]
     records = []
@@ -725,6 +759,7 @@ def aggregate(
         for m in methods:
             mean, se = metrics.mean_se(kl[m])
             kept = sum(c[(m, label)]["tokens_kept"] for c in per_ctx) / len(per_ctx)
+            held = sum(c[(m, label)].get("window_tokens", 0) for c in per_ctx) / len(per_ctx)
             versus = protocol.vs_best(kl, m, base, clusters=passages)
             wins, boot = (None, None) if m == best else (versus["wins"], versus["boot"])
             records.append(
@@ -734,7 +769,8 @@ def aggregate(
                     "method": m,
                     "keep": label,
                     "tokens_kept": round(kept, 2),
-                    "cache_bytes": round(kept * n_layers * n_kv * head_dim * 2 * 2),
+                    "cache_bytes": round(kept * n_layers * n_kv * head_dim * 2 * 2) if not n_window else
+                    round((kept * (n_layers - n_window) + held * n_window) * n_kv * head_dim * 2 * 2),
                     "kl": round(mean, 5),
                     "kl_se": round(se, 5),
                     "top1": round(sum(c[(m, label)]["top1"] for c in per_ctx) / len(per_ctx), 4),
@@ -753,6 +789,7 @@ def aggregate(
                     "domains": domains,
                     "passages": passages,
                 }
+                | counted
                 | _qa_fields([c[(m, label)] for c in per_ctx])
             )
     if full:

@@ -11,9 +11,13 @@ each context token as a sixth feature column (``features.lookahead_attention``):
 lookahead policy reads. It costs G batched decode steps after the prefill, timed apart
 (``lookahead_seconds``).
 
+Sliding-window layers are never compressed (``scdviz.evict.windows``): ``observe`` refuses a model whose every
+layer is sliding, scores no press on a window layer (its entry in a score list is None), averages the global
+features over the full-attention layers, and ``prune`` keeps every window layer whole whatever its indices say.
+
 Shapes: keys / values per layer (B, Hkv, T, D); per-head features (L, B, Hkv, T, 5);
-global features (B, T, 5); scores per layer (B, Hkv, T); kept indices per layer
-(B, Hkv, n) or, for one token set, (B, n). This module does not train or evaluate.
+global features (B, T, 5); scores per layer (B, Hkv, T) (None on a window layer); kept indices per layer
+(B, Hkv, n) (None: the layer kept whole) or, for one token set, (B, n). This module does not train or evaluate.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch import Tensor
 
 from scdviz.evict import features as F
+from scdviz.evict import kvpress_limits, windows
 from scdviz.evict.policy import compression_ratio
 from scdviz.models import hf
 
@@ -37,14 +42,15 @@ class Observed:
     values: list[Tensor]  # per layer (B, Hkv, T, D)
     head_features: Tensor  # (L, B, Hkv, T, 5 or 6) per-layer / per-KV-head features (6th: lookahead)
     global_features: Tensor  # (B, T, 5 or 6) averaged over layers and heads
-    scores: dict[tuple[str, float], list[Tensor]] = field(
+    scores: dict[tuple[str, float], list[Tensor | None]] = field(
         default_factory=dict
-    )  # (press, keep) -> per layer (B, Hkv, T)
+    )  # (press, keep) -> per layer (B, Hkv, T); None on a sliding-window layer (never compressed)
     score_seconds: dict[str, float] = field(default_factory=dict)  # press -> time spent scoring (all keeps)
     feature_seconds: float = 0.0  # time spent computing features in the hook
     prefill_seconds: float = 0.0  # wall time of the whole prefill
     lookahead_seconds: float = 0.0  # time spent sampling the lookahead continuations (0 without)
     hidden: list[Tensor] = field(default_factory=list)  # per layer (B, T, d) normalised inputs, when asked
+    window_layers: tuple[int, ...] = ()  # the sliding-window layers, never compressed (kept whole by ``prune``)
 
     @property
     def n_tokens(self) -> int:
@@ -62,11 +68,18 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
 
     presses: name -> kvpress ScorerPress; each is scored at every kept fraction in
     ``keeps`` (its compression_ratio set accordingly; StreamingLLM's scores depend on it).
-    failed: name -> why; a press that raises on this model is recorded there and left out
-    (its scores dropped), presses already in it are not tried.
+    failed: name -> why; a press that raises on this model, or that kvpress_limits refuses for its family, is
+    recorded there and left out (its scores dropped), presses already in it are not tried.
     hidden: also keep every layer's normalised input (what a DistillCache student reads).
+    Sliding-window layers (``scdviz.evict.windows``): no press scores them (None in the score lists), the global
+    features average the full-attention layers; a model with no other layer is refused (ValueError).
     """
+    full = windows.compressed_layers(model)
+    sliding = tuple(windows.window_layers(model))
     failed = {} if failed is None else failed
+    for name, press in (presses or {}).items():  # a press that would rebuild this family's attention wrongly
+        if name not in failed and (why := kvpress_limits.refusal(press, model, eager=True)):
+            failed[name] = why
     presses = {k: v for k, v in (presses or {}).items() if k not in failed}
     _, n_kv, _ = hf.attn_heads(model)
     head, glob, scores, inputs = [], [], {}, []
@@ -78,10 +91,16 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
             raise ValueError("DistillCache features need eager attention: call hf.set_eager(model) first")
         t0 = time.perf_counter()
         head.append(F.prefill_layer_features(attn, values, window, n_kv))
-        glob.append(F.prefill_layer_features(attn, values, window, 1))
+        if module.layer_idx in full:  # the global form: one token set for the layers eviction compresses
+            glob.append(F.prefill_layer_features(attn, values, window, 1))
         feat_time[0] += time.perf_counter() - t0
         if hidden:
             inputs.append(hidden_states)
+        if module.layer_idx in sliding:  # never compressed: nothing to score
+            for name in presses:
+                for keep in keeps:
+                    scores.setdefault((name, keep), []).append(None)
+            return None
         for name, press in presses.items():
             if name in failed:
                 continue
@@ -107,7 +126,7 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
         t0 = time.perf_counter()
         look = sampled_lookahead(model, trace, *lookahead, seed)  # (L, 1, Hkv, T)
         head = torch.cat([head, look.unsqueeze(-1).to(head.dtype)], -1)
-        glob = torch.cat([glob, look.mean((0, 2)).unsqueeze(-1).to(glob.dtype)], -1)
+        glob = torch.cat([glob, windows.compressed(model, look).mean((0, 2)).unsqueeze(-1).to(glob.dtype)], -1)
         look_seconds = time.perf_counter() - t0
     return Observed(
         keys=trace.keys,
@@ -120,6 +139,7 @@ def observe(model, ids: Tensor, window: int, presses: dict | None = None, keeps:
         prefill_seconds=prefill_seconds,
         lookahead_seconds=look_seconds,
         hidden=inputs,
+        window_layers=sliding,
     )
 
 
@@ -168,9 +188,11 @@ def gather_kv(keys: Tensor, values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor
     return keys.gather(2, full), values.gather(2, full)
 
 
-def prune(model, obs: Observed, indices: list[Tensor] | Tensor):
-    """A DynamicCache holding the kept tokens: per-layer indices, or one (B, n) set for all layers."""
+def prune(model, obs: Observed, indices: list[Tensor | None] | Tensor):
+    """A cache holding the kept tokens: per-layer indices, or one (B, n) set for all layers. A sliding-window layer
+    (``obs.window_layers``) and a layer whose indices are None keep every token."""
     n = len(obs.keys)
     per_layer = indices if isinstance(indices, list) else [indices] * n
-    kept = [gather_kv(k, v, i) for k, v, i in zip(obs.keys, obs.values, per_layer, strict=True)]
+    kept = [(k, v) if i is None or layer in obs.window_layers else gather_kv(k, v, i)
+            for layer, (k, v, i) in enumerate(zip(obs.keys, obs.values, per_layer, strict=True))]
     return hf.make_cache(model, [k for k, _ in kept], [v for _, v in kept])

@@ -24,7 +24,9 @@ Rows: one per (context length, method): ``prefill_ms`` and its IQR, ``added_ttft
 prefill minus the full cache's: what a user waits for beyond a plain prefill), ``prefill_ratio``,
 ``decode_ms_per_token``, ``throughput_vs_full`` (the full cache's decode time per token over the
 method's), ``evicting_ms_per_token`` and ``added_ms_per_token`` (minus the full cache's), and the
-tokens kept. A method that cannot run on the model is one row saying why.
+tokens kept (per full-attention layer and KV head: sliding-window layers are never compressed, and a model with
+them says so in ``tokens_kept_in``; a model whose every layer is sliding is refused, ``scdviz.evict.windows``). A
+method that cannot run on the model is one row saying why.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from tqdm.auto import tqdm
 
 from scdviz import data, protocol, timing
 from scdviz.config import opt
-from scdviz.evict import bench
+from scdviz.evict import bench, kvpress_limits, windows
 from scdviz.evict.context import observe, prune, why_not
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import Policy, keep_count
@@ -131,11 +133,12 @@ def _trial(model, method: _Method, ids: torch.Tensor, prefix: int, n_keep: int, 
         with hf.attention(model, "sdpa"):
             out["decode"] = _decode(model, cache, first, prefix, cfg.decode_steps, device)
         return out
+    kvpress_limits.check(method.press, model, eager=method.attn == "eager")  # refused, not run wrong
     t0 = timing.clock(device)
     with hf.press_prefill(model, method.press, context, method.attn) as cache:
         out["prefill"] = timing.clock(device) - t0
         out["decode"] = _decode(model, cache, first, prefix, cfg.decode_steps, device)
-        kept[method.name] = hf.kept_per_head(model, cache)
+        kept[method.name] = windows.kept_per_head(model, cache)
     if method.evictor is not None:
         evictor = DecodeEvictor(method.evictor, budget=n_keep, window=DECODE_WINDOW,
                                 interval=cfg.decode_interval)
@@ -152,6 +155,8 @@ def run(cfg: CostConfig, model, tokenizer, progress: bool = True) -> list[dict]:
     if not 0 < cfg.keep < 1:
         raise ValueError(f"--keep must be a kept fraction between 0 and 1, not {cfg.keep}")
     protocol.check_slice(cfg.slice)
+    windows.compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused
+    counted = {"tokens_kept_in": windows.counted(model)} if windows.window_layers(model) else {}
     rows, rng = [], random.Random(cfg.seed)
     for length in cfg.context_lens:
         [window] = data.eval_windows(tokenizer, cfg.corpus, cfg.slice, length + 1, 1)
@@ -176,8 +181,9 @@ def run(cfg: CostConfig, model, tokenizer, progress: bool = True) -> list[dict]:
 
         samples = timing.interleaved(trial, list(lineup), cfg.rounds, cfg.warmup, rng)
         bar.close()
-        rows += _rows(samples, lineup, failed, length, {name: kept.get(name, n_keep) for name in lineup},
-                      window.cluster)
+        rows += [r | counted if "tokens_kept" in r else r for r in
+                 _rows(samples, lineup, failed, length, {name: kept.get(name, n_keep) for name in lineup},
+                       window.cluster)]
     return rows
 
 

@@ -1,10 +1,12 @@
 """Decode-time eviction: hold every layer's cache at a token budget while generating.
 
 ``DecodeEvictor`` is a context manager around generation (``hf.generate`` or any
-forward passes with explicit positions). After each attention layer it appends the new
+forward passes with explicit positions). After each full-attention layer it appends the new
 queries' attention rows to a window of the last W rows, and when the layer holds more
 than ``budget`` tokens (or, with ``interval`` k, budget + k - 1) it keeps the top
-``budget`` per KV head. Scores come from either
+``budget`` per KV head. Sliding-window layers are never compressed (``scdviz.evict.windows``): the evictor
+keeps no state for them and leaves their cache as the model keeps it; a model whose every layer is sliding is
+refused. Scores come from either
   * a DistillCachePress (per-head policy): the 5 features from the window rows, with
     each token's visibility (rows that saw it) and its true position tracked; or
   * a StudentPress (scdviz.evict.student): each token's static score computed once, when it
@@ -53,6 +55,7 @@ import torch
 from torch import Tensor
 
 from scdviz.evict import features as F
+from scdviz.evict import kvpress_limits, windows
 from scdviz.evict.h2o import H2OPress, accumulated
 from scdviz.evict.policy import gumbel_top_b, plackett_luce_logprob
 from scdviz.evict.press import DistillCachePress
@@ -90,10 +93,11 @@ class _LayerState:
 
 @dataclass
 class DecodeEvictor:
-    """Keep each layer's cache at ``budget`` tokens (per KV head) during generation."""
+    """Keep each full-attention layer's cache at ``budget`` tokens (per KV head) during generation (sliding-window
+    layers are left as the model keeps them)."""
 
     press: object  # a DistillCachePress (per-head policy) or a kvpress ScorerPress
-    budget: int  # tokens kept per layer and KV head
+    budget: int  # tokens kept per full-attention layer and KV head
     window: int = 32  # w, recent query rows kept for scoring
     interval: int = 1  # evict once the cache holds budget + interval tokens (1: hold exactly at budget)
     states: dict[int, _LayerState] = field(default_factory=dict)  # layer -> state
@@ -106,7 +110,8 @@ class DecodeEvictor:
     decisions: list[tuple[int, Tensor]] = field(default_factory=list)
     # the tokens cached before generation: per layer their positions (B, Hkv, n) and, for a student, its arrival
     # scores over the whole prefill (B, R, T) (Student.static; StudentPress.arrival), indexed by position
-    # (an H2OPress: its prefill scores (B, Hkv, T), the mean attention over the prefill's queries)
+    # (an H2OPress: its prefill scores (B, Hkv, T), the mean attention over the prefill's queries); a sliding-window
+    # layer's entries are never read (None will do)
     prefill_positions: list[Tensor] | None = None
     prefill_scores: list[Tensor] | None = None
     _scorer: object = field(default=None, init=False, repr=False)  # a kvpress scorer: the evictor's own copy
@@ -116,6 +121,7 @@ class DecodeEvictor:
         """Evict inside the context; the state is reset on entry."""
         if self.budget < 1 or self.interval < 1:
             raise ValueError(f"budget and interval must be at least 1, got {self.budget} and {self.interval}")
+        windows.compressed_layers(model)  # a model of sliding-window layers only is refused (and its family read)
         self.states.clear()
         self.decisions.clear()
         if self.sampler is not None and not isinstance(self.press, DistillCachePress):
@@ -132,11 +138,14 @@ class DecodeEvictor:
             self.press.policy.to(hf.device_of(model))
         if isinstance(self.press, StudentPress):
             self.press.student.check_model(model)
+        kvpress_limits.check(self.press, model, eager=True)  # a scorer that would rebuild its attention wrongly
         self._scorer = copy.copy(self.press)  # the compression ratio is set per cut on this copy, never on the press
         with hf.attention_hook(model, self._on_layer):
             yield self
 
     def _on_layer(self, module, hidden, keys, values, attn, kwargs):
+        if windows.is_window(module):  # never compressed: no state, its cache as the model keeps it
+            return None
         state = self._update(module.layer_idx, hidden, keys, values, attn, kwargs["position_ids"])
         if keys.shape[-2] < self.budget + self.interval:
             return None

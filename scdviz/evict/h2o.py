@@ -18,8 +18,9 @@ row to both: nothing is forgotten. The evictor's other use of ``ObservedAttentio
 scorer there) scores from the window of the last ``window`` query rows alone, divided by the visibility
 a full prefill would have: a recency-biased variant, not H2O.
 
-Needs eager attention (or ``hf.ROWS`` while decoding), like ObservedAttention. This module only names the
-method; the accumulation lives in the evictor, which owns per-layer state.
+Needs eager attention (or ``hf.ROWS`` while decoding), like ObservedAttention; like every press here it leaves
+sliding-window layers whole and refuses a model whose every layer is sliding (``scdviz.evict.windows``). This
+module only names the method; the accumulation lives in the evictor, which owns per-layer state.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from dataclasses import dataclass
 from kvpress import ObservedAttentionPress
 from torch import Tensor
 
+from scdviz.evict.windows import WindowLayersKept
+
 
 @dataclass
-class H2OPress(ObservedAttentionPress):
+class H2OPress(WindowLayersKept, ObservedAttentionPress):
     """H2O: mean attention over every query that saw the token (prefill and, under DecodeEvictor, decode).
 
     Parameters

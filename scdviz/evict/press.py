@@ -13,6 +13,10 @@ Two scopes, following the policy's config:
             prefill runs, and at the last layer every layer's cache is pruned to the same
             tokens (as the method is specified: docs/design.md).
 
+Sliding-window layers are never compressed (``scdviz.evict.windows.WindowLayersKept``): the hook leaves them whole
+and the global scope's "all layers" are the full-attention ones (features averaged over them, the set chosen at
+the last of them); a model whose every layer is sliding is refused.
+
 Inside kvpress's wrapper presses (tests/test_press_wrappers.py):
   per_head  works in KeyRerotationPress, CriticalKVPress, PerLayerCompressionPress,
             DecodingPress, and first in a ComposedPress (a press after another that pruned
@@ -37,13 +41,14 @@ from kvpress.presses.base_press import is_prefilling
 from torch import Tensor, nn
 
 from scdviz.evict import features as F
+from scdviz.evict import windows
 from scdviz.evict.context import gather_kv
 from scdviz.evict.policy import Policy, compression_ratio, keep_count, top_b
 from scdviz.models import hf
 
 
 @dataclass
-class DistillCachePress(ScorerPress):
+class DistillCachePress(windows.WindowLayersKept, ScorerPress):
     """Learned KV-cache eviction (DistillCache): an MLP over 5 attention features per token.
 
     The DistillCache method (docs/design.md): REINFORCE-trained top-B selection.
@@ -61,7 +66,7 @@ class DistillCachePress(ScorerPress):
     policy: Policy | None = None
     compression_ratio: float = 0.0
     _global: list[Tensor] = field(default_factory=list, repr=False)  # per-layer (B, 1, T, 5) during a prefill
-    _n_layers: int = field(default=0, repr=False)  # decoder layers of the model the press is applied to
+    _layers: list[int] = field(default_factory=list, repr=False)  # the full-attention layers of the model it is on
     _ratio: float = field(default=0.0, repr=False)  # global scope: the compression ratio at layer 0 of this prefill
 
     def __post_init__(self):
@@ -70,8 +75,10 @@ class DistillCachePress(ScorerPress):
             raise ValueError("DistillCachePress needs a policy (Policy.load(path))")
 
     def post_init_from_model(self, model) -> None:
-        """Remember the layer count (a cache may grow its layers lazily during the prefill)."""
-        self._n_layers = hf.n_layers(model)
+        """Remember the layers it compresses (a cache may grow its layers lazily during the prefill); a model
+        whose every layer is sliding is refused (``windows.WindowLayersKept``)."""
+        super().post_init_from_model(model)
+        self._layers = windows.compressed_layers(model)
         self._global.clear()
         self.policy.to(hf.device_of(model))  # features are computed on the model's device (in fp32)
 
@@ -119,14 +126,16 @@ class DistillCachePress(ScorerPress):
         with torch.no_grad():
             return self.policy(self.layer_features(module, values, attentions, keys.shape[1]))
 
-    def forward_hook(self, module: nn.Module, input: list[Tensor], kwargs: dict, output: list):
-        """Per-head scope: kvpress's hook. Global scope: collect features, prune at the last layer."""
+    def full_layer_hook(self, module: nn.Module, input: list[Tensor], kwargs: dict, output: list):
+        """On a full-attention layer (window layers are left whole: ``windows.WindowLayersKept``). Per-head scope:
+        kvpress's hook. Global scope: collect features, prune every full-attention layer at the last of them."""
         if self.policy.config.per_head:
-            return super().forward_hook(module, input, kwargs, output)
+            return super().full_layer_hook(module, input, kwargs, output)
         hidden_states = kwargs["hidden_states"]
         if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output
-        if module.layer_idx == 0:  # a new prefill
+        layers = self._layers or windows.layers_of(module)  # a wrapper may have skipped post_init_from_model
+        if module.layer_idx == layers[0]:  # a new prefill
             self._global.clear()
             self._ratio = self.compression_ratio
         elif self.compression_ratio != self._ratio:
@@ -136,17 +145,19 @@ class DistillCachePress(ScorerPress):
             return output
         cache = kwargs["past_key_values"]
         self._global.append(self.layer_features(module, hf.layer_kv(cache, module.layer_idx)[1], output[1], 1))
-        if module.layer_idx == (self._n_layers or module.config.num_hidden_layers) - 1:
-            self._prune_all(cache)
+        if module.layer_idx == layers[-1]:
+            self._prune_all(cache, layers)
         return output
 
-    def _prune_all(self, cache) -> None:
-        """Keep one token set, chosen from the layer-averaged features, in every layer."""
+    def _prune_all(self, cache, layers: list[int]) -> None:
+        """Keep one token set, chosen from the features averaged over ``layers`` (the full-attention ones), in each
+        of them."""
         with torch.no_grad():
             scores = self.policy(F.global_features(self._global))  # (B, T)
         self._global.clear()
         idx = top_b(scores, keep_count(scores.shape[-1], 1.0 - self.compression_ratio))
-        if any(n != scores.shape[-1] for n in hf.cache_len(cache)):
+        # (a window layer after the last full one is not in the cache yet)
+        if any(hf.layer_kv(cache, layer)[0].shape[-2] != scores.shape[-1] for layer in layers):
             self._refuse_wrapping("beside another press that prunes layer by layer (ComposedPress)")
-        for layer, (keys, values) in enumerate(zip(*hf.cache_kv(cache))):
-            hf.set_layer_kv(cache, layer, *gather_kv(keys, values, idx))
+        for layer in layers:
+            hf.set_layer_kv(cache, layer, *gather_kv(*hf.layer_kv(cache, layer), idx))

@@ -34,7 +34,9 @@ beside it, laid out as a policy folder (``best.safetensors`` + ``log.json``) so 
 both alike.
 
 ``StudentPress`` is the student as a kvpress ``ScorerPress`` (prefill compression; any
-attention implementation). This module does not fit (student_fit.py), evict while decoding
+attention implementation); like every press here it leaves sliding-window layers whole and refuses a model
+whose every layer is sliding (``scdviz.evict.windows``), and a student fitted for other shapes is refused by
+``Student.check_model`` in one line naming both. This module does not fit (student_fit.py), evict while decoding
 (decode.py holds the arrival scores) nor benchmark (bench.py).
 """
 
@@ -50,6 +52,7 @@ from torch import Tensor, nn
 
 from scdviz import artefact, config
 from scdviz.config import opt
+from scdviz.evict import windows
 from scdviz.evict.policy import FILE, LOG, SHIPPED_DIR, compression_ratio, keep_count
 from scdviz.models import hf
 
@@ -217,7 +220,12 @@ class Student(nn.Module):
     def check_model(self, model) -> None:
         """ValueError when ``model``'s layers, KV heads or width differ from the student's."""
         _, n_kv, _ = hf.attn_heads(model)
-        have = (hf.n_layers(model), n_kv, model.config.hidden_size)
+        self.check_shapes(hf.n_layers(model), n_kv, model.config.hidden_size)
+
+    def check_shapes(self, n_layers: int, n_kv: int, hidden: int) -> None:
+        """``check_model`` for a model of ``n_layers`` layers, ``n_kv`` KV heads and width ``hidden``: a one-line
+        ValueError naming both shapes when they differ from the student's."""
+        have = (n_layers, n_kv, hidden)
         want = (self.weight.shape[0], self.n_kv, self.hidden)
         if have != want:
             raise ValueError(f"this student was fitted for {want[0]} layers, {want[1]} KV heads and width {want[2]}; "
@@ -237,7 +245,7 @@ def is_student(path: str | Path) -> bool:
 
 
 @dataclass
-class StudentPress(ScorerPress):
+class StudentPress(windows.WindowLayersKept, ScorerPress):
     """The distilled scorer as a kvpress press: ``score`` is the student's (no attention needed).
 
     Parameters
@@ -269,13 +277,17 @@ class StudentPress(ScorerPress):
         return cls(student=student, compression_ratio=compression_ratio(keep))
 
     def post_init_from_model(self, model) -> None:
+        super().post_init_from_model(model)  # a model of sliding-window layers only is refused
         self.student.check_model(model)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> Tensor:
         """Scores (B, Hkv, T) of one layer's tokens, positions 0..T-1 (a prefill from an empty cache). A student
         with a window reads the last W query rows of ``attentions`` (eager) or computes them (``hf.window_rows``,
-        from the layer's own queries: SDPA returns no probabilities)."""
+        from the layer's own queries: SDPA returns no probabilities; softcapping and windows as the layer has
+        them). A student fitted for other shapes is refused (``Student.check_shapes``), also where a caller scores
+        without ``post_init_from_model``."""
         student, layer = self.student, module.layer_idx
+        student.check_shapes(module.config.num_hidden_layers, keys.shape[1], hidden_states.shape[-1])
         with torch.no_grad():
             t = hidden_states.shape[1]
             positions = torch.arange(t, device=hidden_states.device)
@@ -296,7 +308,7 @@ class StudentPress(ScorerPress):
         """kvpress's top-B pruning of one layer, remembering the kept tokens' positions and static scores
         (``carried``)."""
         layer = module.layer_idx
-        if layer == 0:
+        if layer == windows.layers_of(module)[0]:  # the first layer it compresses: a new prefill
             self.carried.clear()
         if self.compression_ratio == 0:
             return keys, values

@@ -15,6 +15,11 @@ attention, the alpha feature: what H2O keeps). A lookahead policy starts at its 
 (scdviz.evict.policy), so it needs no warm start. Prefills are cached once per context (features,
 full keys/values, reference logits), so an epoch costs only the continuations.
 
+Sliding-window layers are never compressed (``scdviz.evict.windows``): a per-head policy's rows are those of the
+full-attention layers (the window layers' rows would be sampled, and rewarded, for nothing), the global features
+average those layers, ``context.prune`` keeps window layers whole, and a model whose every layer is sliding is
+refused.
+
 Not here: feature maths (features.py), the press (press.py), evaluation (bench.py).
 """
 
@@ -32,6 +37,7 @@ from torch import Tensor
 
 from scdviz import artefact, metrics
 from scdviz.config import opt
+from scdviz.evict import windows
 from scdviz.evict.context import Observed, observe, prune
 from scdviz.evict.policy import FILE as POLICY_FOLDER_FILE
 from scdviz.evict.policy import LOG as POLICY_LOG
@@ -112,20 +118,35 @@ class Sample:
     ref: Tensor  # (n, V) full-cache logits over the tail's last n positions, the ones the reward and validation score
 
 
+def compressed(obs: Observed, per_layer: Tensor) -> Tensor:
+    """``per_layer`` (layers first) restricted to the layers eviction compresses (all but ``obs.window_layers``);
+    the tensor itself without window layers."""
+    if not obs.window_layers:
+        return per_layer
+    keep = [layer for layer in range(per_layer.shape[0]) if layer not in obs.window_layers]
+    return per_layer[torch.tensor(keep, device=per_layer.device)]
+
+
 def rows(policy: Policy, obs: Observed) -> Tensor:
-    """Policy scores as rows: per-head (L*Hkv, T) or global (1, T)."""
+    """Policy scores as rows: per-head (L*Hkv, T), L the full-attention layers, or global (1, T)."""
     if policy.config.per_head:
-        return policy(obs.head_features[:, 0]).flatten(0, 1)
+        return policy(compressed(obs, obs.head_features)[:, 0]).flatten(0, 1)
     return policy(obs.global_features)
 
 
-def indices_from_rows(idx: Tensor, obs: Observed, per_head: bool) -> list[Tensor] | Tensor:
-    """Kept indices in ``prune``'s layout from rows (R, B)."""
+def indices_from_rows(idx: Tensor, obs: Observed, per_head: bool) -> list[Tensor | None] | Tensor:
+    """Kept indices in ``prune``'s layout from rows (R, B): per head, the rows of every layer or of the
+    full-attention layers alone (``rows``); a sliding-window layer's entry is None (kept whole)."""
     idx = idx.sort(-1).values
     if not per_head:
         return idx
     n_layers, n_kv = obs.head_features.shape[0], obs.head_features.shape[2]
-    return list(idx.view(n_layers, 1, n_kv, -1).unbind(0))
+    given = idx.shape[0] // n_kv
+    per_layer = list(idx.view(given, 1, n_kv, -1).unbind(0))
+    if given == n_layers:
+        return [None if layer in obs.window_layers else i for layer, i in enumerate(per_layer)]
+    it = iter(per_layer)  # the full-attention layers' rows, in order
+    return [None if layer in obs.window_layers else next(it) for layer in range(n_layers)]
 
 
 def rollout_kl(model, sample: Sample, indices) -> float:
@@ -198,7 +219,7 @@ def _imitate(policy: Policy, samples: list[Sample], cfg: TrainConfig, opt: torch
 def rows_of_feature(obs: Observed, per_head: bool, idx: int) -> Tensor:
     """One raw feature as rows, laid out like ``rows``."""
     if per_head:
-        return obs.head_features[:, 0, ..., idx].flatten(0, 1)
+        return compressed(obs, obs.head_features)[:, 0, ..., idx].flatten(0, 1)
     return obs.global_features[..., idx]
 
 
@@ -264,6 +285,7 @@ def train(cfg: TrainConfig, pair, callback=None, *, state: Checkpoint | None = N
     trained on this model with this policy config.
     """
     model, tokenizer, source = subject(pair)
+    windows.compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused
     if cfg.samples < 2:
         raise ValueError(f"--samples must be at least 2 (the leave-one-out baseline), got {cfg.samples}")
     device = hf.device_of(model)

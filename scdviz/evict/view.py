@@ -8,6 +8,11 @@ what attention history alone keeps) with the overlap of their kept slots, KL per
 step, the budget sweep, the tokens' features, and greedy text generated from each pruned
 cache. The continuation scored is the full
 cache's own greedy generation. No figures here (scdviz.plots), no training.
+
+Sliding-window layers are never compressed (``scdviz.evict.windows``): their rows of the per-layer view keep
+every token, and the kept shares, agreements and counts are over the full-attention layers (``counted`` says so);
+a model whose every layer is sliding is refused. A scorer fitted for another model's shapes is one line in
+``failed`` naming both.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scdviz.evict import bench
+from scdviz.evict import bench, windows
 from scdviz.evict.context import prune, why_not
 from scdviz.evict.features import LOOKAHEAD, NAMES
 from scdviz.evict.policy import keep_count
@@ -33,9 +38,10 @@ class EvictionView:
 
     context_tokens: list[str]  # (T,) decoded tokens of the compressed part
     budget_label: str  # the chosen budget's label ("0.25" or "64tok")
-    tokens_kept: int  # tokens kept per layer / head at the chosen budget
-    kept_fraction: dict[str, list[float]]  # method -> (T,) share of layer×head slots keeping token i
-    kept_per_layer: dict[str, list[list[float]]]  # method -> (L, T) share of KV heads keeping token i
+    tokens_kept: int  # tokens kept per (full-attention) layer / head at the chosen budget (``counted``)
+    kept_fraction: dict[str, list[float]]  # method -> (T,) share of full-attention layer×head slots keeping token i
+    kept_per_layer: dict[str, list[list[float]]]  # method -> (L, T) share of KV heads keeping token i (a
+    #   sliding-window layer: 1 everywhere, never compressed)
     kl_steps: dict[str, list[float]]  # method -> KL(full ‖ pruned) per scored continuation step
     sweep: dict[str, dict[float, float]]  # method -> kept fraction -> mean KL
     rows: list[dict]  # method, kl, top1, ppl at the chosen budget
@@ -45,16 +51,21 @@ class EvictionView:
     generations: dict[str, str] = field(default_factory=dict)  # method -> greedy text from its pruned cache
     versus_h2o: dict[str, list[float]] = field(default_factory=dict)  # method -> (T,) its kept share minus H2O's
     failed: dict[str, str] = field(default_factory=dict)  # method -> why it could not run on this model
+    counted: str = "per layer and KV head"  # what ``tokens_kept`` counts (``windows.counted``)
 
 
 H2O = "ObservedAttention"  # kvpress's H2O: what attention history alone keeps
 
 
-def slot_masks(idx, n_tokens: int, n_layers: int, n_kv: int) -> torch.Tensor:
-    """(L, Hkv, T) 1 where a layer's KV head keeps a token, from per-layer (B, Hkv, n) or one (B, n) set."""
+def slot_masks(idx, n_tokens: int, n_layers: int, n_kv: int, whole: tuple | list = ()) -> torch.Tensor:
+    """(L, Hkv, T) 1 where a layer's KV head keeps a token, from per-layer (B, Hkv, n) or one (B, n) set; the layers
+    in ``whole`` (sliding-window layers) and a layer whose indices are None keep every token."""
     per_layer = idx if isinstance(idx, list) else [idx] * n_layers
     rows = []
-    for i in per_layer:
+    for layer, i in enumerate(per_layer):
+        if i is None or layer in whole:
+            rows.append(torch.ones(n_kv, n_tokens, device=hf.HOST))
+            continue
         i = (i[0] if i.dim() == 3 else i).expand(n_kv, -1)  # (Hkv, n); one set is every head's
         mask = torch.zeros(n_kv, n_tokens, device=hf.HOST)  # for the plots
         mask.scatter_(1, i.cpu(), 1.0)
@@ -83,6 +94,7 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     each costs a prefill per budget, so they run at the chosen budget only (in the sweep: one point).
     progress: a reporter (``scdviz.progress``) told each phase and each method's generation.
     """
+    windows.compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused
     cont_len, gen_tokens = lengths
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
     q = tokenizer(question, add_special_tokens=False)["input_ids"] if question.strip() else []
@@ -92,7 +104,8 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
     students = {k: v for k, v in bench.load_students(()).items() if wanted is None or k in wanted}
     students |= {k: v for k, v in (policies or {}).items() if isinstance(v, Student)}  # a visitor's own
     policies = {k: v for k, v in (policies or {}).items() if not isinstance(v, Student)}
-    presses |= bench.student_presses(students)
+    failed: dict = {}  # method -> why it cannot run here (a student fitted for other shapes: check_model's line)
+    presses |= bench.student_presses(bench.fitting_students(students, model, failed))
     natives = {k: v for k, v in bench.native_baselines().items() if wanted is not None and k in wanted}
     # window-based scorers (SnapKV: 64 query rows) need a compressed part longer than their window
     need = max([16, *(int(getattr(p, "window_size", 0)) + 1 for p in presses.values())])
@@ -111,7 +124,6 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         shipped = {k: v for k, v in bench.load_policies(()).items() if wanted is None or k in wanted}
         policies = shipped | policies
         tell(progress, f"one eager prefill: {len(presses)} scorers and {len(policies)} policies at each budget", 0, 1)
-        failed: dict = {}
         policies = {name: p.to(hf.device_of(model)) for name, p in policies.items()}
         observed = bench.observe_context(model, ids[:, :prefix], cfg, policies, presses, failed)
         # texts need only the kept sets, not the continuation: the full cache's continuation (the scored
@@ -129,8 +141,11 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         window = hf.ids_tensor(prompt + cont)
         out = bench.score_context(model, window, prefix, cfg, policies, presses, failed=failed, observed=observed)
         n_layers, n_kv = hf.n_layers(model), hf.attn_heads(model)[1]
-        slots = {m: slot_masks(i, prefix, n_layers, n_kv) for (m, lab), i in out["kept"].items() if lab == label}
+        whole = windows.window_layers(model)
+        slots = {m: slot_masks(i, prefix, n_layers, n_kv, whole) for (m, lab), i in out["kept"].items()
+                 if lab == label}
         masks = {m: s.mean(1) for m, s in slots.items()}
+        full = {m: windows.compressed(model, s) for m, s in slots.items()}  # the layers eviction compresses
         res = out["results"]
         feats = out["feats"][min(out["feats"])].global_features[0]
         # a native press prunes inside its own prefill (one per budget): the chosen budget only, its text
@@ -149,18 +164,19 @@ def eviction_view(model, tokenizer, context: str, question: str = "", keep: floa
         context_tokens=[tokenizer.decode([t]) for t in prompt[:prefix]],
         budget_label=label,
         tokens_kept=keep_count(prefix, keep),
-        kept_fraction={m: masks[m].mean(0).tolist() for m in masked},
+        kept_fraction={m: full[m].mean((0, 1)).tolist() if whole else masks[m].mean(0).tolist() for m in masked},
         kept_per_layer={m: masks[m].tolist() for m in masked},
         kl_steps={m: res[(m, label)]["kl_steps"] for m in shown},
         sweep={m: {k: res[(m, f"{k:g}")]["kl"] for k in keeps if (m, f"{k:g}") in res} for m in shown},
         rows=[{"method": m, "kl": round(res[(m, label)]["kl"], 4), "top1": round(res[(m, label)]["top1"], 3),
-               "tokens_kept": res[(m, label)]["tokens_kept"]} | (agreement(slots[m], slots[H2O]) if m in slots else {})
+               "tokens_kept": res[(m, label)]["tokens_kept"]} | (agreement(full[m], full[H2O]) if m in slots else {})
               for m in shown],
         features=feats.tolist(),
         feature_names=NAMES + ((LOOKAHEAD,) if feats.shape[-1] > len(NAMES) else ()),
         continuation=tokenizer.decode(cont),
         generations={m: gens[m] for m in shown},
-        versus_h2o={m: (slots[m].mean((0, 1)) - slots[H2O].mean((0, 1))).tolist() for m in masked},
+        versus_h2o={m: (full[m].mean((0, 1)) - full[H2O].mean((0, 1))).tolist() for m in masked},
         failed=failed,
+        counted=windows.counted(model),
     )
 

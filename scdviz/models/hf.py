@@ -655,9 +655,20 @@ def windows_kept(model):
 
 
 def _attention(model, implementation: str) -> None:
-    """Switch the model's attention implementation when it is another one (the caller holds its lock)."""
+    """Switch the model's attention implementation when it is another one (the caller holds its lock). SDPA
+    cannot softcap logits (transformers 5.2 drops Gemma-2's cap under it, silently): a softcapping family gets
+    eager attention where SDPA is asked for."""
+    if implementation == "sdpa" and family(model).softcap:
+        implementation = "eager"
     if model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
+
+
+def exact_attention(model) -> None:
+    """Give a model that was loaded with SDPA the attention its family computes exactly (eager for a
+    softcapping family; nothing changes otherwise). ``load_model`` calls it; call it on a model built by hand."""
+    with _lock_of(model):
+        _attention(model, model.config._attn_implementation)
 
 
 def kept_per_head(model, cache: DynamicCache, only: list[int] | None = None) -> float:

@@ -254,7 +254,9 @@ def load_model(source: str, base: str | None = None, progress=None):
         raise PairError(f"could not load {source.strip()!r} ({type(err).__name__}): {_first_line(err)}") from None
     if adapter is not None:
         model = _merge_adapter(model, adapter)
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    hf.exact_attention(model)  # e.g. Gemma-2's logit softcapping, which SDPA drops
+    return model, tokenizer
 
 
 def _check_family(source: str, where) -> None:
