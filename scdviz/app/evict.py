@@ -48,6 +48,13 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None,
     view = eviction_view(model, pair.tokenizer, context, question, keep, aware, policies=mine,
                          lengths=(req.continuation_tokens, req.generated_tokens), methods=req.methods,
                          progress=progress)
+    instead = ""
+    if method not in view.kept_fraction:  # it could not run on this model (a shipped scorer fitted to another
+        # model's widths, say: view.failed says why): inspect the first compared method that ran, and say so
+        ran = [m for m in inspectable if m in view.kept_fraction] or sorted(view.kept_fraction)
+        instead = (f"{method} could not run on this model (why: at the end), so its kept tokens are not shown; "
+                   f"inspecting {ran[0]} instead. ")
+        method = ran[0]
     kept = list(zip(view.context_tokens, view.kept_fraction[method]))
     import pandas as pd
 
@@ -61,8 +68,9 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None,
     focus = {method, plots.best_other(kls, learned | {method})}
     for name in ("kl_steps", "sweep"):  # the inspected method and the best baseline strong, the rest faint
         plots.paint(figures[name], focus)
-    info = (f"{method}: keeps {view.tokens_kept} of {len(view.context_tokens)} context tokens per layer and KV head "
-            f"({view.budget_label}); {which} model. Full-cache continuation: “{view.continuation.strip()}”")
+    info = instead + (f"{method}: keeps {view.tokens_kept} of {len(view.context_tokens)} context tokens {view.counted} "
+                      f"({view.budget_label}); {which} model. Full-cache continuation: "
+                      f"“{view.continuation.strip()}”")
     if view.failed:
         info += " Could not run here: " + "; ".join(f"{m} ({why})" for m, why in view.failed.items()) + "."
     texts = [[m, g] for m, g in view.generations.items()]
@@ -70,4 +78,4 @@ def evict_run(pair: Pair, request: EvictRequest, session: Session | None = None,
     scale = max((abs(v) for v in diff), default=0.0) or 1.0  # the largest difference darkest: they are small
     versus = list(zip(view.context_tokens, [round(v / scale, 3) for v in diff]))
     return {"info": info, "kept": kept, "versus": versus, "table": pd.DataFrame(view.rows), "texts": texts,
-            "methods": sorted(view.kept_fraction), "figures": figures}
+            "methods": sorted(view.kept_fraction), "method": method, "figures": figures}

@@ -23,6 +23,7 @@ from gradio.route_utils import FnIndexInferError
 from scdviz import data, drift, settings
 from scdviz.app import evict, pairs, results, scd, session
 from scdviz.app import train as training
+from scdviz.app.inputs import UserError
 from scdviz.app.jobs import Jobs, Step, visitor_of
 from scdviz.app.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
 from scdviz.app.ui.common import redraw_on_select
@@ -86,6 +87,11 @@ def generate(key, request, progress=False):
 def scd_run(key, sess, request, progress=False):
     """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
     request = request.checked()  # fan_out decides the GPU duration: checked before either starts
+    producer = str(key).split("\n")[0]
+    if request.fan_out and producer != pairs.builtin_choices()[0]:  # the specialists are LoRAs of that one model
+        raise UserError(f"All built-in specialists runs the built-in specialists from their own producer "
+                        f"({pairs.builtin_choices()[0]}); the loaded pair's producer is {producer[:80]}, so untick it "
+                        f"(or load the built-in pair)")
     run = _scd_fan_out if request.fan_out else _scd_one
     return run(key, _session(sess), request, progress)
 

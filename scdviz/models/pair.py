@@ -122,7 +122,10 @@ def facts_of(model, tokenizer) -> ModelFacts:
     heads, kv_heads, head_dim = hf.attn_heads(model)
     types = getattr(cfg, "layer_types", None)
     rope_params = getattr(cfg, "rope_parameters", None) or {}
-    theta = rope_params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if isinstance(rope_params.get("full_attention"), dict):  # one RoPE per layer type (Gemma-3): the full layers'
+        theta = rope_params["full_attention"].get("rope_theta")  # base here, every type's under rope_scaling
+    else:
+        theta = rope_params.get("rope_theta", getattr(cfg, "rope_theta", None))
     scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     return ModelFacts(
         architecture=(cfg.architectures or [type(model).__name__])[0],

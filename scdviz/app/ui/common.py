@@ -23,20 +23,21 @@ def redraw_on_select(tab) -> None:
     tab.select(None, None, None, js=RESIZE_JS, queue=False, api_name=False)
 
 
-def guard(fn):
+def guard(fn, duration: float | None = 10):
     """Wrap a handler so user errors show as a message and nothing shows a traceback.
 
     ValueError (UserError, PairError, bad ranges) keeps its own message; anything else is
-    logged on the server with its traceback and reported to the user in one line.
+    logged on the server with its traceback and reported to the user in one line. ``duration``:
+    seconds the message stays on screen (None: until the person closes it).
     """
 
     def translate(err: Exception) -> gr.Error:
         if isinstance(err, gr.Error):
             return err
         if isinstance(err, ValueError):
-            return gr.Error(str(err), print_exception=False)
+            return gr.Error(str(err), duration=duration, print_exception=False)
         log.exception("handler %s failed", fn.__name__)
-        return gr.Error(f"internal error ({type(err).__name__}): {err}", print_exception=False)
+        return gr.Error(f"internal error ({type(err).__name__}): {err}", duration=duration, print_exception=False)
 
     if inspect.isgeneratorfunction(fn):  # streaming handlers (live plots)
 

@@ -60,7 +60,8 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         out = run(pair_key, session, request_type(**values), progress=reporter(progress))
         return ([out["info"], out["kept"], out["versus"], rounded(worded(out["table"])), out["texts"],
-                gr.update(choices=out["methods"])] + [out["figures"][n] for n in FIGURES] + [out["figures"]]
+                gr.update(choices=out["methods"], value=out.get("method"))]  # the method shown (another when
+                + [out["figures"][n] for n in FIGURES] + [out["figures"]]       # the chosen one could not run)
                 + [None] * len(downloads))  # a new run: the previous figure files go
 
     run_button.click(guard(on_run), [pair_state, session],

@@ -46,7 +46,8 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
         load_btn = gr.Button("Load pair", variant="primary", elem_id="load-pair")
     summary = gr.Markdown(label="Pair summary", elem_id="pair-summary")
     facts = gr.Dataframe(headers=["fact", "producer", "consumer"], label="Model facts", interactive=False,
-                         elem_id="pair-facts")
+                         wrap=True, column_widths=["16%", "42%", "42%"],  # a long fact (Gemma-3's RoPE per
+                         elem_id="pair-facts")  # layer type) wraps in its column: producer and consumer stay in view
 
     gr.Markdown("### Generate from both (each from its own prefill)")
     buttons = {}
@@ -80,9 +81,11 @@ def build(fns: PairTabFns, pair_state: gr.State, demo: gr.Blocks) -> None:
         prod_tokens, cons_tokens, md = fns.generate(pair_key, GenerateRequest(**values), progress=reporter(progress))
         return md, [(t, None) for t in prod_tokens], diff_tokens(cons_tokens, prod_tokens)
 
-    load_btn.click(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
-                   api_name="load_pair")
-    demo.load(guard(on_load), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
-              api_name=False)
+    # a refused pair's message (an unsupported family lists the supported ones) stays until it is closed, and the
+    # progress (and the failure's badge) shows on the summary alone: the facts of the pair still loaded stay readable
+    load_btn.click(guard(on_load, duration=None), [producer, consumer], [summary, facts, pair_state],
+                   concurrency_limit=1, api_name="load_pair", show_progress_on=[summary])
+    demo.load(guard(on_load, duration=None), [producer, consumer], [summary, facts, pair_state], concurrency_limit=1,
+              api_name=False, show_progress_on=[summary])
     buttons["generate"].click(guard(on_generate), [pair_state], [info, prod_out, cons_out], inputs_kwargs=widgets,
                               concurrency_limit=1, api_name="generate", show_progress_on=[info])
