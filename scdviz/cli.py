@@ -97,6 +97,7 @@ def _pair_info(cmd: PairInfo) -> None:
         print(drift.report_table(report))
         if cmd.out:
             path = _check_writable(Path(cmd.out), False)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(records.finite(report), indent=1))
 
 
@@ -286,13 +287,17 @@ def _fit_student(cmd: FitStudent) -> None:
           f"H2O {log['val_heuristic']}" + (f"; while decoding: H2O {log['val_decode_heuristic']}"
                                            if "val_decode_heuristic" in log else ""))
     chosen = (fitted.config.ridge, fitted.meta.get("decode_weight"), fitted.meta.get("listwise_penalty"))
+
+    def versus(kl: float, h2o: float) -> str:  # H2O's KL can round to 0 (a model whose logits barely move)
+        return f"{kl / h2o:.3f}x H2O" if h2o > 0 else "H2O's KL rounds to 0"
+
     for row in log["val"]:
-        decoding = f", decoding {row['decode_kl']} ({row['decode_kl'] / log['val_decode_heuristic']:.3f}x H2O)" \
+        decoding = f", decoding {row['decode_kl']} ({versus(row['decode_kl'], log['val_decode_heuristic'])})" \
             if "decode_kl" in row else ""
         weight = f" decode weight {row['decode_weight']:g}" if "decode_weight" in row else ""
         listwise = f", then listwise, penalty {row['listwise_penalty']:g}" if "listwise_penalty" in row else ""
         here = (row["ridge"], row.get("decode_weight"), row.get("listwise_penalty"))
-        print(f"  ridge {row['ridge']:g}{weight}{listwise}: {row['kl']} ({row['kl']/log['val_heuristic']:.3f}x H2O)"
+        print(f"  ridge {row['ridge']:g}{weight}{listwise}: {row['kl']} ({versus(row['kl'], log['val_heuristic'])})"
               f"{decoding} " + ("<- chosen" if here == chosen else ""))
     print(f"done in {log['seconds']} s; {fitted.meta['flops_per_token_layer']} FLOPs per token per layer")
     print(f"student saved to {folder}; bench it with: "
