@@ -10,6 +10,8 @@ drift, ranks layers by the KL gain of an *ideal* patch (the consumer's own K, V 
 layer), fits aligners for the candidates and orders patch layers greedily on
 continuation KL (or as given). ``save`` / ``load`` write and read the
 artefact (one safetensors file, scdviz.artefact); ``load`` refuses one made for another pair.
+The REUSE statistics, and the fp64 linear algebra of every fit and choice on them, stay on the
+consumer's GPU when it has one (with room), else on the host; what is stored comes back to the host.
 
 It does not evaluate on held-out text (scdviz.scd.measure).
 """
@@ -62,12 +64,25 @@ class _Fits:
         return self._half(1)
 
 
-def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: CalibConfig, progress) -> _Fits:
-    """Paired prefills: REUSE statistics per fold, raw drift, and strided rows for aligners (token 0 left out)."""
+def _stats_device(pair: Pair, n_folds: int) -> torch.device:
+    """Where the REUSE statistics, and the linear algebra of every fit and choice on them, live: the consumer's GPU
+    when it has one and they take at most half its free memory (fp64 there as here), else the host."""
+    device = hf.device_of(pair.consumer)
+    if device.type != "cuda":
+        return hf.HOST
+    d = 2 * hf.attn_heads(pair.producer)[1] * hf.attn_heads(pair.producer)[2]
+    need = n_folds * hf.n_layers(pair.producer) * (2 * d * d + 3 * d) * 8
+    return device if 2 * need <= torch.cuda.mem_get_info(device)[0] else hf.HOST
+
+
+def _prefills(pair: Pair, windows: list[list[int]], folds: list[int], cfg: CalibConfig, progress,
+              device: torch.device = hf.HOST) -> _Fits:
+    """Paired prefills: REUSE statistics per fold (on ``device``), raw drift, and strided rows for aligners (token 0
+    left out)."""
     n = hf.n_layers(pair.producer)
     d_kv = hf.attn_heads(pair.producer)[1] * hf.attn_heads(pair.producer)[2]
     n_folds = max(folds) + 1
-    kv_stats = [[RRRStats(2 * d_kv, 2 * d_kv) for _ in range(n)] for _ in range(n_folds)]
+    kv_stats = [[RRRStats(2 * d_kv, 2 * d_kv, device) for _ in range(n)] for _ in range(n_folds)]
     err = torch.zeros(n, 4, dtype=torch.float64, device=hf.HOST)  # ‖ΔK‖², ‖K^C‖², ‖ΔV‖², ‖V^C‖²
     rows: list[list[tuple]] = [[] for _ in range(n)]
     s = slice(1, None, cfg.h_stride)
@@ -127,6 +142,15 @@ def choose_shrink(fits: _Fits, cfg: CalibConfig) -> dict:
     return out
 
 
+def _first_maps(st: RRRStats, ridge: float, alpha_k: float, alpha_v: float) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(μ_x, μ_y, [B_K, B_V]) of joint [K, V] statistics: the key and the value map, each fitted on its own block
+    (shrinkages α_K, α_V); B₀ = diag(B_K, B_V)."""
+    d = st.sx.numel() // 2
+    halves = (slice(0, d), slice(d, 2 * d))
+    maps = [st.block(h, h).full_map(ridge, a) for h, a in zip(halves, (alpha_k, alpha_v))]
+    return torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps]), [m[2] for m in maps]
+
+
 def joint_map(st: RRRStats, ridge: float, alpha_k: float, alpha_v: float, beta: float | None,
               rank: int) -> tuple[Tensor, Tensor, Tensor, LinearCode | None]:
     """(μ_x, μ_y, B, refinement) of one layer's REUSE from joint [K, V] statistics ``st``.
@@ -134,17 +158,16 @@ def joint_map(st: RRRStats, ridge: float, alpha_k: float, alpha_v: float, beta: 
     The key and value maps (shrinkages α_K, α_V) give Ŷ = (X − μ_x) B₀ + μ_y, block-diagonal;
     the refinement is a rank-``rank`` ridge (β) regression of the residual Y − Ŷ on Ŷ, so the
     consumer, which holds only Ŷ, adds it. B is the whole map, B₀ (I + E D) (fp64), for
-    held-out scoring; β None: no refinement.
+    held-out scoring; β None: no refinement. Fitted where ``st`` lives, returned on the host (with the
+    host rows it is scored on, and to be saved).
     """
-    d = st.sx.numel() // 2
-    halves = (slice(0, d), slice(d, 2 * d))
-    maps = [st.block(h, h).full_map(ridge, a) for h, a in zip(halves, (alpha_k, alpha_v))]
-    mu_x, mu_y = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
-    b = torch.block_diag(maps[0][2], maps[1][2])
-    if beta is None:
-        return mu_x, mu_y, b, None
-    code = st.residual_of(mu_x, b, mu_y).fit(ridge + beta, rank)
-    return (*_refined(mu_x, mu_y, b, code), code)
+    mu_x, mu_y, blocks = _first_maps(st, ridge, alpha_k, alpha_v)
+    b = torch.block_diag(*blocks)
+    code = None
+    if beta is not None:
+        code = st.residual_of(mu_x, blocks, mu_y).fit(ridge + beta, rank, lean=True)
+        mu_x, mu_y, b = _refined(mu_x, mu_y, b, code)
+    return mu_x.to(hf.HOST), mu_y.to(hf.HOST), b.to(hf.HOST), None if code is None else code.to(hf.HOST)
 
 
 def _refined(mu_x: Tensor, mu_y: Tensor, b: Tensor, code: LinearCode) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,10 +180,89 @@ def _refined(mu_x: Tensor, mu_y: Tensor, b: Tensor, code: LinearCode) -> tuple[T
 def kv_error(st: RRRStats, mu_x: Tensor, mu_y: Tensor, b: Tensor) -> float:
     """Mean of the relative key error and the relative value error of a joint map on THESE rows
     (outputs [K, V]; its input may be any rows): ``st`` holds (d_in -> 2 d) statistics, ``mu_x`` (d_in,),
-    ``mu_y`` (2 d,) and ``b`` (d_in, 2 d), keys in the first d output columns, values in the last d."""
+    ``mu_y`` (2 d,) and ``b`` (d_in, 2 d), keys in the first d output columns, values in the last d.
+    ``RRRStats.heldout_error`` of each half, sharing the input's second moment about μ_x."""
     d = st.sy.numel() // 2
-    return sum(st.block(slice(None), h).heldout_error(mu_x, mu_y[h], b[:, h])
-               for h in (slice(0, d), slice(d, 2 * d))) / 2
+    xx = st.about(mu_x)
+    errs = []
+    for h in (slice(0, d), slice(d, 2 * d)):
+        half, m, bh = st.block(slice(None), h), mu_y[h], b[:, h]
+        yy = half.syy.sum() - 2 * m @ half.sy + st.n * m @ m
+        xy = half.sxy - torch.outer(st.sx, m) - torch.outer(mu_x, half.sy) + st.n * torch.outer(mu_x, m)
+        errs.append(float((yy - 2 * (bh * xy).sum() + (bh * (xx @ bh)).sum()) / half.total()))
+    return sum(errs) / 2
+
+
+class _HeldOut:
+    """One held-out fold's joint [K, V] statistics ready to score the first maps (μ_x, μ_y, diag(B_K, B_V)) fitted
+    without it, and refinements of them, as ``kv_error`` does. A refinement makes B' = B₀ + F D with F = B₀ E
+    (d_in, r) (``_refined``), so every term of the error of B' is the first maps' plus products with F: O(d² r)
+    per refinement and rank once the d³ products with B₀ are made (here, once per fold)."""
+
+    def __init__(self, st: RRRStats, mu_x: Tensor, mu_y: Tensor, blocks: list[Tensor]):
+        d = st.sy.numel() // 2
+        self.halves, self.blocks, self.mu_y, self.n = (slice(0, d), slice(d, 2 * d)), blocks, mu_y, st.n
+        self.a = st.sx - st.n * mu_x  # Σ (x − μ_x)
+        self.xx = st.about(mu_x)
+        self.xy = st.sxy - torch.outer(st.sx, mu_y) - torch.outer(mu_x, st.sy) + st.n * torch.outer(mu_x, mu_y)
+        self.c = st.sy - st.n * mu_y  # Σ (y − μ_y)
+        self.yy, self.bxy, self.ab, self.bxxb, self.total = [], [], [], [], []
+        for h, m in zip(self.halves, blocks):  # the first maps' terms; B₀'s half h is B_h in rows h
+            half = st.block(slice(None), h)
+            self.yy.append(half.syy.sum() - 2 * mu_y[h] @ half.sy + st.n * mu_y[h] @ mu_y[h])
+            self.bxy.append((m * self.xy[h, h]).sum())
+            self.ab.append(self.a[h] @ m)
+            self.bxxb.append((m * (self.xx[h, h] @ m)).sum())
+            self.total.append(half.total())
+
+    def error(self) -> float:
+        """``kv_error`` of the first maps."""
+        return sum(float((yy - 2 * bxy + bxxb) / t)
+                   for yy, bxy, bxxb, t in zip(self.yy, self.bxy, self.bxxb, self.total)) / 2
+
+    def refined(self, code: LinearCode, ranks: list[int]) -> dict[int, float]:
+        """rank -> ``kv_error`` of the first maps followed by ``code`` truncated to that rank (fp64 of its float32
+        tensors, as ``_refined``)."""
+        enc, dec = code.enc.double(), code.dec.double()
+        f = torch.cat([m @ enc[h] for h, m in zip(self.halves, self.blocks)])  # B₀ E
+        fxy, xxf = f.T @ self.xy, self.xx @ f  # Fᵀ xy (r, 2d), xx F (d_in, r)
+        fxxf, af = f.T @ xxf, self.a @ f  # Fᵀ xx F (r, r), aᵀ F (r,)
+        fxxb = [xxf[h].T @ m for h, m in zip(self.halves, self.blocks)]  # Fᵀ xx B₀'s half h (r, d)
+        out = {}
+        for r in ranks:
+            shift = (self.mu_y - code.mu_in.double()) @ enc[:, :r] @ dec[:r] + code.mu_out.double()  # μ_y' − μ_y
+            errs = []
+            for i, h in enumerate(self.halves):
+                dh, sh = dec[:r, h], shift[h]
+                yy = self.yy[i] - 2 * sh @ self.c[h] + self.n * sh @ sh
+                bxy = self.bxy[i] + (dh * fxy[:r, h]).sum() - (self.ab[i] + af[:r] @ dh) @ sh  # <B'_h, xy about μ_y'>
+                bxxb = self.bxxb[i] + 2 * (dh * fxxb[i][:r]).sum() + (fxxf[:r, :r] * (dh @ dh.T)).sum()
+                errs.append(float((yy - 2 * bxy + bxxb) / self.total[i]))
+            out[r] = sum(errs) / 2
+        return out
+
+
+def joint_lodo(stats: list, layer: int, alpha_k: float, alpha_v: float, cfg: CalibConfig) -> dict:
+    """(rank, β) -> the mean over folds of ``kv_error`` at ``layer`` of ``joint_map`` fitted on the other folds
+    (``stats`` as ``summed`` takes them; (None, None): no refinement). The lower ranks are truncations of the
+    highest-rank fit (the same as fitting them: RRR keeps the leading directions); per fold the first maps, their
+    residual's statistics and the held-out fold's products with them are made once for every (rank, β)."""
+    ranks = [cfg.joint_rank] if cfg.joint_rank is not None else list(cfg.joint_rank_grid)
+    grid = [(None, None)] + [(r, beta) for r in ranks if r for beta in cfg.joint_shrink_grid]
+    errs, n_folds = dict.fromkeys(grid, 0.0), len(stats)
+    for f in range(n_folds):
+        train = summed(stats, layer, lambda i, f=f: i != f)
+        mu_x, mu_y, blocks = _first_maps(train, cfg.ridge, alpha_k, alpha_v)
+        held = _HeldOut(stats[f][layer], mu_x, mu_y, blocks)
+        errs[None, None] += held.error() / n_folds
+        if not any(ranks):
+            continue
+        resid = train.residual_of(mu_x, blocks, mu_y)
+        for beta in cfg.joint_shrink_grid:
+            code = resid.fit(cfg.ridge + beta, max(ranks), lean=True)
+            for r, e in held.refined(code, list(filter(None, ranks))).items():
+                errs[r, beta] += e / n_folds
+    return errs
 
 
 def choose_joint(fits: _Fits, shrinks: dict, cfg: CalibConfig) -> dict:
@@ -169,27 +271,10 @@ def choose_joint(fits: _Fits, shrinks: dict, cfg: CalibConfig) -> dict:
     Returns {"rank", "shrink" (β; both None when no layer gains), "lodo_error" ("none" / "rank r, β"
     -> mean error over layers), "layers" (per layer: β or None)}.
     """
-    n, n_folds = len(fits.kv_stats[0]), len(fits.kv_stats)
-    ranks = [cfg.joint_rank] if cfg.joint_rank is not None else list(cfg.joint_rank_grid)
-    grid = [(None, None)] + [(r, beta) for r in ranks if r for beta in cfg.joint_shrink_grid]
-
-    def lodo(layer: int) -> dict:
-        """(rank, β) -> mean held-out error at this layer; the lower ranks are truncations of the
-        highest-rank fit (the same as fitting them: RRR keeps the leading directions)."""
-        errs = dict.fromkeys(grid, 0.0)
-        for f in range(n_folds):
-            train = summed(fits.kv_stats, layer, lambda i, f=f: i != f)
-            mu_x, mu_y, b, _ = joint_map(train, cfg.ridge, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer],
-                                         None, 0)
-            errs[None, None] += kv_error(fits.kv_stats[f][layer], mu_x, mu_y, b) / n_folds
-            for beta in cfg.joint_shrink_grid if any(ranks) else ():
-                code = train.residual_of(mu_x, b, mu_y).fit(cfg.ridge + beta, max(ranks))
-                for r in filter(None, ranks):
-                    errs[r, beta] += kv_error(fits.kv_stats[f][layer],
-                                              *_refined(mu_x, mu_y, b, code.truncated(r))) / n_folds
-        return errs
-
-    by_layer = [lodo(layer) for layer in range(n)]
+    n = len(fits.kv_stats[0])
+    by_layer = [joint_lodo(fits.kv_stats, layer, shrinks["shrink_k"][layer], shrinks["shrink_v"][layer], cfg)
+                for layer in range(n)]
+    grid = list(by_layer[0])
     per_layer = {choice: [e[choice] for e in by_layer] for choice in grid}
     table = {choice: sum(errs) / n for choice, errs in per_layer.items()}
     best = min(table, key=table.get)
@@ -311,12 +396,12 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) ->
     progress: a tqdm bar per step (True), nothing, or a reporter (``scdviz.progress``), which may stop the work."""
     t0 = time.perf_counter()
     windows, folds, select = calibration.windows(pair, cfg)
-    fits = _prefills(pair, windows, folds, cfg, progress)
+    fits = _prefills(pair, windows, folds, cfg, progress, _stats_device(pair, max(folds) + 1))
     shrinks = choose_shrink(fits, cfg)
-    total_k = [summed(fits.k_stats, layer) for layer in range(len(fits.drift_k))]
-    total_v = [summed(fits.v_stats, layer) for layer in range(len(fits.drift_k))]
-    key_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_k, shrinks["shrink_k"])]
-    value_codes = [st.fit(cfg.ridge, cfg.max_rank, a) for st, a in zip(total_v, shrinks["shrink_v"])]
+    key_codes = [summed(fits.k_stats, layer).fit(cfg.ridge, cfg.max_rank, a).to(hf.HOST)
+                 for layer, a in enumerate(shrinks["shrink_k"])]
+    value_codes = [summed(fits.v_stats, layer).fit(cfg.ridge, cfg.max_rank, a).to(hf.HOST)
+                   for layer, a in enumerate(shrinks["shrink_v"])]
     joint = choose_joint(fits, shrinks, cfg)
     refinements = [None if beta is None
                    else joint_map(summed(fits.kv_stats, layer), cfg.ridge, shrinks["shrink_k"][layer],
@@ -344,6 +429,7 @@ def calibrate(cfg: CalibConfig, pair: Pair, progress: bool | Reporter = True) ->
                                          shrink=float("inf") if choice["shrink"] == "identity" else choice["shrink"],
                                          ridge=cfg.ridge)
     t_align = time.perf_counter() - t1
+    del fits  # the statistics (on the consumer's GPU where it has room) are done with before the greedy's prefills
     calib.drift_order = by_drift[: cfg.patch_k]
     calib.ideal_gain = gains
     if cfg.given:
