@@ -34,6 +34,7 @@ from scdviz.evict import train as trainer
 from scdviz.evict.decode import DECODE_WINDOW, DecodeEvictor
 from scdviz.evict.policy import keep_count
 from scdviz.evict.student import WINDOW_EPS, Student, StudentConfig, StudentPress, window_column
+from scdviz.evict.windows import compressed_layers
 from scdviz.models import hf
 from scdviz.progress import Reporter, steps
 
@@ -381,6 +382,7 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     the same contexts, the chosen ridge and the seconds taken; ``stages["closed_form"]`` is the ridge fit alone.
     Writes nothing."""
     model, tokenizer, source = trainer.subject(subject)
+    compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused before any work
     t0 = time.perf_counter()
     base = Student.for_model(model, cfg.student)
     lists = Lists.empty(hf.n_layers(model)) if cfg.listwise else None
