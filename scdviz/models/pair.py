@@ -269,8 +269,7 @@ def _check_family(source: str, where) -> None:
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - an unreadable config is the user's input
-        raise PairError(f"could not read the config of {source.strip()!r} ({type(err).__name__}): "
-                        f"{_first_line(err)}") from None
+        raise PairError(f"could not load {source.strip()!r} ({type(err).__name__}): {_first_line(err)}") from None
     why = family.unsupported(config)
     if why:
         raise PairError(f"{source.strip()}: {why}")
