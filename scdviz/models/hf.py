@@ -257,14 +257,18 @@ def projected(model, layer_idx: int, h_in: Tensor, which: str) -> Tensor:
     return _projected(layers(model)[layer_idx].self_attn, family(model), h_in, which)
 
 
+def _fused_rows(cfg, head_dim: int, which: str) -> slice:
+    """The rows of a fused qkv_proj (Phi-3) that make the queries, keys or values (``which``: "q", "k", "v")."""
+    q_end, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    lo, hi = {"q": (0, q_end), "k": (q_end, q_end + kv), "v": (q_end + kv, q_end + 2 * kv)}[which]
+    return slice(lo, hi)
+
+
 def _projected(attn, fam: families.Family, h_in: Tensor, which: str) -> Tensor:
     b, t = h_in.shape[:2]
     d = fam.head_dim
     if fam.fused_qkv:
-        cfg = attn.config
-        q_end, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-        lo, hi = {"q": (0, q_end), "k": (q_end, q_end + kv), "v": (q_end + kv, q_end + 2 * kv)}[which]
-        x = attn.qkv_proj(h_in)[..., lo:hi]
+        x = attn.qkv_proj(h_in)[..., _fused_rows(attn.config, d, which)]
     else:
         x = getattr(attn, f"{which}_proj")(h_in)
     norm = {"q": fam.q_norm, "k": fam.k_norm}.get(which)
@@ -889,10 +893,8 @@ def kv_weights(model, layer_idx: int) -> tuple[Tensor, Tensor]:
     regeneration)."""
     attn = layers(model)[layer_idx].self_attn
     if family(model).fused_qkv:
-        cfg, d = model.config, family(model).head_dim
-        q_end, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-        w = attn.qkv_proj.weight
-        return w[q_end:q_end + kv], w[q_end + kv:q_end + 2 * kv]
+        w, d = attn.qkv_proj.weight, family(model).head_dim
+        return w[_fused_rows(model.config, d, "k")], w[_fused_rows(model.config, d, "v")]
     return attn.k_proj.weight, attn.v_proj.weight
 
 
