@@ -15,9 +15,10 @@ Prints tables, writes nothing. Run it in the tree to measure (before / after a c
 each checkout).
 
 fit: ``student_fit.accumulate`` with the shipped student's recipe (its fit log: per KV head, window 32, decode
-states, the listwise stage's lists), on ``--contexts`` training contexts instead of the recipe's 120 (the normal
-equations do not grow with them, the lists do: the table scales them to the recipe's count), then the recipe's
-solves, then one layer of the listwise stage. The model is float32 there (4x faster on a CPU than bfloat16; the
+states, the listwise stage's lists spooled to disk), on ``--contexts`` training contexts instead of the recipe's
+120 (the normal equations do not grow with them; the spool does, on disk; one layer of it read back does, in
+memory: the table scales that to the recipe's count), then the recipe's solves, then one layer of the listwise
+stage. The model is float32 there (4x faster on a CPU than bfloat16; the
 fit's normal equations and lists do not depend on it).
 
 codec: ``Codec.encode`` of one ``--tokens`` prefix, bfloat16 producer (vocabulary 32,000), in two phases: the
@@ -34,6 +35,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 MISTRAL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336)
 CODEC_PLANS = ("raw fp16", "KIVI 4-bit", "SCD reuse-only 4-bit")
@@ -101,12 +104,16 @@ def _child_fit(layers: int, contexts: int) -> dict:
     vocab = 1024
     model = hf.random_llama(layers=layers, vocab=vocab, dtype=torch.float32, **MISTRAL)
     student = Student.for_model(model, cfg.student)
+    spool = tempfile.TemporaryDirectory(prefix="listwise-spool-")
     base = _reset_peak()
-    lists = sf.Lists.empty(layers) if cfg.listwise else None
+    lists = sf.Lists(spool.name, layers) if cfg.listwise else None
     normal = sf.accumulate(model, _Words(vocab), cfg, student, False, lists)
     out = {"accumulate": _status("VmHWM") - base, "normal_bytes": _tensor_bytes(normal),
-           "lists_bytes": _tensor_bytes(lists) if lists else 0,
-           "listwise_input_bytes": sum(h.numel() for h in lists.hidden[0]) * 6 if lists else 0}
+           "spool_bytes": sum(f.stat().st_size for f in Path(spool.name).iterdir())}
+    if lists:  # one layer as the listwise stage reads it: float32 inputs, float32 lists (grows with the contexts)
+        h, by_now = lists.layer(0)
+        out["listwise_input_bytes"] = h.nbytes + sum(e.nbytes + t.nbytes for e, t in by_now.values())
+        del h, by_now
     weights = None
     _reset_peak()
     for ridge in cfg.ridges:
@@ -119,6 +126,7 @@ def _child_fit(layers: int, contexts: int) -> dict:
                           cfg.listwise_iters)
     out["listwise"] = _status("VmHWM") - base
     out["recipe_contexts"] = recipe.contexts
+    spool.cleanup()
     return out
 
 
@@ -195,30 +203,31 @@ def _fit_table(layers: list[int], contexts: int) -> None:
     points = [_run_child(["fit", str(n), str(contexts)]) for n in layers]
     recipe = points[0]["recipe_contexts"]
     print(f"\nfit_student, the shipped recipe on {contexts} training context{'s' * (contexts > 1)}: peak RSS above the "
-          "built model per phase, MB (accumulate: the training contexts into the normal equations and the listwise "
-          "stage's lists; solve: the recipe's ridge solves; listwise: one layer of the listwise stage)")
-    print("| layers | accumulate | solve | listwise | normal equations held | lists held |")
+          "built model per phase, MB (accumulate: the training contexts into the normal equations, the listwise "
+          "stage's lists spooled to disk; solve: the recipe's ridge solves; listwise: one layer of the listwise "
+          "stage, read back from the spool)")
+    print("| layers | accumulate | solve | listwise | normal equations held | spool on disk |")
     print("|---|---|---|---|---|---|")
     for n, r in zip(layers, points):
         print(f"| {n} | {r['accumulate'] / MB:,.0f} | {r['solve'] / MB:,.0f} | {r['listwise'] / MB:,.0f} | "
-              f"{r['normal_bytes'] / MB:,.0f} | {r['lists_bytes'] / MB:,.1f} |")
+              f"{r['normal_bytes'] / MB:,.0f} | {r['spool_bytes'] / MB:,.1f} |")
     if len(layers) < 2:
         return
     lines, top = _at_32(layers, points, FIT_PHASES)
     print("\n" + "; ".join(f"{p}: {a / MB:,.0f} + {b / MB:,.0f} x L MB" for p, (a, b) in lines.items()))
     fixed, per = lines[top]
     print(f"32 layers on {contexts} context{'s' * (contexts > 1)}: {(fixed + 32 * per) / 1e9:.1f} GB ({top})")
-    lists_per = sum(r["lists_bytes"] / n for n, r in zip(layers, points)) / len(layers) / contexts
+    spool_per = sum(r["spool_bytes"] / n for n, r in zip(layers, points)) / len(layers) / contexts
     listwise_per = sum(r["listwise_input_bytes"] for r in points) / len(layers) / contexts
     more = recipe - contexts
-    grown = {p: (a + (more * listwise_per if p == "listwise" else 0), b + more * lists_per)
-             for p, (a, b) in lines.items()}
+    # host memory grows with the contexts only where the listwise stage reads one layer of all of them back
+    grown = {p: (a + (more * listwise_per if p == "listwise" else 0), b) for p, (a, b) in lines.items()}
     top = max(grown, key=lambda p: grown[p][0] + 32 * grown[p][1])
     fixed, per = grown[top]
-    print(f"on the recipe's {recipe} contexts the lists hold {lists_per / MB:.2f} MB per layer and context more (and "
-          f"the listwise layer's float copy {listwise_per / MB:.1f} MB per context): {top} {fixed / MB:,.0f} + "
-          f"{per / MB:,.0f} x L MB, 32 layers {(fixed + 32 * per) / 1e9:.1f} GB, of which the lists "
-          f"{32 * recipe * lists_per / 1e9:.1f} GB")
+    print(f"on the recipe's {recipe} contexts: one layer of the lists read back takes {listwise_per / MB:.1f} MB per "
+          f"context more ({recipe * listwise_per / 1e9:.2f} GB), host memory at 32 layers "
+          f"{(fixed + 32 * per) / 1e9:.1f} GB ({top}); the spool holds {spool_per / MB:.2f} MB per layer and "
+          f"context on disk, {32 * recipe * spool_per / 1e9:.1f} GB at 32 layers, deleted when the fit ends")
 
 
 def _codec_table(layers: list[int], tokens: int) -> None:

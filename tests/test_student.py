@@ -219,25 +219,54 @@ def test_fit_chooses_the_ridge_with_the_lowest_validation_kl_and_writes_nothing(
     assert bench.student_name(student) == "distilled-scorer-closed-form"
 
 
-def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept():
+def test_listwise_stage_recovers_a_softmax_teacher_up_to_the_intercept(tmp_path):
     gen = torch.Generator().manual_seed(0)
     n, t, d, rows = 6, 20, 5, 2
     truth = torch.randn(rows, d + 4, generator=gen)
-    lists = Lists.empty(1)
+    lists = Lists(tmp_path / "spool", 1)
     for _ in range(n):
         h = torch.randn(t + 4, d, generator=gen)  # the context's rows, then a decode state's 4 more
-        lists.hidden[0].append(h.half())
+        lists.set_hidden(0, h)
         for now in (t, t + 4):
             extra = torch.randn(rows, now, 4, generator=gen)
             extra[..., 3] = 1  # the intercept column
             scores = h[:now].half().float() @ truth[:, :d].T + (extra * truth[:, None, d:]).sum(-1).T
             lists.add(0, extra, torch.softmax(scores.T, -1))
+        lists.flush()
     got = listwise_layer(lists, 0, torch.zeros(rows, d + 4), 0.0, 0.5, 200)
     torch.testing.assert_close(got[:, : d + 3], truth[:, : d + 3], atol=2e-3, rtol=2e-3)  # softmax ignores the 1
     penalised = listwise_layer(lists, 0, torch.zeros(rows, d + 4), 1.0, 0.5, 200)
     assert penalised[:, :d].norm() < got[:, :d].norm()  # the L2 penalty shrinks the H_in weights
     share = teacher_distribution(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), per_head=False)
     torch.testing.assert_close(share, torch.tensor([[0.375, 0.625]]))  # the heads' mean, normalised
+
+
+def test_the_listwise_spool_reads_back_each_layer_exactly_and_only_that_layer(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    lists = Lists(tmp_path / "spool", 2)
+    added = []
+    for _ in range(3):
+        context = {}
+        for layer in range(2):
+            lists.set_hidden(layer, torch.randn(7, 5, generator=gen))  # replaced by the longer rows below
+            h = torch.randn(9, 5, generator=gen)
+            lists.set_hidden(layer, h)
+            for now in (7, 9):
+                extra, target = torch.randn(2, now, 4, generator=gen), torch.rand(2, now, generator=gen)
+                lists.add(layer, extra, target)
+                context[layer, now] = (extra, target)
+            context[layer] = h
+        lists.flush()
+        added.append(context)
+    lists.flush()  # nothing set since the last: no empty context
+    assert lists.contexts == 3 and len(list((tmp_path / "spool").iterdir())) == 3
+    for layer in range(2):
+        h, by_now = lists.layer(layer)
+        assert h.dtype == torch.float32 and torch.equal(h, torch.stack([c[layer].half().float() for c in added]))
+        assert sorted(by_now) == [7, 9]
+        for now, (extra, target) in by_now.items():
+            assert torch.equal(extra, torch.stack([c[layer, now][0] for c in added]))
+            assert torch.equal(target, torch.stack([c[layer, now][1] for c in added]))
 
 
 @pytest.mark.parametrize("window", [0, 4])
@@ -248,8 +277,15 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     cfg = FitConfig(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
                     cont_len=4, question_len=2, ridges=(0.1, 1000.0), decode_len=6, decode_every=3,
                     decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
-                    listwise=(0.0, 1.0), listwise_iters=5, student=StudentConfig(window=window))
+                    listwise=(0.0, 1.0), listwise_iters=5, student=StudentConfig(window=window),
+                    out=str(tmp_path / "run"))
+    spooled = []
+    real_flush = Lists.flush
+    monkeypatch.setattr(Lists, "flush", lambda self: (spooled.append(self.folder), real_flush(self))[1])
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
+    # the lists went to disk inside the run's folder, one file per training context, and are gone now
+    assert len(spooled) == 4 and {p.parent for p in spooled} == {tmp_path / "run"}
+    assert not any((tmp_path / "run").iterdir())
     vals = student.log["val"]
     assert [(v["ridge"] if "listwise_penalty" not in v else None, v.get("listwise_penalty")) for v in vals][:2] == \
         [(0.1, None), (1000.0, None)] and [v["listwise_penalty"] for v in vals[2:]] == [0.0, 1.0]

@@ -12,19 +12,24 @@ KLs the benches report: at prefill (``train.validation_kls``: deterministic top-
 continuation teacher-forced after ``question_len`` unscored tokens) plus, with ``val_decode``,
 while decoding (``decode_kls``: the cache held at its budget by the same student); then the
 listwise stage (``listwise_layer``) refits the chosen closed form on the softmax cross-entropy
-to the teacher's attention, kept when it validates better. Writes nothing: the CLI saves what it
-returns (``Student.save``).
+to the teacher's attention, kept when it validates better. Writes only the listwise stage's spool
+(``Lists``: a temporary folder inside ``out``, deleted when the fit ends); the CLI saves what it returns
+(``Student.save``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from kvpress import ObservedAttentionPress
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from scdviz import artefact, config, data
@@ -247,26 +252,59 @@ class NormalEquations:
         return out
 
 
-@dataclass
 class Lists:
-    """The listwise stage's data: per layer and training context the layer's inputs (rows, d) in float16 (the
-    context's, then its generation's up to the last decode state), and per scored list (the prefill, or a decode
-    state of ``now`` tokens, keyed by ``now``) the extra columns (R, now, 4) and the teacher's distribution
-    (R, now), context by context. H_in'w is computed once per context and sliced for every list."""
+    """The listwise stage's data, spooled to ``folder`` one training context at a time (at Mistral-7B shapes about
+    5.4 MB per layer and context: 20.8 GB on the shipped recipe's 120 contexts, which host memory would otherwise
+    hold) and read back one layer at a time (``layer``). Per layer and context: the layer's inputs (rows, d) in
+    float16 (the context's, then its generation's up to the last decode state), and per scored list (the prefill,
+    or a decode state of ``now`` tokens, keyed by ``now``) the extra columns (R, now, k) and the teacher's
+    distribution (R, now). ``set_hidden`` / ``add`` fill the current context, ``flush`` writes it
+    (``context-NNNNN.safetensors``) and starts the next. ``fit`` spools into a temporary folder inside its ``out``
+    folder and deletes it when done."""
 
-    hidden: list[list[Tensor]]
-    extra: list[dict[int, list[Tensor]]]
-    target: list[dict[int, list[Tensor]]]
+    def __init__(self, folder, n_layers: int):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.n_layers, self.contexts = n_layers, 0
+        self._current: dict[str, Tensor] = {}
 
-    @classmethod
-    def empty(cls, n_layers: int) -> Lists:
-        return cls([[] for _ in range(n_layers)], [{} for _ in range(n_layers)], [{} for _ in range(n_layers)])
+    def set_hidden(self, layer: int, hidden: Tensor) -> None:
+        """The current context's inputs of ``layer`` (rows, d), replacing the ones set before (a decode state's rows
+        extend the context's)."""
+        self._current[f"{layer}.hidden"] = hidden.half().cpu().contiguous()
 
     def add(self, layer: int, extra: Tensor, target: Tensor) -> None:
-        """One list of ``layer``: extra (R, now, 4), target (R, now); its hidden rows are the context's."""
+        """One list of ``layer`` in the current context: extra (R, now, k), target (R, now)."""
         now = extra.shape[1]
-        self.extra[layer].setdefault(now, []).append(extra.float().cpu())
-        self.target[layer].setdefault(now, []).append(target.float().cpu())
+        self._current[f"{layer}.extra.{now}"] = extra.float().cpu().contiguous()
+        self._current[f"{layer}.target.{now}"] = target.float().cpu().contiguous()
+
+    def flush(self) -> None:
+        """Write the current context to the spool and start the next (nothing set: nothing written)."""
+        if self._current:
+            save_file(self._current, str(self.folder / f"context-{self.contexts:05d}.safetensors"))
+            self.contexts += 1
+            self._current = {}
+
+    def layer(self, layer: int) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+        """One layer's data over the spooled contexts: the inputs (N, rows, d) in float32 and per list length
+        ``now`` its extra columns (N, R, now, k) and targets (N, R, now); only this layer's tensors are read."""
+        hidden, extra, target = [], {}, {}
+        for n in range(self.contexts):
+            with safe_open(str(self.folder / f"context-{n:05d}.safetensors"), "pt") as fh:
+                for key in fh.keys():
+                    head, kind, *now = key.split(".")
+                    if int(head) != layer:
+                        continue
+                    if kind == "hidden":
+                        hidden.append(fh.get_tensor(key))
+                    else:
+                        (extra if kind == "extra" else target).setdefault(int(now[0]), []).append(fh.get_tensor(key))
+        if not hidden:
+            raise ValueError(f"the listwise spool {self.folder} holds no context of layer {layer}")
+        h = torch.stack(hidden).float()
+        del hidden
+        return h, {now: (torch.stack(extra[now]), torch.stack(target[now])) for now in sorted(extra)}
 
 
 def listwise_layer(lists: Lists, layer: int, start: Tensor, penalty: float, decode_weight: float, iters: int
@@ -274,11 +312,10 @@ def listwise_layer(lists: Lists, layer: int, start: Tensor, penalty: float, deco
     """(R, F) one layer's listwise weights: from ``start`` (R, F), L-BFGS on the mean over lists of
     CE(teacher || softmax(scores)), the decode states' lists weighted ``decode_weight`` against the prefill's 1,
     plus ``penalty`` x the mean over rows of ||w_H||^2."""
-    h = torch.stack(lists.hidden[layer]).float()  # (N, rows, d)
+    h, by_now = lists.layer(layer)  # (N, rows, d), per list length its (extra, target)
     d = h.shape[-1]
-    prefill = min(lists.extra[layer])
-    groups = [(n, torch.stack(lists.extra[layer][n]), torch.stack(lists.target[layer][n]),
-               1.0 if n == prefill else decode_weight) for n in sorted(lists.extra[layer])]
+    prefill = min(by_now)
+    groups = [(n, extra, target, 1.0 if n == prefill else decode_weight) for n, (extra, target) in by_now.items()]
     total = sum(c for *_, c in groups)
     w = start.float().clone().requires_grad_(True)
     opt = torch.optim.LBFGS([w], lr=1, max_iter=iters, line_search_fn="strong_wolfe", history_size=20)
@@ -337,11 +374,13 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
                                     None if column is None else column[0])
             normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
             if lists is not None:
-                lists.hidden[layer].append(h.half().cpu())
+                lists.set_hidden(layer, h)
                 lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head))
         normal.rows += t
         if cfg.decode_len:
             _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace, lists)
+        if lists is not None:
+            lists.flush()
     return normal
 
 
@@ -369,7 +408,7 @@ def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEq
             h, extra = design_parts(student, hidden, values[layer][0, :, :now], positions, now, column)
             normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
             if lists is not None:  # the context's hidden rows grow to this state's
-                lists.hidden[layer][-1] = h.half().cpu()
+                lists.set_hidden(layer, h)
                 lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head))
         normal.rows += now
 
@@ -441,12 +480,23 @@ def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
     """Fit a student for ``subject`` (a Pair, whose producer is pruned, or (model, tokenizer, source)); returns
     it with ``log``: every ridge's (and listwise penalty's) validation KL (mean and per kept fraction), H2O's on
     the same contexts, the chosen ridge and the seconds taken; ``stages["closed_form"]`` is the ridge fit alone.
-    Writes nothing."""
+    Writes only the listwise stage's spool, deleted before it returns."""
     model, tokenizer, source = trainer.subject(subject)
     compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused before any work
+    if not cfg.listwise:
+        return _fit(cfg, model, tokenizer, source, None, progress)
+    if cfg.out:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    # the listwise stage's lists on disk, not in host memory: inside the run's folder (the system's temporary
+    # folder without one), deleted when the fit ends, however it ends
+    with tempfile.TemporaryDirectory(prefix="listwise-spool-", dir=cfg.out or None) as spool:
+        return _fit(cfg, model, tokenizer, source, Lists(spool, hf.n_layers(model)), progress)
+
+
+def _fit(cfg: FitConfig, model, tokenizer, source: str, lists: Lists | None, progress: bool | Reporter) -> Student:
+    """``fit`` once the model is checked, ``lists`` the listwise stage's spool (None without that stage)."""
     t0 = time.perf_counter()
     base = Student.for_model(model, cfg.student)
-    lists = Lists.empty(hf.n_layers(model)) if cfg.listwise else None
     normal = accumulate(model, tokenizer, cfg, base, progress, lists)
     decoding = bool(normal.decode)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
