@@ -24,12 +24,15 @@ from scdviz import link as links
 
 PATCH_COLOR = "rgba(230, 120, 20, 0.18)"
 PATCH_EDGE = "rgba(230, 120, 20, 0.55)"  # the legend swatch of the patched-layer bands
-# 20 colours that stay apart on white: plotly's ten, then ten darker ones (eviction compares 13 methods)
-COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
-          "#FECB52", "#222A2A", "#B68100", "#750D86", "#862A16", "#6C7C32", "#0D2A63", "#FC0080", "#00A08B",
+# 20 colours that stay apart and visible on white, faded or not (``CONTEXT_OPACITY``): plotly's ten with its four
+# palest (cyan, light green, light pink, yellow) darkened, then ten darker ones (eviction compares 13 methods); none
+# lighter than plotly's orange (tests/test_plots.py checks every painted trace)
+COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#0099C6", "#FF6692", "#66AA00", "#7F7F7F",
+          "#8C564B", "#222A2A", "#B68100", "#750D86", "#862A16", "#6C7C32", "#0D2A63", "#FC0080", "#00A08B",
           "#778AAE", "#AF0038")
+# filled markers only: an open one is a thin ring that a faded trace without a line (a scatter of points) loses
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star", "triangle-down", "pentagon",
-           "hexagon", "circle-open", "square-open", "diamond-open", "triangle-up-open")
+           "hexagon", "triangle-left", "triangle-right", "hexagram", "star-diamond")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 
@@ -48,7 +51,9 @@ EVICT_METHODS = ("distilled-scorer", "DistillCache", "DistillCache-per-head", "l
                  "distilled-scorer-closed-form", "distilled-scorer-per-layer")
 KNOWN = SCD_METHODS + EVICT_METHODS  # each family drawn from the start of the palette (they never share a plot)
 REFERENCE = ("#000000", "star", "dash")  # the oracle / the full cache: what every method is compared with
-FOCUS_WIDTH, CONTEXT_WIDTH, CONTEXT_OPACITY = 2.6, 1.0, 0.35
+# focus methods strong; the rest thinner and lighter, yet every one clearly visible (the test's floor: opacity
+# ≥ 0.55 and no near-white colour once faded)
+FOCUS_WIDTH, CONTEXT_WIDTH, CONTEXT_OPACITY = 2.6, 1.5, 0.6
 
 
 def look(method: str) -> tuple[str, str, str]:
@@ -67,8 +72,8 @@ def look(method: str) -> tuple[str, str, str]:
 
 def paint(fig: go.Figure, focus: set[str] | None = None) -> go.Figure:
     """Give every method trace (named after its method) its ``look``; with ``focus``, those methods (and
-    the oracle / full cache) are drawn strong and the rest thin and faint: still in the legend, where a
-    click hides or shows each."""
+    the oracle / full cache) are drawn strong and the rest thinner and lighter, each still clearly visible and
+    in the legend, where a click hides or shows each."""
     used_colors, used_symbols = set(), set()
     for trace in fig.data:
         name = trace.name
@@ -508,7 +513,9 @@ HEADERS = {
     "ppl_oracle": "perplexity, oracle", "f1": "F1 vs oracle text", "consumer_ms": "consumer time (ms)",
     "ttft_10gbps_ms": "TTFT at 10 Gbit/s (ms)", "speedup_10gbps": "speed-up vs oracle at 10 Gbit/s (×)",
     "qa_f1": "QA F1", "ttft_your_link_ms": "TTFT on your link (ms)", "tokens_kept": "tokens kept per head",
-    "jaccard_vs_h2o": "overlap with H2O's kept slots (Jaccard)", "kept_not_by_h2o": "share of kept slots H2O drops",
+    "jaccard_vs_h2o": "overlap with ObservedAttention's kept slots (Jaccard)",  # kvpress's H2O score, by the name
+    "kept_not_by_h2o": "share of kept slots ObservedAttention drops",  # the eviction tab gives it everywhere
+    "role": "role",
     "specialist": "specialist", "prefill_share": "consumer compute (share of its prefill)",
 }
 

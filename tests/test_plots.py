@@ -307,3 +307,53 @@ def test_a_method_looks_the_same_in_every_plot_and_focus_fades_the_rest():
     assert width["KVzip"] == (plots.CONTEXT_WIDTH, plots.CONTEXT_OPACITY)
     assert plots.best_other({"SCD full": 0.1, "raw KV": 0.5, "DroidSpeak recompute": 0.3, "oracle": 0.0},
                             {"SCD full", "oracle"}) == "DroidSpeak recompute"
+
+
+def _luminance(color: str) -> float:
+    """WCAG relative luminance of a ``#rrggbb`` colour (0 black, 1 white)."""
+    channels = [int(color.lstrip("#")[i:i + 2], 16) / 255 for i in (0, 2, 4)]
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def _on_white(color: str, opacity: float) -> str:
+    """The colour a trace drawn at ``opacity`` shows on the white plot background."""
+    channels = [int(color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4)]
+    return "#" + "".join(f"{round(opacity * c + (1 - opacity) * 255):02x}" for c in channels)
+
+
+def test_every_painted_trace_is_clearly_visible_and_focus_stays_stronger():
+    """No painted method is white or near-white, a hollow marker or too faint, faded or not (the SCD tab's
+    "SCD reuse-only (closed form)" was a pale open ring, the eviction tab's KVzip and StreamingLLM pale
+    lines); the focus methods stay wider and opaque."""
+    floor = 0.55  # the lowest opacity a painted trace may have
+    evict = list(plots.EVICT_METHODS) + ["yours:mine", "lodo-austen", "full cache"]
+    scd = list(plots.SCD_METHODS) + ["SCD reuse-only (closed form)", "SCD full (closed form)",
+                                     "SCD RD @3840 B/token", "SCD reuse-only + last 64 recomputed", "oracle"]
+    table = pd.DataFrame({"method": scd, "bytes_per_token": [100.0 * (i + 1) for i in range(len(scd))],
+                          "kl": [0.01 * (i + 1) for i in range(len(scd))],
+                          "prefill_share": [0.01 * i for i in range(len(scd))]})
+    figs = {
+        "kl_steps": (plots.kl_per_step({m: [0.1, 0.2] for m in evict}), {"distilled-scorer", "KVzip"}),
+        "sweep": (plots.budget_sweep({m: {0.25: 0.1, 0.5: 0.05} for m in evict}), {"distilled-scorer", "SnapKV"}),
+        "pareto": (plots.pareto(table), {"SCD full", "raw KV"}),
+        "compute": (plots.compute_axis(table), {"SCD full", "raw KV"}),
+        "drift": (plots.layer_drift([_result(m, ["code"] * 4, [0.1] * 4) for m in scd]), {"SCD full"}),
+    }
+    for name, (fig, focus) in figs.items():
+        plots.paint(fig, focus)
+        painted = [t for t in fig.data if t.name and not t.name.startswith(("patched", "oracle ("))]
+        assert len(painted) >= 5, name
+        for t in painted:
+            where = (name, t.name)
+            for color in (t.line.color, t.marker.color):
+                assert color and color.startswith("#") and len(color) == 7, where
+                assert _luminance(color) <= 0.5, (where, color)  # never white or pale
+                assert _luminance(_on_white(color, t.opacity)) <= 0.7, (where, color, t.opacity)  # faded: still seen
+            assert t.opacity >= floor, where
+            assert not str(t.marker.symbol).endswith(("-open", "-open-dot")), where  # filled markers only
+            strong = t.name in focus or t.name in ("oracle", "full cache")
+            assert (t.opacity, t.line.width) == ((1.0, plots.FOCUS_WIDTH) if strong else
+                                                 (plots.CONTEXT_OPACITY, plots.CONTEXT_WIDTH)), where
+    assert plots.FOCUS_WIDTH > plots.CONTEXT_WIDTH and plots.CONTEXT_OPACITY < 1.0  # focus stays stronger
+    assert all(_luminance(c) <= 0.5 for c in plots.COLORS) and not any("open" in s for s in plots.SYMBOLS)
