@@ -3,7 +3,12 @@
     pip install -r requirements.txt && python app.py
 """
 
-from scdviz.app.webapp import main
+try:  # a ZeroGPU Space: its package first, before anything could initialise CUDA
+    import spaces  # noqa: F401
+except ImportError:  # anywhere else
+    pass
+
+from scdviz.app.webapp import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

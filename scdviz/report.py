@@ -43,7 +43,7 @@ BLOCK = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /
 # ----------------------------------------------------------------------------- records and commands
 
 
-def _rel(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """A record's path as the docs name it: relative to the folder holding ``assets/``."""
     path = Path(path).resolve()
     try:
@@ -120,7 +120,7 @@ def command(path: Path, record: records.BenchRecord) -> str:
     mine = _flat(_live(record.settings))
     for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != records.stem(path)):
         if _same_settings(mine, _flat(_live(tomllib.loads(toml.read_text())))):
-            return f"python -m scdviz bench {record.kind} --config {_rel(toml)}"
+            return f"python -m scdviz bench {record.kind} --config {shown_path(toml)}"
     defaults = _cli_defaults(record.kind)
     parts = [f"python -m scdviz bench {record.kind}"]
     for key, value in _flat(record.settings).items():
@@ -153,7 +153,7 @@ SLICE_WORDS = {"test": "test slice", "dev": "dev slice",
 
 
 def _source_line(rels: Sequence[str]) -> str:
-    made = "; ".join(f"`{_rel(settings.ASSETS_DIR / r)}` ({SLICE_WORDS[slice_of(shipped_record(r))]}): "
+    made = "; ".join(f"`{shown_path(settings.ASSETS_DIR / r)}` ({SLICE_WORDS[slice_of(shipped_record(r))]}): "
                      f"`{command(settings.ASSETS_DIR / r, shipped_record(r))}`" for r in rels)
     return f"*Records (and the command that made each):* {made}."
 
@@ -187,7 +187,7 @@ def _protocol():
     return protocol
 
 
-def _paired(a: list[float], b: list[float], clusters: list[str] | None = None) -> dict:
+def paired_bootstrap(a: list[float], b: list[float], clusters: list[str] | None = None) -> dict:
     """The benches' paired bootstrap (b against a over paired items, whole passages when ``clusters``
     are given): diff, ratio and their 95% intervals."""
     from scdviz import metrics  # lazily: torch
@@ -201,7 +201,7 @@ def _boot_mean(values: list[float], clusters: list[str] | None = None) -> dict:
     return metrics.bootstrap_mean(values, clusters=clusters)
 
 
-def _passages(row: dict) -> list[str] | None:
+def passages_of(row: dict) -> list[str] | None:
     """The passage of each item of a record row (the cluster bootstrap's clusters); None in records made
     before rows carried them (their intervals resample items)."""
     return row.get("passages") or None
@@ -209,7 +209,7 @@ def _passages(row: dict) -> list[str] | None:
 
 def _ratio(base: dict, other: dict, key: str = "kl_per_prompt") -> str:
     """``other``'s mean KL over ``base``'s, ×, with the paired-bootstrap interval."""
-    boot = _paired(base[key], other[key], _passages(other))
+    boot = paired_bootstrap(base[key], other[key], passages_of(other))
     return f"{other['kl'] / base['kl']:.2f}× {_ci(*boot['ratio_ci'])}"
 
 
@@ -280,10 +280,10 @@ def scd_patch() -> str:
             base = rows[0]
             for r in rows[1:]:
                 k = int(r["method"].split("k=")[1].split()[0])
+                b = paired_bootstrap(base["kl_per_prompt"], r["kl_per_prompt"], passages_of(r))
                 out.append([spec, "greedy order" if placement == "greedy" else "by drift", str(k),
                             _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}",
-                            f"{_paired(base['kl_per_prompt'], r['kl_per_prompt'], _passages(r))['ratio']:.3f} "
-                            + _ci(*_paired(base["kl_per_prompt"], r["kl_per_prompt"], _passages(r))["ratio_ci"], 3),
+                            f"{b['ratio']:.3f} " + _ci(*b["ratio_ci"], 3),
                             f"{r['top1']:.3f}"])
     head = ["specialist", "placement", "k patches", "bytes/token", "KL", "KL / k = 0 [95% CI]", "top-1"]
     return _table(head, out) + "\n\n" + _source_line(rels)
@@ -327,10 +327,10 @@ def scd_qa(record: str = "lodo_test.json.gz") -> str:
         groups: dict[str, list[str]] = {}
         for r in _scd_rows(rel, "method"):
             items.setdefault(r["method"], []).extend(r["qa_f1_items"])
-            groups.setdefault(r["method"], []).extend(_passages(r) or [])
+            groups.setdefault(r["method"], []).extend(passages_of(r) or [])
         clusters = groups["raw KV"] if len(groups["raw KV"]) == len(items["raw KV"]) else None
         own = {m: _boot_mean(v, clusters) for m, v in items.items()}
-        vs = _paired(items["raw KV"], items["SCD full"], clusters)
+        vs = paired_bootstrap(items["raw KV"], items["SCD full"], clusters)
         out.append([spec, str(len(items["raw KV"]))]
                    + [f"{own[m]['mean']:.3f}" for m in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute")]
                    + [f"{own['SCD full']['mean']:.3f} {_ci(*own['SCD full']['ci'], 3)}",
@@ -344,7 +344,7 @@ def _qa_vs_raw(raw: dict, row: dict) -> str:
     """A row's context-QA token-F1 less raw reuse's, paired over items (passages resampled), with its interval."""
     if row is raw:
         return ""
-    qa = _paired(raw["qa_f1_items"], row["qa_f1_items"], _passages(row))
+    qa = paired_bootstrap(raw["qa_f1_items"], row["qa_f1_items"], passages_of(row))
     return f"{qa['diff']:+.3f} {_ci(*qa['diff_ci'], 3, sign=True)}"
 
 
@@ -459,7 +459,7 @@ def _vs_best(rels: list[str], mode: str = "agnostic", learned_only: bool = False
                 cells = ["", "", "", ""]
             else:
                 versus = _protocol().vs_best({best: base[best]["kl_per_context"], m: r["kl_per_context"]}, m, [best],
-                                             clusters=_passages(r))
+                                             clusters=passages_of(r))
                 boot, b = versus["boot"], r["kl_per_context"]
                 wins_ctx = ("" if r.get("baseline") else
                             f"{sum(y < x for x, y in zip(ctx_best, b, strict=True)) / n:.2f}")
@@ -507,7 +507,7 @@ def evict_domains() -> str:
         values = {m: r["kl_per_context"] for m, r in at.items()}
         baselines = [m for m, r in at.items() if r.get("baseline")]
         for dom, versus in _protocol().per_domain(at[chosen]["domains"], values, chosen, baselines,
-                                                  clusters=_passages(at[chosen])):
+                                                  clusters=passages_of(at[chosen])):
             boot = versus["boot"]
             out.append([_pct(keep), dom + (" (trained on)" if dom in trained else ""), f"{versus['mean']:.4f}",
                         versus["best"], f"{versus['best_mean']:.4f}", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
@@ -530,7 +530,7 @@ def evict_lodo(*rels: str) -> str:
             shipped = next(r for m, r in at.items() if not r.get("baseline") and r is not mine)
             best_name = min((m for m, r in at.items() if r.get("baseline")), key=lambda m: at[m]["kl"])
             best = at[best_name]
-            boot = _paired(best["kl_per_context"], mine["kl_per_context"], _passages(mine))
+            boot = paired_bootstrap(best["kl_per_context"], mine["kl_per_context"], passages_of(mine))
             out.append([left, _pct(keep), f"{mine['kl']:.4f}", f"{shipped['kl']:.4f} ({shipped['method']})",
                         f"{best['kl']:.4f} ({best_name})", f"{boot['ratio']:.2f} {_ci(*boot['ratio_ci'])}",
                         f"{boot['diff']:+.4f} {_ci(*boot['diff_ci'], 4, sign=True)}",
@@ -620,8 +620,9 @@ def evict_decode() -> str:
         out = []
         for r in at:
             ratios = ["" if m == r["method"] else
-                      "{:.3f}× {}".format((b := _paired(by[m]["kl_per_context"], r["kl_per_context"], r["passages"]))
-                                          ["ratio"], _ci(*b["ratio_ci"], 3)) for m in against]
+                      "{:.3f}× {}".format(
+                          (b := paired_bootstrap(by[m]["kl_per_context"], r["kl_per_context"], r["passages"]))["ratio"],
+                          _ci(*b["ratio_ci"], 3)) for m in against]
             out.append([_pct(r["keep"]), r["method"], f"{r['kl']:.4f} ± {r['kl_se']:.4f}", *ratios,
                         f"{r['top1']:.3f}", f"{r['ppl']:.3f}"])
         head = ["kept", "method", "KL per decoded token ± se", *[f"KL / {DECODE_NAMES[m]} [95% CI]" for m in against],
@@ -646,7 +647,7 @@ def evict_lookahead() -> str:
                 cells = []
                 for seed in seeds:
                     r, base = at[(m, seed)], at[("H2O (ObservedAttention)", seed)]
-                    boot = _paired(base["kl_per_context"], r["kl_per_context"], _passages(r))
+                    boot = paired_bootstrap(base["kl_per_context"], r["kl_per_context"], passages_of(r))
                     cells.append(f"{r['kl']:.4f} ({boot['ratio']:.2f}× {_ci(*boot['ratio_ci'])})")
                 chosen = " *" if at[(m, seeds[0])].get("chosen_on_validation") else ""
                 out.append([str(horizon), _pct(keep), m + chosen, *cells])
@@ -737,7 +738,7 @@ def _headline(scd_record: str, protocol: list[str]) -> str:
         base = {m: r for m, r in at.items() if r.get("baseline")}
         best = min(base, key=lambda m: base[m]["kl"])
         for what, method in HEADLINE_EVICTION:
-            boot = _paired(base[best]["kl_per_context"], at[method]["kl_per_context"], _passages(at[method]))
+            boot = paired_bootstrap(base[best]["kl_per_context"], at[method]["kl_per_context"], passages_of(at[method]))
             out.append([f"{what} `{method}`, {_pct(keep)} kept",
                         f"6 domains, {at[method]['n_contexts']} contexts", f"{best} (best of kvpress's presses)",
                         f"{boot['ratio']:.2f}× {_ci(*boot['ratio_ci'])}",

@@ -46,6 +46,18 @@ def max_prompt_tokens() -> int:
     return int(os.environ.get("SCDVIZ_MAX_PROMPT_TOKENS", "1024"))
 
 
+def hosted_methods() -> int:
+    """Eviction methods one request may compare in hosted mode (SCDVIZ_HOSTED_METHODS; the focused set is 6), so
+    that no request holds the eviction worker for minutes (all 25 on a 1,020-token context: 147 s on 2 cores)."""
+    return int(os.environ.get("SCDVIZ_HOSTED_METHODS", "6"))
+
+
+def hosted_context_tokens() -> int:
+    """Longest eviction context (with its question) one request may send in hosted mode
+    (SCDVIZ_HOSTED_CONTEXT_TOKENS)."""
+    return int(os.environ.get("SCDVIZ_HOSTED_CONTEXT_TOKENS", "600"))
+
+
 def max_new_tokens() -> int:
     """Most tokens the app generates per request (SCDVIZ_MAX_NEW_TOKENS)."""
     return int(os.environ.get("SCDVIZ_MAX_NEW_TOKENS", "64"))
@@ -91,8 +103,16 @@ def max_upload_mb() -> int:
 
 
 def max_session_runs() -> int:
-    """Runs (calibrations, policies) one visitor may keep in hosted mode (SCDVIZ_MAX_SESSION_RUNS)."""
+    """Runs (calibrations, policies) one session (one open page) may make per SCDVIZ_SESSION_TTL, and keep, in
+    hosted mode (SCDVIZ_MAX_SESSION_RUNS); all sessions of one address together stop at max_address_runs."""
     return int(os.environ.get("SCDVIZ_MAX_SESSION_RUNS", "4"))
+
+
+def max_address_runs() -> int:
+    """Runs all sessions of one client address (a visitor, ``scdviz.app.jobs.visitor_of``) may make together per
+    SCDVIZ_SESSION_TTL in hosted mode (SCDVIZ_MAX_ADDRESS_RUNS): the ceiling for a lab behind one address, and
+    for a visitor who reloads the page to get a new session."""
+    return int(os.environ.get("SCDVIZ_MAX_ADDRESS_RUNS", "16"))
 
 
 def session_ttl() -> int:
@@ -101,7 +121,7 @@ def session_ttl() -> int:
 
 
 def max_jobs() -> int:
-    """Heavy jobs (calibration, training, figure export) the server runs at once (SCDVIZ_MAX_JOBS)."""
+    """Heavy jobs (calibration, distillation, fitting, training) the server runs at once (SCDVIZ_MAX_JOBS)."""
     return int(os.environ.get("SCDVIZ_MAX_JOBS", "2"))
 
 
@@ -110,12 +130,33 @@ def max_visitor_jobs() -> int:
     return int(os.environ.get("SCDVIZ_MAX_VISITOR_JOBS", "1"))
 
 
+def max_exports() -> int:
+    """Figure exports the server writes at once (SCDVIZ_MAX_EXPORTS); an export (a fraction of a second) is not
+    a heavy job: it neither waits for nor blocks calibration and training."""
+    return int(os.environ.get("SCDVIZ_MAX_EXPORTS", "4"))
+
+
 def trust_proxy() -> bool:
-    """Name visitors by the first X-Forwarded-For address (SCDVIZ_TRUST_PROXY=1): only behind a proxy
-    that sets it, as a Space's does; otherwise a client could name itself."""
+    """Name visitors by the X-Forwarded-For address their proxy appended (SCDVIZ_TRUST_PROXY=1): the
+    right-most entry (``proxy_hops``), never the left-most, which the client writes. Only behind a proxy that
+    appends it, as a Space's does. Off, the client's own address names it, and the app tells uvicorn to trust
+    no forwarded header (``FORWARDED_ALLOW_IPS``, unless set) so that no header rewrites that address."""
     return os.environ.get("SCDVIZ_TRUST_PROXY", "0").lower() in ("1", "true", "yes")
 
 
+def proxy_hops() -> int:
+    """Trusted proxies in front of the app, each appending one X-Forwarded-For entry (SCDVIZ_PROXY_HOPS, default 1):
+    the visitor is that many entries from the right, the address the outermost trusted proxy saw."""
+    return max(1, int(os.environ.get("SCDVIZ_PROXY_HOPS", "1")))
+
+
 def visitor_mb() -> float:
-    """MB of files (figure exports, CSV) the app writes for one visitor per session time (SCDVIZ_VISITOR_MB)."""
+    """MB of files (uploads, figure exports, CSV) the app takes or writes for one visitor per SCDVIZ_SESSION_TTL
+    (SCDVIZ_VISITOR_MB); an upload past it is refused with HTTP 429 (413 when it alone is larger)."""
     return float(os.environ.get("SCDVIZ_VISITOR_MB", "100"))
+
+
+def visitor_uploads() -> int:
+    """Upload requests (``POST /gradio_api/upload``) one visitor may send per SCDVIZ_SESSION_TTL in hosted mode
+    (SCDVIZ_VISITOR_UPLOADS); past it they are refused with HTTP 429."""
+    return int(os.environ.get("SCDVIZ_VISITOR_UPLOADS", "20"))

@@ -58,6 +58,19 @@ COMMITTED = ("pair", "scd", "scd-budget", "evict", "train", "results")  # assets
 LONG_FLOAT = re.compile(r"\d\.\d{7,}")  # a number printed with 7+ decimals: unrounded
 
 
+FIRST_LOOK = "Example shown when the page opened"  # how the SCD tab's first look begins (webapp._first_look)
+
+
+def run_result(page, selector: str, fragment: str, timeout: int = 300_000) -> str:
+    """Wait until the element shows a run's result containing ``fragment`` (not the example the page opened with);
+    returns its text."""
+    page.wait_for_function(
+        "([sel, frag, first]) => { const el = document.querySelector(sel);"
+        " return el && el.innerText.includes(frag) && !el.innerText.includes(first); }",
+        arg=[selector, fragment, FIRST_LOOK], timeout=timeout)
+    return page.locator(selector).inner_text()
+
+
 def _shot(page, name: str, tmp_path_factory) -> Path:
     wanted = os.environ.get("SCDVIZ_SCREENSHOTS")
     folder = Path(wanted) if wanted and name in COMMITTED else tmp_path_factory.mktemp("shots")
@@ -154,7 +167,7 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
 
     page.get_by_role("tab", name="SCD transfer").click()
     page.locator("#scd-run").click()
-    page.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=300_000)
+    run_result(page, "#scd-info", "prompt tokens")
     table = page.locator("#scd-table").inner_text()
     for method in ("oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only", "SCD full"):
         assert method in table
@@ -207,14 +220,15 @@ def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):
 
     page.get_by_role("tab", name="Eviction").click()
     page.locator("#ev-run").click()
-    page.locator("#ev-info").get_by_text("keeps").wait_for(timeout=300_000)
+    run_result(page, "#ev-info", "keeps")
     table = page.locator("#ev-table").inner_text()
     for method in bench.focus_methods():  # the focused set by default, and nothing else
         assert method in table
     assert "TOVA" not in table and "DistillCache" not in table
     assert len(page.locator("#ev-kept").inner_text().split()) > 50  # the context, token by token
     assert len(page.locator("#ev-versus").inner_text().split()) > 50  # and where it differs from H2O's choice
-    assert "overlap with H2O's kept slots (Jaccard)" in table and "jaccard_vs_h2o" not in table  # in words
+    assert "overlap with ObservedAttention's kept slots (Jaccard)" in table  # in words
+    assert "jaccard_vs_h2o" not in table
     texts = page.locator("#ev-texts").inner_text()
     assert HEADLINE_SCORER in texts and "lookahead-policy" in texts  # each focused method's generated text
     assert not LONG_FLOAT.search(table), table
@@ -369,8 +383,8 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     two.get_by_role("tab", name="Eviction").click()
     two.locator("#ev-context textarea").fill(context)
     two.locator("#ev-run").click()
-    one.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=600_000)
-    two.locator("#ev-info").get_by_text("keeps").wait_for(timeout=600_000)
+    run_result(one, "#scd-info", "prompt tokens", 600_000)
+    run_result(two, "#ev-info", "keeps", 600_000)
 
     gen = pairs.generate_both(builtin_pair, GenerateRequest(prompt, 32))  # the page's default: 32 new tokens
     assert f"Prompt: {gen.prompt_tokens} tokens" in two.locator("#pair-gen-info").inner_text()

@@ -14,7 +14,7 @@ import pytest
 from apprunner import running_app
 from conftest import user_text
 from families import MODEL_TYPES, family_folder
-from test_app_browser import CHROMIUM, FLAGS, LONG_FLOAT
+from test_app_browser import CHROMIUM, FLAGS, LONG_FLOAT, run_result
 
 from scdviz.models.family import SUPPORTED
 
@@ -108,8 +108,7 @@ def test_a_family_pair_typed_as_folders_loads_and_each_tab_runs_on_it(page, made
     page.get_by_role("tab", name="SCD transfer").click()
     page.locator("#scd-text textarea").fill(CONTEXT)
     page.locator("#scd-run").click()
-    page.locator("#scd-info").get_by_text("prompt tokens").wait_for(timeout=300_000)
-    assert "your calibration" in page.locator("#scd-info").inner_text()
+    assert "your calibration" in run_result(page, "#scd-info", "prompt tokens")
     table = page.locator("#scd-table").inner_text()
     for method in ("oracle", "raw KV", "4-bit KV", "SCD reuse-only", "SCD full"):
         assert method in table
@@ -122,8 +121,7 @@ def test_a_family_pair_typed_as_folders_loads_and_each_tab_runs_on_it(page, made
     page.get_by_role("tab", name="Eviction").click()
     page.locator("#ev-context textarea").fill(CONTEXT)
     page.locator("#ev-run").click()
-    page.locator("#ev-info").get_by_text("context tokens per").wait_for(timeout=300_000)
-    info = page.locator("#ev-info").inner_text()
+    info = run_result(page, "#ev-info", "context tokens per")
     table = page.locator("#ev-table").inner_text()
     assert "ObservedAttention" in table and "StreamingLLM" in table, table
     shown = page.locator("#ev-show input").input_value()  # the method inspected: one that ran here

@@ -65,7 +65,7 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
         full = out["table"][out["table"]["method"] == "SCD full"].iloc[0]
         assert 2000 < full["bytes_per_token"] <= 2304  # the real payload, a hard limit
         assert said in out["info"]
-        plan_fig = out["figures"]["plan"]
+        plan_fig = scd.scd_figures(out["figures"])["plan"]
         assert {"rank K", "rank V"} <= {trace.name for trace in plan_fig.data}
         assert ("as sent" in plan_fig.layout.title.text) == (coder == "transform")  # ranks follow the data
         kls[coder] = full["kl"]
@@ -74,7 +74,7 @@ def test_a_byte_budget_gets_either_coder_within_it(builtin_pair, calib):
     assert kls["transform"] < kls["rd"]  # the README's finding holds on this text too
     bare = dataclasses.replace(calib, rate=None)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(scd, "get_calibration", lambda pair, session=None: bare)
+        mp.setattr(scd, "get_calibration", lambda pair, folder=None: bare)
         with pytest.raises(UserError, match="no rate-distortion curves"):
             scd.scd_run(builtin_pair, dataclasses.replace(request, byte_budget=3840))
 
@@ -96,26 +96,39 @@ def test_scd_fan_out_covers_every_specialist(builtin_pair):
     assert (table[table["method"] == "oracle"]["kl"] == 0).all()
 
 
+def _key(pair) -> str:
+    return f"{pair.producer_source}\n{pair.consumer_source}"
+
+
+def _last(gen):
+    """The last value a heavy job's handler yields (its result)."""
+    return list(gen)[-1]
+
+
 def test_a_loaded_calibration_belongs_to_one_visitor(builtin_pair, tmp_path, monkeypatch):
-    """One visitor's calibration never replaces the shipped one for anybody else (hosted or not)."""
+    """One visitor's calibration never replaces the shipped one for anybody else (hosted or not): the Calibrate
+    tab's Load keeps the folder in that visitor's session, and their SCD runs read it from there."""
     import shutil
 
+    from scdviz.app import webapp as app
     from scdviz.app.session import Session
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
     a, b = Session(), Session()
     shutil.copytree(calibration.shipped_folder("builtin:jargon"), tmp_path / "mine")
-    shipped = scd.get_calibration(builtin_pair)
-    mine = train.load_calibration_for(builtin_pair, a, str(tmp_path / "mine"))
-    assert mine is not shipped
-    assert scd.get_calibration(builtin_pair, a) is mine
-    assert scd.get_calibration(builtin_pair, b) is shipped and scd.get_calibration(builtin_pair) is shipped
+    md, fig, _ = app.load_calibration(_key(builtin_pair), a, str(tmp_path / "mine"))
+    assert md.startswith("Loaded") and fig.data and a.calibrations[("builtin:smollm2-135m", "builtin:jargon")] == \
+        tmp_path / "mine" and not b.calibrations
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
+    request = ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10, 0.5)
+    assert "your calibration" in app.scd_run(_key(builtin_pair), a, request)["info"]
+    assert "the shipped calibration" in app.scd_run(_key(builtin_pair), b, request)["info"]
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")  # a visitor of a hosted demo names only their own session's runs
     with pytest.raises(UserError, match="does not read local paths"):
-        train.load_calibration_for(builtin_pair, b, str(tmp_path / "mine"))
+        app.load_calibration(_key(builtin_pair), b, str(tmp_path / "mine"))
     shutil.copytree(tmp_path / "mine", b.folder / "runs" / "mine")
-    assert train.load_calibration_for(builtin_pair, b, str(b.folder / "runs" / "mine")) is not shipped
-    assert scd.get_calibration(builtin_pair, a) is mine
+    assert app.load_calibration(_key(builtin_pair), b, str(b.folder / "runs" / "mine"))[0].startswith("Loaded")
+    assert a.calibrations[("builtin:smollm2-135m", "builtin:jargon")] == tmp_path / "mine"
 
 
 def test_a_visitor_trains_a_correction_stage_that_only_they_then_use(builtin_pair, tmp_path, monkeypatch):
@@ -123,24 +136,22 @@ def test_a_visitor_trains_a_correction_stage_that_only_they_then_use(builtin_pai
     unchanged, read-only), saved in the visitor's run, their SCD calibration from then on (nobody else's);
     its log holds one curve per plan it trained at, and the kept stage is what the saved folder loads."""
     from scdviz.app.requests import DistilRequest
-    from scdviz.app.session import Session
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
-    a, b = Session(), Session()
     shipped = scd.get_calibration(builtin_pair)
     tag, stage = shipped.tag, {k: {n: t.clone() for n, t in p.items()} for k, p in shipped.corrections.items()}
     req = DistilRequest(train_windows=1, val_windows=1, epochs=2, rank=4, budgets=False, name="mine")
-    folder = a.new_run("mine", "calibrations")
-    mine, log = train.distil_for(builtin_pair, a, req, folder, progress=False)
+    folder = tmp_path / "mine"
+    log = train.distil_for(builtin_pair, req, folder, progress=False)
+    mine = calibration.Calibration.load(folder, builtin_pair)
     assert shipped.tag == tag and scd.get_calibration(builtin_pair) is shipped  # the shipped stage, untouched
     assert all(torch.equal(shipped.corrections[k][n], t) for k, p in stage.items() for n, t in p.items())
-    assert scd.get_calibration(builtin_pair, a) is mine and scd.get_calibration(builtin_pair, b) is shipped
     assert list(log["val_kl_by_plan"]) == [plans.operating_plan(shipped).name] and len(log["val_kl"]) == 3
     assert log["train_windows"] == log["val_windows"] == len(calibration.domains_of(shipped.config))
     kept = log["best_epoch"] > 0  # else the result is the closed form under its own tag, which mixes with it
     assert (mine.corrections is not None) == kept and (mine.tag != shipped.closed_form().tag) == kept
     assert mine.tag != shipped.tag  # trained again from the closed form: the shipped stage is not the visitor's
-    assert calibration.Calibration.load(folder, builtin_pair).tag == mine.tag
+    assert scd.get_calibration(builtin_pair, folder).tag == mine.tag
 
 
 def test_a_recomputed_tail_adds_its_rows_with_their_compute(builtin_pair):
@@ -182,30 +193,29 @@ def test_raw_layers_add_their_rows_on_the_builtin_pair(builtin_pair):
 
 
 def test_a_visitor_fits_the_distilled_scorer_that_only_they_then_inspect(builtin_pair, tmp_path, monkeypatch):
-    """The Calibrate / train tab's distilled scorer on the real pair: fitted on the producer, saved in the visitor's
-    run (a folder that loads back to the same weights), one of their eviction methods from then on, whose kept
-    tokens they can inspect, and nobody else's."""
+    """The Calibrate / train tab's distilled scorer on the real pair: fitted on the producer (a heavy job), saved in
+    the visitor's run (a file that loads back), one of their eviction methods from then on, whose kept tokens
+    they can inspect, and nobody else's."""
     from scdviz import data
+    from scdviz.app import webapp as app
+    from scdviz.app.jobs import Jobs
     from scdviz.app.requests import FitRequest
     from scdviz.app.session import Session
     from scdviz.evict.student import Student
 
     monkeypatch.setenv("SCDVIZ_WORK", str(tmp_path / "work"))
     a, b = Session(), Session()
-    folder = a.new_run("mine", "policies")
-    log = train.fit_scorer(builtin_pair, a, FitRequest(contexts=6, val_contexts=6, window=32, name="mine"), folder,
-                           progress=False)
-    mine = a.policies["yours:mine"]
-    assert isinstance(mine, Student) and mine.config.window == 32 and not b.policies
-    assert torch.equal(Student.load(folder).weight, mine.weight)
-    assert log["config"]["contexts"] == 6 and log["val"] and log["val_heuristic"] > 0
-    assert mine.meta["val_kl"] in {v["kl"] for v in log["val"]}  # the candidate the fit chose, as logged
+    md, fig, _ = _last(app.fit(Jobs(), _key(builtin_pair), a, FitRequest(contexts=6, val_contexts=6, window=32,
+                                                                         name="mine")))
+    assert "added to your eviction methods as `yours:mine`" in md and fig.data and not b.policies
+    mine = Student.load(a.policies["yours:mine"])
+    assert mine.config.window == 32 and f"Validation KL of the kept candidate {mine.meta['val_kl']:.4f}" in md
     context = " ".join(data.load_split("jargon", "eval")[5].split()[:120])
-    out = evict.evict_run(builtin_pair, EvictRequest(context, "", False, "% kept", 25, "producer", "yours:mine",
-                                                     ["ObservedAttention"]), session=a)
+    request = EvictRequest(context, "", False, "% kept", 25, "producer", "yours:mine", ["ObservedAttention"])
+    out = app.evict_run(_key(builtin_pair), a, request)
     assert "yours:mine" in set(out["table"]["method"]) and "yours:mine" in out["methods"]
     kept = [frac for _, frac in out["kept"]]
     assert 0.2 < sum(kept) / len(kept) < 0.3  # a quarter of the context kept, averaged over layers and heads
+    assert set(out["figures"]) == {"kl_steps", "sweep", "heatmap", "features"}  # drawn in the server's process
     with pytest.raises(UserError, match="yours:mine"):  # another visitor cannot inspect it
-        evict.evict_run(builtin_pair, EvictRequest(context, "", False, "% kept", 25, "producer", "yours:mine",
-                                                   ["ObservedAttention"]), session=b)
+        app.evict_run(_key(builtin_pair), b, request)

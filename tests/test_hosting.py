@@ -171,34 +171,53 @@ def test_space_front_matter_matches_requirements():
     assert meta["suggested_hardware"]
 
 
-def test_every_model_handler_asks_for_gpu_time_and_launch_honours_gradio_env(monkeypatch):
-    """With the Spaces package present, each handler is wrapped with a duration no longer than ZeroGPU allows."""
+def test_every_gpu_call_asks_for_a_duration_sized_by_its_request_and_launch_honours_gradio_env(monkeypatch):
+    """With the Spaces package present, each GPU call (and only those: loading a pair, figures and exports run in
+    the server's process) is a generator wrapped with a duration its request sizes, within ZeroGPU's limit."""
     import importlib
+    import inspect
     import sys
     import types
 
+    from scdviz.app import gpu as gpu_module
+    from scdviz.app import requests as R
+
     asked = {}
 
-    def gpu(duration):
+    def decorator(duration):
         def wrap(fn):
+            assert inspect.isgeneratorfunction(fn), fn.__name__  # its progress and result cross as values
             asked[fn.__name__] = duration
             return fn
 
         return wrap
 
-    monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=gpu))
-    from scdviz.app import webapp as app
-
-    app = importlib.reload(app)
+    monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=decorator))
+    gpu = importlib.reload(gpu_module)
     try:
-        assert set(asked) == {"load", "generate", "_scd_one", "_scd_fan_out", "evict_run", "calibrate", "distil",
-                              "fit", "train"}
-        assert all(30 <= s <= 300 for s in asked.values())
+        assert set(asked) == {"generate", "scd", "evict", "calibrate", "distil", "check_calibration", "fit", "train"}
+        small_large = {
+            "generate": (R.GenerateRequest(new_tokens=4), R.GenerateRequest(new_tokens=256)),
+            "scd": (R.ScdRequest(continuation_tokens=8, generated_tokens=4), R.ScdRequest()),
+            "evict": (R.EvictRequest(methods=["h2o"], generated_tokens=4), R.EvictRequest(methods=["h2o"] * 20)),
+            "calibrate": (R.CalibrateRequest(fit_windows=4), R.CalibrateRequest(fit_windows=64)),
+            "distil": (R.DistilRequest(epochs=1, train_windows=1), R.DistilRequest(epochs=6, train_windows=30)),
+            "fit": (R.FitRequest(contexts=6, val_contexts=6), R.FitRequest(contexts=60, val_contexts=24)),
+            "train": (R.TrainRequest(steps=5), R.TrainRequest(steps=300)),
+        }
+        for name, (small, large) in small_large.items():
+            low, high = asked[name]("key", small), asked[name]("key", large)
+            assert 20 <= low < high <= gpu.MAX_SECONDS, (name, low, high)
+        one = asked["scd"]("key", R.ScdRequest())
+        assert asked["scd"]("key", R.ScdRequest(), None, fan_out=2) == min(2 * one, gpu.MAX_SECONDS)
+        assert 0 < asked["check_calibration"]("key", "folder") <= 60
+        from scdviz.app import webapp as app
+
         assert "server_name" not in app.launch_kwargs() and "server_port" not in app.launch_kwargs()
         assert app.launch_kwargs()["max_file_size"] == f"{settings.max_upload_mb()}mb"
     finally:
         monkeypatch.delitem(sys.modules, "spaces")
-        importlib.reload(app)
+        importlib.reload(gpu_module)
 
 
 def test_a_page_key_names_the_session_folder_and_cannot_escape(monkeypatch, tmp_path):
@@ -243,3 +262,28 @@ def test_a_fixed_text_limit_does_not_cite_the_prompt_setting():
     assert "at most 200" in str(err.value) and "SCDVIZ_MAX_PROMPT_CHARS" not in str(err.value)
     with pytest.raises(UserError, match="SCDVIZ_MAX_PROMPT_CHARS"):
         ScdRequest.controls()["text"].check("x" * (settings.max_prompt_chars() + 1))
+
+
+def test_hosted_eviction_requests_are_capped_before_any_gpu_time(monkeypatch):
+    """Hosted mode: at most SCDVIZ_HOSTED_METHODS methods and SCDVIZ_HOSTED_CONTEXT_TOKENS tokens per eviction
+    request (all 25 methods on a 1,020-token context held the worker 147 s), refused by name; local use is free."""
+    from scdviz.app import evict
+    from scdviz.app.requests import EvictRequest
+    from scdviz.evict import bench
+
+    def words(text, add_special_tokens=False):
+        return {"input_ids": text.split()}
+
+    many = EvictRequest("word " * 50, methods=bench.method_names()[:7])
+    long = EvictRequest("word " * 700, methods=bench.method_names()[:2])
+    evict.hosted_cost(words, many)  # local use: nothing refused
+    evict.hosted_cost(words, long)
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    with pytest.raises(UserError, match="compares at most 6 eviction methods per request .SCDVIZ_HOSTED_METHODS. "
+                                        "and 7 are ticked"):
+        evict.hosted_cost(words, many)
+    with pytest.raises(UserError, match="have 700 tokens together; this hosted demo evicts from at most 600"):
+        evict.hosted_cost(words, long)
+    evict.hosted_cost(words, EvictRequest("word " * 50))  # the focused set, a short context: accepted
+    monkeypatch.setenv("SCDVIZ_HOSTED_METHODS", "8")
+    evict.hosted_cost(words, many)

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from scdviz import progress
 from scdviz.app import jobs as J
 from scdviz.app.session import Session
 from scdviz.errors import UserError
-from scdviz.progress import Stopped, steps
+from scdviz.progress import STOP_FILE, Done, Failed, Stopped, steps, stream
 
 
 def _work(started: threading.Event, n: int = 10_000, pause: float = 0.01):
@@ -32,7 +33,8 @@ def test_server_and_visitor_limits_refuse_by_name():
         jobs.start("1.1.1.1", "s2", "calibrate")  # a reload: another session, the same visitor
     b = jobs.start("2.2.2.2", "s3", "calibrate")
     with pytest.raises(UserError, match="the server is running 2 heavy jobs"):
-        jobs.start("3.3.3.3", "s4", "export")
+        jobs.start("3.3.3.3", "s4", "fit")
+    jobs.finish(jobs.start("3.3.3.3", "s4", "export"))  # an export is no heavy job: it has its own places
     jobs.finish(a)
     assert jobs.running() == 1 and jobs.peak == 2
     jobs.finish(b)
@@ -40,8 +42,10 @@ def test_server_and_visitor_limits_refuse_by_name():
 
 
 def test_runs_per_visitor_survive_a_reload(monkeypatch):
+    """Runs count per session (page) and, all sessions of an address together, up to SCDVIZ_MAX_ADDRESS_RUNS:
+    a reload gives a new session but not a new address."""
     monkeypatch.setenv("SCDVIZ_HOSTED", "1")
-    jobs = J.Jobs(limit=4, per_visitor=1, runs=2, window_s=3600)
+    jobs = J.Jobs(limit=4, per_visitor=1, runs=2, window_s=3600, per_address=2)
     for session_id in ("first-page", "reloaded-page"):
         jobs.finish(jobs.start("9.9.9.9", session_id, "train", makes_run=True))
     with pytest.raises(UserError, match="reloading the page does not reset this"):
@@ -51,18 +55,18 @@ def test_runs_per_visitor_survive_a_reload(monkeypatch):
 
 
 def test_visitor_is_the_client_unless_a_proxy_is_trusted(monkeypatch):
-    req = SimpleNamespace(headers={"x-forwarded-for": "5.6.7.8, 10.0.0.1"}, client=SimpleNamespace(host="10.0.0.1"))
+    req = SimpleNamespace(headers={"x-forwarded-for": "5.6.7.8, 10.0.0.2"}, client=SimpleNamespace(host="10.0.0.1"))
     monkeypatch.delenv("SCDVIZ_TRUST_PROXY", raising=False)
     assert J.visitor_of(req) == "10.0.0.1"  # a client cannot name itself
     monkeypatch.setenv("SCDVIZ_TRUST_PROXY", "1")
-    assert J.visitor_of(req) == "5.6.7.8"
+    assert J.visitor_of(req) == "10.0.0.2"  # the entry the proxy appended; the left-most is the client's to write
     assert J.visitor_of(None) == "local"
 
 
 def test_follow_yields_steps_then_the_result():
     jobs = J.Jobs(limit=1, per_visitor=1, runs=1, window_s=1)
     job = jobs.start("v", "s", "calibrate")
-    out = list(jobs.follow(job, _work(threading.Event(), n=150, pause=0.01)))
+    out = list(jobs.follow(job, stream(_work(threading.Event(), n=150, pause=0.01))))
     assert out[-1] == "finished"
     assert all(isinstance(x, J.Step) and x.desc == "counting" and 0 <= x.done <= 150 for x in out[:-1])
     assert len(out) >= 2 and jobs.running() == 0
@@ -83,7 +87,8 @@ def test_cancel_stops_the_work_and_removes_its_run(monkeypatch, tmp_path):
             written.append(i)
             time.sleep(0.005)
 
-    gen = jobs.follow(job, work, discard=lambda: sess.discard_run(folder))
+    job.folder = folder
+    gen = jobs.follow(job, stream(work, folder), discard=lambda: sess.discard_run(folder))
     assert isinstance(next(gen), J.Step)
     assert started.wait(5)
     assert jobs.cancel(sess.id, "train") == 1
@@ -96,26 +101,55 @@ def test_cancel_stops_the_work_and_removes_its_run(monkeypatch, tmp_path):
 
 
 def test_an_abandoned_job_stops_by_itself(monkeypatch, tmp_path):
-    """gradio cancelled the event: nobody resumes the follower, so the work stops within the liveness time."""
+    """gradio cancelled the event: nobody resumes the follower, so the work stops within the liveness time, told
+    through the stop file in its folder (as a ZeroGPU worker would be), and its place and files go."""
     monkeypatch.setattr(J, "LIVENESS_S", 0.3)
     monkeypatch.setattr(J, "BEAT_S", 0.05)
+    monkeypatch.setattr(progress, "BEAT_S", 0.05)
     jobs = J.Jobs(limit=1, per_visitor=1, runs=1, window_s=1)
     job = jobs.start("v", "s", "train")
+    job.folder = tmp_path / "run"
+    job.folder.mkdir()
     started, discarded = threading.Event(), threading.Event()
-    gen = jobs.follow(job, _work(started, pause=0.01), discard=discarded.set)
+    work = stream(_work(started, pause=0.01), job.folder)
+    gen = jobs.follow(job, work, discard=discarded.set)
     next(gen)  # followed once, then never again
-    assert discarded.wait(5) and job.stop.is_set()
+    assert discarded.wait(5) and job.stop.is_set() and (job.folder / STOP_FILE).exists()
     deadline = time.time() + 5
     while jobs.running() and time.time() < deadline:
         time.sleep(0.02)
     assert jobs.running() == 0
+    leftover = list(work)  # the work, told by the file alone, ended at its next step and removed its folder
+    assert leftover[-1] == Failed("stopped; what it had written is removed") and not job.folder.exists()
+
+
+def test_stream_yields_steps_then_the_result_or_the_refusal_and_stops_when_closed(tmp_path):
+    got = list(stream(_work(threading.Event(), n=120, pause=0.01)))
+    assert got[-1] == Done("finished") and all(isinstance(x, J.Step) for x in got[:-1]) and len(got) >= 2
+
+    def refuses(report):
+        raise ValueError("a specific message")
+    assert list(stream(refuses)) == [Failed("a specific message")]  # a user's mistake crosses as a value
+
+    def breaks(report):
+        raise KeyError("bug")
+    with pytest.raises(KeyError):
+        list(stream(breaks))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    started = threading.Event()
+    gen = stream(_work(started), folder)
+    next(gen)
+    assert started.wait(5)
+    gen.close()  # the follower went: the work stops at its next step, and its folder goes
+    assert not folder.exists()
 
 
 def test_closing_the_follower_stops_the_work():
     jobs = J.Jobs(limit=1, per_visitor=1, runs=1, window_s=1)
     job = jobs.start("v", "s", "calibrate")
     discarded = threading.Event()
-    gen = jobs.follow(job, _work(threading.Event()), discard=discarded.set)
+    gen = jobs.follow(job, stream(_work(threading.Event())), discard=discarded.set)
     next(gen)
     gen.close()  # what gradio does to a cancelled generator
     assert discarded.wait(5) and job.stop.is_set()

@@ -114,6 +114,24 @@ class Generation:
     producer_text: str  # decoded producer_ids
     consumer_text: str  # decoded consumer_ids
     seconds: float  # wall time for both
+    stopped_at_turn_end: bool = False  # a chat generation that ended its turn (the end token is not shown)
+
+
+def end_of_turn(tokenizer) -> int | None:
+    """The token a chat template closes an assistant turn with (``<|im_end|>`` for ChatML), or None: the first
+    token the template puts after a rendered assistant message, when it is a special or added token."""
+    marker = "scdviz-turn-marker"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # noqa: BLE001 - no chat template (a base model): no turn to end
+        return None
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        return None
+    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())  # <|im_end|> is often only
+    return ids[0] if ids[0] in special else None  # an added token, not a "special" one
 
 
 def generate_both(pair: Pair, request: GenerateRequest, progress=False) -> Generation:
@@ -124,14 +142,19 @@ def generate_both(pair: Pair, request: GenerateRequest, progress=False) -> Gener
     ids = encode_prompt(pair, req.prompt, req.chat)
     t0 = time.perf_counter()
     prefix, last = hf.ids_tensor(ids[:-1]), hf.ids_tensor(ids[-1:])  # cache covers prompt[:-1]
+    turn = end_of_turn(pair.tokenizer) if req.chat else None
+    stops = [t for t in (pair.tokenizer.eos_token_id, turn) if t is not None]
     outs = []
     for _name, model in steps((("producer", pair.producer), ("consumer", pair.consumer)), "generate", progress,
                              name=lambda item: item[0]):
         with hf.exclusive(model):  # prefill + decode of this request back to back
             cache = hf.forward(model, prefix).cache
-            outs.append(hf.generate(model, cache, last, len(ids) - 1, max_new_tokens, pair.tokenizer.eos_token_id))
+            outs.append(hf.generate(model, cache, last, len(ids) - 1, max_new_tokens, stops))
+    ended = turn is not None and any(out[-1:] == [turn] for out in outs)
+    outs = [out[:-1] if turn is not None and out[-1:] == [turn] else out for out in outs]  # the end is not text
     decode = pair.tokenizer.decode
-    return Generation(len(ids), outs[0], outs[1], decode(outs[0]), decode(outs[1]), time.perf_counter() - t0)
+    return Generation(len(ids), outs[0], outs[1], decode(outs[0]), decode(outs[1]), time.perf_counter() - t0,
+                      ended)
 
 
 def pair_summary(pair: Pair) -> str:

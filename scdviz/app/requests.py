@@ -110,11 +110,18 @@ class EvictRequest(Request):
     model: str = control("producer", "Model", "choice", choices=EVICT_MODELS, row="budget")
     method: str = control(HEADLINE_SCORER, "Method to inspect (its kept tokens)", "pick",
                           name="Method to inspect", choices=(HEADLINE_SCORER,), row="budget",
-                          props={"elem_id": "ev-show", "scale": 3, "min_width": 400})  # the student's name is long
+                          props={"elem_id": "ev-show", "scale": 3, "min_width": 400,  # the student's name is long
+                                 "info": f"by default {HEADLINE_SCORER}, the headline"})
     # None: the focused set (bench.focus_methods); the full cache is always the reference
-    methods: list = control(None, "Methods compared (the full cache is the reference; your own policies always run)",
+    methods: list = control(None, "Methods compared (each against the full cache; your own policies always run)",
                             "choices", name="Methods", choices=_evict_methods, initial=_evict_focus,
-                            props={"elem_id": "ev-methods"})
+                            props={"elem_id": "ev-methods", "info": (
+                                f"{HEADLINE_SCORER} is the headline (the shipped distilled scorer: cheap at a prefill "
+                                "and while decoding). lookahead-policy is an expensive reference, not a rival: it "
+                                "samples continuations of the context at every prefill, compute no other method "
+                                "spends, and cannot run while decoding. DistillCache and DistillCache-per-head are "
+                                "the learned method as designed. The rest are kvpress's baselines, ObservedAttention "
+                                "(H2O's accumulated-attention score) among them.")})
     continuation_tokens: int = control(24, "Continuation tokens scored", "int", lo=8, hi=64, step=8, row="lengths")
     generated_tokens: int = control(16, "Tokens generated per method", "int", lo=4, hi=48, step=4, row="lengths")
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from scdviz.app import inputs
 from scdviz.app.inputs import UserError
 from scdviz.app.pairs import builtin_choices
 from scdviz.app.requests import ScdRequest
-from scdviz.app.session import Session
 from scdviz.models.pair import Pair
 
 _SHIPPED_CALIBS: dict[tuple[str, str], object] = {}  # read-only shipped calibrations, loaded once
@@ -41,22 +41,23 @@ def calibration_summary(calib) -> str:
     return " ".join(parts)
 
 
-def get_calibration(pair: Pair, session: Session | None = None):
-    """The pair's SCD calibration: the one this session made or loaded, else the shipped one."""
+def get_calibration(pair: Pair, folder: str | Path | None = None):
+    """The pair's SCD calibration: the one in ``folder`` (a visitor's, made or loaded in their session), else the
+    shipped one (read once per process, read-only)."""
     from scdviz.scd import calibration
 
+    if folder is not None:
+        return calibration.Calibration.load(folder, pair)
     key = (pair.producer_source, pair.consumer_source)
-    if session is not None and key in session.calibrations:
-        return session.calibrations[key]
     with _SHIPPED_LOCK:
         if key not in _SHIPPED_CALIBS:
-            folder = calibration.shipped_folder(pair.consumer_source)
+            shipped_folder = calibration.shipped_folder(pair.consumer_source)
             shipped = pair.producer_source == builtin_choices()[0] and pair.consumer_source in builtin_choices()[1]
-            if not shipped or not (folder / calibration.FILE).is_file():
+            if not shipped or not (shipped_folder / calibration.FILE).is_file():
                 raise UserError(f"no SCD calibration for {pair.consumer_source} yet; make one in the Calibrate / train "
                                 f"tab or with `python -m scdviz calibrate --producer ... --consumer ...` (saved in "
                                 f"the runs folder), then load it there")
-            _SHIPPED_CALIBS[key] = calibration.Calibration.load(folder, pair)
+            _SHIPPED_CALIBS[key] = calibration.Calibration.load(shipped_folder, pair)
         return _SHIPPED_CALIBS[key]
 
 
@@ -71,10 +72,12 @@ def _parse_layers(text: str, n_layers: int, what: str = "manual patch layers") -
     return layers
 
 
-def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, progress=False) -> dict:
-    """Every SCD method on one text, with tables, token texts and figures for the tab (``progress``: a
-    reporter, ``scdviz.progress``, told each method)."""
-    from scdviz import link, plots
+def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = None, progress=False) -> dict:
+    """Every SCD method on one text: what the tab shows (info, table, texts) and what its figures are drawn from
+    (``figures``), all picklable and on the host, no figure (a GPU call's result, ``scdviz.app.gpu``).
+    ``calibration``: the folder of the visitor's calibration for the pair (None: the shipped one);
+    ``progress``: a reporter (``scdviz.progress``) told each method."""
+    from scdviz import link
     from scdviz.scd import bench, measure, view
     from scdviz.scd import plan as plans
 
@@ -82,7 +85,7 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
     text, cont_len, gen_tokens, bits, placement = (req.text, req.continuation_tokens, req.generated_tokens, req.bits,
                                                    req.placement)
     gbps, latency_s, budget, coder = req.bandwidth_gbps, req.latency_ms / 1000, req.byte_budget, req.coder
-    calib = get_calibration(pair, session)
+    calib = get_calibration(pair, calibration)
     full_k = max(c.max_rank for c in calib.key_codes)
     full_v = max(c.max_rank for c in calib.value_codes)
     rank_k = inputs.integer(req.rank_k, "r_K", 0, full_k)  # within this calibration's ranks and layers
@@ -117,20 +120,12 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
         sent_k, sent_v = ([round(c) for c in full.sent[f"cols_{kind}"]] for kind in "kv")
     else:
         sent_k, sent_v = plan.rank_k, plan.rank_v
-    figures = {
-        "drift_k": plots.layer_drift(res[1:], "K"), "drift_v": plots.layer_drift(res[1:], "V"),
-        "accumulation": plots.error_accumulation(res), "amplification": plots.amplification(res[1:]),
-        "placement": plots.patch_placement(calib.ideal_gain, plan.layers_in("patch")),
-        "spectra_k": plots.rank_spectra(spectra, "K", sent_k), "spectra_v": plots.rank_spectra(spectra, "V", sent_v),
-        "pareto": plots.pareto(table), "compute": plots.compute_axis(table),
-        "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
-        "plan": plots.plan_layers(plan, full.sent if plan.rate_target else None),
-    }
     kls = {r.method: float(r.kl) for r in res}
-    focus = {"SCD full", plots.best_other(kls, {m for m in kls if m.startswith("SCD") or m == "oracle"})}
-    for fig in figures.values():  # SCD full and the best baseline strong, the rest faint (a legend click shows each)
-        plots.paint(fig, focus)
-    mine = session is not None and (pair.producer_source, pair.consumer_source) in session.calibrations
+    drawn = {"methods": res, "ideal_gain": list(calib.ideal_gain), "patched": plan.layers_in("patch"),
+             "spectra": spectra, "sent_k": sent_k, "sent_v": sent_v, "table": table, "latency_s": latency_s,
+             "plan": plan, "sent": full.sent if plan.rate_target else None,
+             "focus": ["SCD full", plots_best_other(kls)]}
+    mine = calibration is not None
     fewer = (f" (asked for {asked}; this calibration orders {ordered} patch layers for this placement)"
              if asked > patch_k and placement != "manual" else "")
     how = (f"SCD full is the transform-coded plan for {budget:g} B/token ({full.payload_bytes_per_token:.0f} sent: "
@@ -141,4 +136,32 @@ def scd_run(pair: Pair, request: ScdRequest, session: Session | None = None, pro
            f"SCD full patches layers {plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes")
     info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. {how}. Consumer {pair.consumer_source}; "
             f"{'your calibration' if mine else 'the shipped calibration'}. {calibration_summary(calib)}")
-    return {"info": info, "table": table, "texts": texts, "figures": figures}
+    return {"info": info, "table": table, "texts": texts, "figures": drawn}
+
+
+def plots_best_other(kls: dict[str, float]) -> str:
+    """The best baseline by KL (neither an SCD method nor the oracle): drawn strong beside SCD full."""
+    from scdviz import plots
+
+    return plots.best_other(kls, {m for m in kls if m.startswith("SCD") or m == "oracle"})
+
+
+def scd_figures(drawn: dict) -> dict:
+    """The SCD tab's figures from what ``scd_run`` returned under ``figures`` (built where the page is served,
+    never in a GPU call): SCD full and the best baseline strong, the rest faint (a legend click shows each)."""
+    from scdviz import plots
+
+    res, latency_s = drawn["methods"], drawn["latency_s"]
+    figures = {
+        "drift_k": plots.layer_drift(res[1:], "K"), "drift_v": plots.layer_drift(res[1:], "V"),
+        "accumulation": plots.error_accumulation(res), "amplification": plots.amplification(res[1:]),
+        "placement": plots.patch_placement(drawn["ideal_gain"], drawn["patched"]),
+        "spectra_k": plots.rank_spectra(drawn["spectra"], "K", drawn["sent_k"]),
+        "spectra_v": plots.rank_spectra(drawn["spectra"], "V", drawn["sent_v"]),
+        "pareto": plots.pareto(drawn["table"]), "compute": plots.compute_axis(drawn["table"]),
+        "ttft": plots.ttft_vs_bandwidth(res, latency_s=latency_s),
+        "plan": plots.plan_layers(drawn["plan"], drawn["sent"]),
+    }
+    for fig in figures.values():
+        plots.paint(fig, set(drawn["focus"]))
+    return figures

@@ -59,8 +59,8 @@ class Session:
     """What one visitor made or loaded; lives in gr.State."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    calibrations: dict = field(default_factory=dict)  # (producer, consumer) -> Calibration, made/loaded here
-    policies: dict = field(default_factory=dict)  # method name -> Policy trained here
+    calibrations: dict = field(default_factory=dict)  # (producer, consumer) -> the folder of one made/loaded here
+    policies: dict = field(default_factory=dict)  # method name -> the file of a policy or scorer made here
     runs: list = field(default_factory=list)  # folders written for this visitor, oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -15,34 +15,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import gradio as gr
 from gradio.route_utils import FnIndexInferError
 
 from scdviz import data, drift, settings
-from scdviz.app import evict, pairs, results, scd, session
-from scdviz.app import train as training
+from scdviz.app import evict, gpu, hosting, pairs, results, scd, session
 from scdviz.app.inputs import UserError
-from scdviz.app.jobs import Jobs, Step, visitor_of
+from scdviz.app.jobs import Jobs, visitor_of
+from scdviz.app.requests import EvictRequest, ScdRequest
 from scdviz.app.ui import evict_tab, pair_tab, results_tab, scd_tab, train_tab
 from scdviz.app.ui.common import redraw_on_select
+from scdviz.progress import Done, Failed, Step
 
-# Seconds of GPU each handler may hold on a ZeroGPU Space (its default is 60; its maximum
-# is about 300). Calibration and training are capped by their controls to fit.
-GPU_SECONDS = {"load": 120, "generate": 60, "scd": 120, "scd_fan_out": 240, "evict": 120, "calibrate": 300,
-               "distil": 300, "fit": 300, "train": 300}
-
-try:  # ZeroGPU Spaces: run model work under a GPU allocation; a no-op elsewhere
-    import spaces  # type: ignore
-
-    def gpu(kind: str):
-        return spaces.GPU(duration=GPU_SECONDS[kind])
-except ImportError:  # pragma: no cover - the package exists only on Spaces
-
-    def gpu(kind: str):
-        return lambda fn: fn
-
+STUDENT_FILE = POLICY_FILE = "best.safetensors"  # what a fit or a training saves in its run folder
 
 def _examples(n: int = 3, chars: int = 600) -> list[str]:
     """Opening text of a few shipped evaluation passages."""
@@ -66,62 +54,64 @@ def _session(sess, key: str | None = None) -> session.Session:
     return (sess if isinstance(sess, session.Session) else session.Session()).bind(key)
 
 
-@gpu("load")
 def load(producer, consumer, progress):
+    """Load (or find loaded) a pair in this process, which keeps the models (no GPU call: on a Space the built-in
+    pairs were loaded at import, ``gpu.preload``)."""
     pair = pairs.get_pair(producer, consumer, progress=progress)
     return pairs.pair_summary(pair), drift.facts_rows(pair), _key(pair.producer_source, pair.consumer_source)
 
 
-@gpu("generate")
-def generate(key, request, progress=False):
-    pair = _pair(key)
-    gen = pairs.generate_both(pair, request, progress)
-    tok = pair.tokenizer
+def _through(work, report=None):
+    """Follow a GPU call (``scdviz.app.gpu``) to its result: each Step told to ``report(desc, done, total)``, a
+    Failed as UserError."""
+    for item in work:
+        if isinstance(item, Done):
+            return item.value
+        if isinstance(item, Failed):
+            raise UserError(item.message)
+        if report is not None:
+            report(item.desc, item.done, item.total)
+    raise RuntimeError("the GPU call ended without a result")
+
+
+def generate(key, request, progress=None):
+    gen = _through(gpu.generate(key, request.checked()), progress)
+    tok = pairs.get_pair(*key.split("\n")).tokenizer  # decoding needs no GPU
     pieces = [[tok.decode([i]) for i in ids] for ids in (gen.producer_ids, gen.consumer_ids)]
     same = sum(a == b for a, b in zip(gen.producer_ids, gen.consumer_ids))
     md = (f"Prompt: {gen.prompt_tokens} tokens. Consumer agrees with producer on {same}/{len(gen.consumer_ids)} "
-          f"generated positions. Both generations took {gen.seconds:.1f} s.")
+          f"generated positions. Both generations took {gen.seconds:.1f} s."
+          + (" Stopped at the end of the chat turn." if gen.stopped_at_turn_end else ""))
     return pieces[0], pieces[1], md
 
 
-def scd_run(key, sess, request, progress=False):
-    """One text through every method; with fan_out, also for every other built-in specialist (one table)."""
+def scd_run(key, sess, request, progress=None):
+    """One text through every method with this visitor's calibration (else the shipped one); with fan_out, also
+    for every other built-in specialist (one table). Figures are built here, from the GPU call's arrays."""
     request = request.checked()  # fan_out decides the GPU duration: checked before either starts
     producer = str(key).split("\n")[0]
     if request.fan_out and producer != pairs.builtin_choices()[0]:  # the specialists are LoRAs of that one model
         raise UserError(f"All built-in specialists runs the built-in specialists from their own producer "
                         f"({pairs.builtin_choices()[0]}); the loaded pair's producer is {producer[:80]}, so untick it "
                         f"(or load the built-in pair)")
-    run = _scd_fan_out if request.fan_out else _scd_one
-    return run(key, _session(sess), request, progress)
+    sess = _session(sess)
+    fan_out = len(pairs.builtin_choices()[1]) if request.fan_out else 1
+    out = _through(gpu.scd(key, request, _calibration_of(sess, key), fan_out=fan_out), progress)
+    return {**out, "figures": scd.scd_figures(out["figures"])}
 
 
-@gpu("scd")
-def _scd_one(key, sess, request, progress=False):
-    return scd.scd_run(_pair(key), request, session=sess, progress=progress)
+def evict_run(key, sess, request, progress=None):
+    """The eviction tab's methods on one context, this visitor's own policies included; figures built here."""
+    sess, request = _session(sess), request.checked()
+    evict.hosted_cost(pairs.get_pair(*key.split("\n")).tokenizer, request)  # before any GPU time
+    out = _through(gpu.evict(key, request, {k: str(v) for k, v in sess.policies.items()}), progress)
+    return {**out, "figures": evict.evict_figures(out["figures"])}
 
 
-@gpu("scd_fan_out")
-def _scd_fan_out(key, sess, request, progress=False):
-    import pandas as pd
-
-    pair = _pair(key)
-    out = scd.scd_run(pair, request, session=sess, progress=progress)
-    tables = [out["table"].assign(specialist=pair.consumer_source)]
-    for consumer in pairs.builtin_choices()[1]:
-        if consumer != pair.consumer_source:
-            other = scd.scd_run(pairs.get_pair(pair.producer_source, consumer), request, session=sess,
-                                progress=progress)
-            tables.append(other["table"].assign(specialist=consumer))
-    out["table"] = pd.concat(tables, ignore_index=True)
-    out["info"] += (f" Fan-out: {len(tables)} specialists on the same text from the same producer, each with "
-                    "its own calibration; texts and plots show the loaded pair.")
-    return out
-
-
-@gpu("evict")
-def evict_run(key, sess, request, progress=False):
-    return evict.evict_run(_pair(key), request, session=_session(sess), progress=progress)
+def _calibration_of(sess: session.Session, key: str) -> str | None:
+    """The folder of this visitor's calibration for the pair ``key`` (None: the shipped one)."""
+    folder = sess.calibrations.get(tuple(str(key).split("\n", 1)))
+    return None if folder is None else str(folder)
 
 
 def _page(http) -> str | None:
@@ -134,64 +124,58 @@ def _progress_of(progress, step: Step) -> None:
         progress((step.done, step.total or None), desc=step.desc)
 
 
-def _run_job(jobs: Jobs, what: str, sess: session.Session, http, name, kind: str, work, progress):
-    """Start a heavy job making a run folder ``runs/<kind>/<name>`` of the visitor's session and follow
-    ``work(folder, report)`` in its thread: yields each ``Step`` (shown on ``progress``), then the result."""
+def _run_job(jobs: Jobs, what: str, sess: session.Session, http, name, kind: str, call, progress):
+    """Start a heavy job making a run folder ``runs/<kind>/<name>`` of the visitor's session and follow the GPU call
+    ``call(folder)`` (``scdviz.app.gpu``): yields each ``Step`` (shown on ``progress``), then the folder and the
+    call's result."""
     job = jobs.start(visitor_of(http), sess.id, what, makes_run=True)
     try:
         folder = sess.new_run(name, kind)
     except BaseException:
         jobs.finish(job, made_run=False)  # a refused name makes no run
         raise
-    for item in jobs.follow(job, lambda report: work(folder, report), discard=lambda: sess.discard_run(folder)):
+    job.folder = folder
+    for item in jobs.follow(job, call(str(folder)), discard=lambda: sess.discard_run(folder)):
         if isinstance(item, Step):
             _progress_of(progress, item)
-        yield item
-    yield folder
+            yield item
+        else:
+            yield folder, item
 
 
-@gpu("calibrate")
 def calibrate(jobs, key, sess, request, http=None, progress=None):
     """Calibrate the pair for this visitor (a heavy job): yields (markdown, figure or gr.skip(), session)."""
     from scdviz import plots
 
     sess, req = _session(sess, _page(http)), request.checked()
-    pair = _pair(key)
-    made = {}
-
-    def work(folder, report):
-        made["calib"] = training.calibrate_for(pair, sess, req, folder, report)
-
-    for item in _run_job(jobs, "calibrate", sess, http, req.name, "calibrations", work, progress):
+    for item in _run_job(jobs, "calibrate", sess, http, req.name, "calibrations",
+                         lambda folder: gpu.calibrate(key, req, folder), progress):
         if isinstance(item, Step):
             yield f"Calibrating: {item.desc} ({item.done}/{item.total}); press Stop to cancel.", gr.skip(), sess
-        elif isinstance(item, Path):
-            calib = made["calib"]
-            md = (f"Calibrated in {calib.stats.get('seconds_total', '?')} s and saved to `{_shown(item)}`; the SCD "
-                  f"tab now uses it for you (other visitors keep theirs). {scd.calibration_summary(calib)}")
-            yield md, plots.selection_curve(calib.selection_kl, calib.patch_order), sess
+        else:
+            folder, shown = item
+            sess.calibrations[tuple(key.split("\n", 1))] = folder
+            md = (f"Calibrated in {shown['seconds']} s and saved to `{_shown(folder)}`; the SCD tab now uses it for "
+                  f"you (other visitors keep theirs). {shown['summary']}")
+            yield md, plots.selection_curve(shown["selection_kl"], shown["patch_order"]), sess
 
 
-@gpu("distil")
 def distil(jobs, key, sess, request, http=None, progress=None):
     """Train the correction stage of this visitor's calibration through the consumer (a heavy job): yields
     (markdown, figure or gr.skip(), session)."""
     from scdviz import plots
 
     sess, req = _session(sess, _page(http)), request.checked()
-    pair = _pair(key)
-    made = {}
-
-    def work(folder, report):
-        made["calib"], made["log"] = training.distil_for(pair, sess, req, folder, report)
-
-    for item in _run_job(jobs, "distil", sess, http, req.name, "calibrations", work, progress):
+    base = _calibration_of(sess, key)
+    for item in _run_job(jobs, "distil", sess, http, req.name, "calibrations",
+                         lambda folder: gpu.distil(key, req, folder, base), progress):
         if isinstance(item, Step):
             yield (f"Training the correction stage: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
                    gr.skip(), sess)
-        elif isinstance(item, Path):
-            log = made["log"]
-            yield _distil_summary(log, item), plots.distil_curve(log), sess
+        else:
+            folder, log = item
+            sess.calibrations[tuple(key.split("\n", 1))] = folder
+            yield _distil_summary(log, folder), plots.distil_curve(log), sess
 
 
 def _distil_summary(log: dict, folder: Path) -> str:
@@ -215,57 +199,57 @@ def _distil_summary(log: dict, folder: Path) -> str:
 
 
 def load_calibration(key, sess, folder):
+    """Make a saved calibration folder this visitor's for the pair (refused for another pair's; in hosted mode
+    only this session's own run folders can be named)."""
     from scdviz import plots
 
     sess = _session(sess)
-    calib = training.load_calibration_for(_pair(key), sess, folder)
-    return (f"Loaded; the SCD tab now uses it for you. Patch order: {calib.patch_order}.",
-            plots.selection_curve(calib.selection_kl, calib.patch_order), sess)
+    path = hosting.user_folder(folder, "calibration folder", roots=(sess.folder,))
+    shown = _through(gpu.check_calibration(key, str(path)))
+    sess.calibrations[tuple(key.split("\n", 1))] = Path(path)
+    return (f"Loaded; the SCD tab now uses it for you. Patch order: {shown['patch_order']}.",
+            plots.selection_curve(shown["selection_kl"], shown["patch_order"]), sess)
 
 
-@gpu("fit")
 def fit(jobs, key, sess, request, http=None, progress=None):
     """Fit the distilled scorer for this visitor (a heavy job): yields (markdown, figure or gr.skip(), session)."""
     from scdviz import plots
 
-    pair, sess, req = _pair(key), _session(sess, _page(http)), request.checked()
-    made = {}
-
-    def work(folder, report):
-        made["log"] = training.fit_scorer(pair, sess, req, folder, report)
-
-    for item in _run_job(jobs, "fit", sess, http, req.name, "policies", work, progress):
+    sess, req = _session(sess, _page(http)), request.checked()
+    producer = key.split("\n")[0]
+    for item in _run_job(jobs, "fit", sess, http, req.name, "policies", lambda folder: gpu.fit(key, req, folder),
+                         progress):
         if isinstance(item, Step):
-            yield (f"Fitting on {pair.producer_source}: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
+            yield (f"Fitting on {producer}: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
                    gr.skip(), sess)
-        elif isinstance(item, Path):
-            log, chosen = made["log"], sess.policies[f"yours:{item.name}"].meta  # the candidate the fit kept
-            yield (f"Fitted in {log['seconds']:.0f} s on {log['rows']:,} token rows; saved in `{_shown(item)}` and "
-                   f"added to your eviction methods as `yours:{item.name}`. Validation KL of the kept candidate "
+        else:
+            folder, log = item
+            sess.policies[f"yours:{folder.name}"] = folder / STUDENT_FILE
+            chosen = log["kept"]  # the candidate the fit kept
+            yield (f"Fitted in {log['seconds']:.0f} s on {log['rows']:,} token rows; saved in `{_shown(folder)}` and "
+                   f"added to your eviction methods as `yours:{folder.name}`. Validation KL of the kept candidate "
                    f"{chosen['val_kl']:.4f} against H2O's {log['val_heuristic']:.4f} on the same "
                    f"{len(log.get('h2o_per_context', []))} contexts and budgets.", plots.fit_candidates(log), sess)
 
 
-@gpu("train")
 def train(jobs, key, sess, request, http=None, progress=None):
     """Train a policy for this visitor (a heavy job): yields (markdown, figure, session) as it trains."""
     from scdviz import plots
 
-    pair, sess, req = _pair(key), _session(sess, _page(http)), request.checked()
-    state: dict = {"log": None}
-
-    def work(folder, report):
-        return training.train_policy(pair, sess, req, folder, report, on_log=lambda log: state.update(log=log))
-
-    for item in _run_job(jobs, "train", sess, http, req.name, "policies", work, progress):
+    sess, req = _session(sess, _page(http)), request.checked()
+    producer = key.split("\n")[0]
+    for item in _run_job(jobs, "train", sess, http, req.name, "policies", lambda folder: gpu.train(key, req, folder),
+                         progress):
         if isinstance(item, Step):
-            done = len((state["log"] or {}).get("steps", []))
-            yield (f"Training on {pair.producer_source}: {item.desc} ({item.done}/{item.total}); {done} REINFORCE "
-                   "steps so far; press Stop to cancel.", plots.training_curve(state["log"]), sess)
-        elif isinstance(item, Path):
-            log = state["log"] or {"steps": []}
-            yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(item)}` and added to your "
-                   f"eviction methods as `yours:{item.name}`.", plots.training_curve(log), sess)
+            done = len((item.log or {}).get("steps", []))
+            yield (f"Training on {producer}: {item.desc} ({item.done}/{item.total}); {done} REINFORCE "
+                   "steps so far; press Stop to cancel.", plots.training_curve(item.log), sess)
+        else:
+            folder, log = item
+            sess.policies[f"yours:{folder.name}"] = folder / POLICY_FILE
+            log = log or {"steps": []}
+            yield (f"Done: {len(log['steps'])} steps; best policy saved in `{_shown(folder)}` and added to your "
+                   f"eviction methods as `yours:{folder.name}`.", plots.training_curve(log), sess)
 
 
 def stop_jobs(jobs, sess, what: str) -> str:
@@ -291,8 +275,9 @@ def compare_results(jobs, shipped, uploads, local, sess, upload_roots=(), http=N
 
 
 def export_figures(jobs, figs, sess, tab: str, http=None, static: bool = False) -> list[str]:
-    """A tab's current figures as files in this visitor's scratch folder (``results.export_figures``): a
-    heavy job, within the server's and the visitor's limits; the bytes count toward the visitor's quota."""
+    """A tab's current figures as files in this visitor's scratch folder (``results.export_figures``): a light
+    job (one of the server's ``SCDVIZ_MAX_EXPORTS`` places, never a heavy job's: it neither waits for nor blocks
+    a training); the bytes count toward the visitor's quota."""
     sess = _session(sess, _page(http))
     job = jobs.start(visitor_of(http), sess.id, "export")
     try:
@@ -325,6 +310,31 @@ def _windows(n: int = 3, tokens: int = 288) -> list[str]:
         for w in data.token_windows(tok, data.load_split(corpus, "eval"), tokens, (n + 1) // 2):
             out.append(tok.decode(w))
     return out[:n]
+
+
+def _first_look(compute):
+    """``compute()`` once, on first call (the first page opened), then its result for everyone: the analysis a tab
+    shows when a page opens (the default pair on the tab's first example), at the cost of one run per server;
+    None when the default pair has nothing to show (a refusal, logged)."""
+    lock, done = threading.Lock(), {}
+
+    def first():
+        with lock:
+            if "out" not in done:
+                try:
+                    done["out"] = compute()
+                except ValueError as err:  # the default pair has nothing to show (no calibration): nothing shown
+                    logging.getLogger("scdviz").info("no first look: %s", err)
+                    done["out"] = None
+            return done["out"]
+
+    return first
+
+
+def _example(out: dict) -> dict:
+    """A tab's result shown as the page opens, said to be the example (the tests' ``FIRST_LOOK`` matches)."""
+    return {**out, "info": "*Example shown when the page opened* (the first example below, the default pair and "
+                           "controls; press the button to run your own). " + out["info"]}
 
 
 def build_demo() -> gr.Blocks:
@@ -365,10 +375,14 @@ def build_demo() -> gr.Blocks:
         windows = _windows()
         with gr.Tab("SCD transfer") as tab:
             redraw_on_select(tab)
-            scd_tab.build(scd_run, windows, pair_state, sess, export=export)
+            first_key = _key(settings.default_producer(), settings.default_consumer())
+            first_scd = _first_look(lambda: _example(scd_run(first_key, None, ScdRequest(text=windows[0]))))
+            scd_tab.build(scd_run, windows, pair_state, sess, export=export, first=first_scd, demo=demo)
         with gr.Tab("Eviction") as tab:
             redraw_on_select(tab)
-            evict_tab.build(evict_run, _examples(3, 2000), pair_state, sess, export=export)
+            passages = _examples(3, 2000)
+            first_evict = _first_look(lambda: _example(evict_run(first_key, None, EvictRequest(context=passages[0]))))
+            evict_tab.build(evict_run, passages, pair_state, sess, export=export, first=first_evict, demo=demo)
         with gr.Tab("Calibrate / train") as tab:
             redraw_on_select(tab)
             train_tab.build(functools.partial(calibrate, jobs), load_calibration, functools.partial(train, jobs),
@@ -396,15 +410,45 @@ def build_demo() -> gr.Blocks:
         if dep.fn is session.open_session:
             dep.api_visibility = "private"  # internal, as the page-close handler: not an API endpoint
     demo.queue(default_concurrency_limit=1, max_size=64)
+    demo.scdviz_jobs = jobs  # the server's limits, which the upload guard shares (``serve``)
     return demo
 
 
-def launch_kwargs() -> dict:
+def launch_kwargs(jobs: Jobs | None = None) -> dict:
     """launch() settings: GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are honoured (gradio reads them). No
     ``allowed_paths``: a file a handler returns is copied into gradio's cache under a secret-seeded hash,
-    so only the visitor it was handed to can name it; session folders are never served by path."""
+    so only the visitor it was handed to can name it; session folders are never served by path. In hosted
+    mode uploads are charged to their visitor (``scdviz.app.uploads.UploadGuard``) against the byte quota of
+    ``jobs``, the server's (``build_demo`` keeps it as ``demo.scdviz_jobs``; without it the guard's own)."""
+    from starlette.middleware import Middleware
+
+    from scdviz.app.uploads import UploadGuard
+
     return {"max_file_size": f"{settings.max_upload_mb()}mb", "show_error": True,
-            "app_kwargs": {"exception_handlers": {KeyError: _unknown_endpoint, FnIndexInferError: _unknown_endpoint}}}
+            "app_kwargs": {"exception_handlers": {KeyError: _unknown_endpoint, FnIndexInferError: _unknown_endpoint},
+                           "middleware": [Middleware(UploadGuard, jobs=jobs or Jobs())]}}
+
+
+def forwarded_rule() -> str | None:
+    """Keep uvicorn from rewriting a request's client address from a header a client wrote. uvicorn takes
+    the client address from X-Forwarded-For when the connection comes from an address in
+    ``FORWARDED_ALLOW_IPS`` (by default loopback: a client on the same machine, or any client behind a local
+    proxy, could then name itself). Unless ``SCDVIZ_TRUST_PROXY=1`` (the app then reads the entry the proxy
+    appended itself, ``visitor_of``) or ``FORWARDED_ALLOW_IPS`` is set, it is set to trust no address. Call
+    before launch (uvicorn reads it when the server starts); returns the value set, or None."""
+    import os
+
+    if settings.trust_proxy() or "FORWARDED_ALLOW_IPS" in os.environ:
+        return None
+    os.environ["FORWARDED_ALLOW_IPS"] = ""  # uvicorn: trusted hosts, none
+    return ""
+
+
+def serve(demo: gr.Blocks, **overrides):
+    """Launch ``demo`` as the app runs (``main``): the forwarded-header rule, then ``launch_kwargs()`` (the
+    upload guard on the demo's ``Jobs``), with ``overrides`` (tests: a port, prevent_thread_lock)."""
+    forwarded_rule()
+    return demo.launch(**{**launch_kwargs(getattr(demo, "scdviz_jobs", None)), **overrides})
 
 
 EVENT_ROUTES = ("/queue/join", "/run/predict", "/call/")  # where a client names an event (fn_index, api_name)
@@ -449,7 +493,9 @@ def main() -> None:
         removed = session.clean_stale()  # session folders of an earlier process: their pages are gone
         logging.getLogger("scdviz").info("hosted mode: removed %d stale session folders", removed)
     logging.getLogger("scdviz").info("files under %s", contain_files())
-    build_demo().launch(**launch_kwargs())
+    if gpu.zero_gpu():  # ZeroGPU: the fixed models load at start, on cuda, so every GPU worker inherits them
+        logging.getLogger("scdviz").info("ZeroGPU: preloaded %s", gpu.preload())
+    serve(build_demo())
 
 
 if __name__ == "__main__":

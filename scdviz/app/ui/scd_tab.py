@@ -24,10 +24,11 @@ GROUPS = {"Quality": ("pareto", "compute"), "Drift and error": ("drift_k", "drif
 
 
 def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, export: Callable | None = None,
-          request_type: type = ScdRequest) -> None:
+          request_type: type = ScdRequest, first: Callable | None = None, demo: gr.Blocks | None = None) -> None:
     """Add the SCD tab's widgets; ``run(pair_key, session, request)`` checks the request and does the work;
     ``export`` (see ``common.figure_downloads``) offers the figures as files. ``request_type``: the
-    dataclass whose fields are the controls (``ScdRequest``, or a subclass with more)."""
+    dataclass whose fields are the controls (``ScdRequest``, or a subclass with more). ``first()``: the result
+    (as ``run``'s) the page shows when it opens, before any run (``demo``: the Blocks whose load shows it)."""
     gr.Markdown(
         "The producer prefills the text; each method moves its cache to the consumer, which scores the last "
         "*continuation* tokens teacher-forced and generates greedily. KL is KL(oracle ‖ method) per token; "
@@ -53,10 +54,8 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     assert set(plots) == set(FIGURES)
     downloads = [figure_downloads("scd", figs, session, export)] if export is not None else []
 
-    def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
-        if not pair_key:
-            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
-        out = run(pair_key, session, request_type(**values), progress=reporter(progress))
+    def shown(out: dict) -> list:
+        """The tab's outputs for one run's result (``run``'s dict)."""
         segments = []
         oracle = out["texts"][0][1]
         for method, tokens in out["texts"]:
@@ -65,6 +64,17 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         return ([out["info"], rounded(worded(out["table"])), segments] + [out["figures"][n] for n in FIGURES]
                 + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
 
-    run_button.click(guard(on_run), [pair_state, session], [info, table, texts] + [plots[n] for n in FIGURES]
-                        + [figs] + downloads, inputs_kwargs=widgets, concurrency_limit=1, api_name="scd_transfer",
-                     show_progress_on=[info])
+    def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
+        if not pair_key:
+            raise gr.Error("load a pair first (Pair tab)", print_exception=False)
+        return shown(run(pair_key, session, request_type(**values), progress=reporter(progress)))
+
+    outputs = [info, table, texts] + [plots[n] for n in FIGURES] + [figs] + downloads
+    run_button.click(guard(on_run), [pair_state, session], outputs, inputs_kwargs=widgets, concurrency_limit=1,
+                     api_name="scd_transfer", show_progress_on=[info])
+    if first is not None:  # opening the page shows a finished analysis of the first example (computed once)
+        def on_open():
+            out = first()
+            return shown(out) if out is not None else [gr.skip()] * len(outputs)
+
+        demo.load(guard(on_open), None, outputs, api_name=False, show_progress_on=[info])
