@@ -181,3 +181,38 @@ def test_attention_hook_sees_each_layer_and_can_prune(tiny):
     assert all(s[1] == (1, heads, 12, 12) for s in seen)
     assert hf.cache_len(cache) == [4] * hf.n_layers(tiny)
     assert hf.cache_len(hf.forward(tiny, _ids()).cache) == [12] * hf.n_layers(tiny)  # hooks removed
+
+
+def test_a_forked_child_never_inherits_a_held_model_lock():
+    """A ZeroGPU worker is forked from a server whose threads may hold a model's lock at that moment; the child's
+    copy of a held lock would never be released, so the child gets locks of its own."""
+    import os
+    import threading
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with hf.exclusive(model):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: the model's lock is free here, though the parent's thread holds it
+        got = threading.Event()
+
+        def take():
+            with hf.exclusive(model):
+                got.set()
+
+        threading.Thread(target=take, daemon=True).start()
+        os._exit(0 if got.wait(5) else 1)
+    release.set()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

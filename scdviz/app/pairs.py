@@ -12,6 +12,7 @@ These modules import torch but not gradio; the UI modules import gradio but not 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,17 @@ from scdviz.progress import steps
 _PAIRS: OrderedDict[tuple[str, str], Pair] = OrderedDict()
 _LOCK = threading.Lock()  # guards _PAIRS and _LOADING only (never held while a model loads)
 _LOADING: dict[tuple[str, str], threading.Lock] = {}  # one lock per pair being loaded
+
+
+def _fresh_locks() -> None:
+    """In a forked child (a ZeroGPU worker): locks of its own, never one another thread of the parent held at the
+    fork (a copy of a held lock is never released there)."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _LOADING.clear()
+
+
+os.register_at_fork(after_in_child=_fresh_locks)
 # pairs kept in memory at once (each ~1 GB in fp32 for the built-in pair): the producer with every built-in specialist
 MAX_PAIRS = 3
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -13,6 +14,15 @@ from scdviz.models.pair import Pair
 
 _SHIPPED_CALIBS: dict[tuple[str, str], object] = {}  # read-only shipped calibrations, loaded once
 _SHIPPED_LOCK = threading.Lock()
+
+
+def _fresh_lock() -> None:
+    """In a forked child (a ZeroGPU worker): a lock of its own (``pairs._fresh_locks``)."""
+    global _SHIPPED_LOCK
+    _SHIPPED_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
 
 
 def calibration_summary(calib) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -69,6 +70,17 @@ class Trace:
 
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RLock
 _LOCKS_GUARD = threading.Lock()
+
+
+def _fresh_locks() -> None:
+    """In a forked child (a ZeroGPU worker): model locks of its own, never a copy of one a thread of the parent
+    held at the fork (it would never be released there)."""
+    global _LOCKS_GUARD
+    _LOCKS_GUARD = threading.Lock()
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_fresh_locks)
 
 
 def _lock_of(model) -> threading.RLock:
