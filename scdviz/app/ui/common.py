@@ -67,6 +67,16 @@ def reporter(progress):
     return report
 
 
+def show_on_open(demo: gr.Blocks, first: Callable, shown: Callable, outputs: list, info) -> None:
+    """When a page opens, fill a tab's ``outputs`` with ``shown(first())``, the analysis ``first`` computes once per
+    server (nothing when it gives None); its progress shows on ``info``."""
+    def on_open():
+        out = first()
+        return shown(out) if out is not None else [gr.skip()] * len(outputs)
+
+    demo.load(guard(on_open), None, outputs, api_name=False, show_progress_on=[info])
+
+
 def diff_tokens(tokens: list[str], reference: list[str], label: str = "differs") -> list[tuple[str, str | None]]:
     """(text, label) pairs for gr.HighlightedText: tokens that differ from the reference at the same position."""
     return [(tok, None if i < len(reference) and reference[i] == tok else label) for i, tok in enumerate(tokens)]

@@ -14,7 +14,7 @@ import gradio as gr
 from scdviz.app.evict import BASELINE, BENCH_DOCS, H2O, HEADLINE, LEARNED_OTHER, REFERENCE
 from scdviz.app.requests import HEADLINE_SCORER, EvictRequest
 from scdviz.app.ui import controls
-from scdviz.app.ui.common import figure_downloads, guard, reporter
+from scdviz.app.ui.common import figure_downloads, guard, reporter, show_on_open
 from scdviz.plots import FIGURE_LABELS, rounded, worded
 
 FIGURES = ("kl_steps", "sweep", "heatmap", "features")
@@ -87,8 +87,4 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     run_button.click(guard(on_run), [pair_state, session], outputs, inputs_kwargs=widgets, concurrency_limit=1,
                      api_name="evict", show_progress_on=[info])
     if first is not None:  # opening the page shows a finished analysis of the first example (computed once)
-        def on_open():
-            out = first()
-            return shown(out) if out is not None else [gr.skip()] * len(outputs)
-
-        demo.load(guard(on_open), None, outputs, api_name=False, show_progress_on=[info])
+        show_on_open(demo, first, shown, outputs, info)

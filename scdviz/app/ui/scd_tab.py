@@ -13,7 +13,7 @@ import gradio as gr
 
 from scdviz.app.requests import ScdRequest
 from scdviz.app.ui import controls
-from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select, reporter
+from scdviz.app.ui.common import diff_tokens, figure_downloads, guard, redraw_on_select, reporter, show_on_open
 from scdviz.plots import FIGURE_LABELS, rounded, worded
 
 FIGURES = ("drift_k", "drift_v", "accumulation", "amplification", "placement", "spectra_k", "spectra_v", "pareto",
@@ -73,8 +73,4 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     run_button.click(guard(on_run), [pair_state, session], outputs, inputs_kwargs=widgets, concurrency_limit=1,
                      api_name="scd_transfer", show_progress_on=[info])
     if first is not None:  # opening the page shows a finished analysis of the first example (computed once)
-        def on_open():
-            out = first()
-            return shown(out) if out is not None else [gr.skip()] * len(outputs)
-
-        demo.load(guard(on_open), None, outputs, api_name=False, show_progress_on=[info])
+        show_on_open(demo, first, shown, outputs, info)
