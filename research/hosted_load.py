@@ -2,6 +2,7 @@
 bounded baseline after work, and does any request hold a worker for long?
 
     python -m research.hosted_load [--requests 200] [--seed 0]
+    python -m research.hosted_load --heavy
 
 Starts the real app (``python app.py``, ``SCDVIZ_HOSTED=1``, the built-in pair on the CPU, a fresh work folder),
 loads the pair from one gradio_client visitor, then sends ``--requests`` requests drawn at random from the tabs'
@@ -11,6 +12,10 @@ memory (VmRSS of its process, read from /proc) is taken after the first request 
 every path has run once) and after every request; each request is timed by the client. Prints the table of
 both, and the ratio of the final and the largest memory to the baseline. Writes nothing but the app's temporary
 work folder (deleted).
+
+``--heavy`` instead sends each heavy job of the Calibrate / train tab once, at hosted mode's caps (the ``hosted=``
+of its controls, ``scdviz.app.inputs.Control``), with SCD through the calibration just made, and prints how long
+each took and the first line of its answer (or its refusal).
 """
 
 from __future__ import annotations
@@ -98,11 +103,72 @@ def run_load(requests: int, seed: int = 0) -> dict:
     return out
 
 
+def heavy_caps() -> dict:
+    """Each heavy job's request at hosted mode's caps (``hosted=`` on its controls; defaults above a cap lowered
+    to it), as the API takes it: {endpoint: positional arguments}."""
+    from dataclasses import fields
+
+    from scdviz.app import requests as R
+
+    out = {}
+    for api, cls, given in (("/calibrate", R.CalibrateRequest, {"domains": ["jargon"], "name": "heavy-calibration"}),
+                            ("/distil", R.DistilRequest, {"name": "heavy-distilled"}),
+                            ("/fit", R.FitRequest, {"name": "heavy-scorer"}),
+                            ("/train", R.TrainRequest, {"name": "heavy-policy"})):
+        args = []
+        for f in fields(cls):
+            c, value = f.metadata["control"], given.get(f.name, f.default)
+            if c.hosted is not None and c.kind in ("int", "number"):
+                value = min(value, c.hosted)
+            args.append(str(value) if c.kind == "choice" and c.options() and isinstance(c.options()[0], str)
+                        and not isinstance(value, str) else value)
+        out[api] = tuple(args)
+    return out
+
+
+def run_heavy() -> dict:
+    """Start the hosted app, load the pair, run each heavy job once at hosted mode's caps (calibrate, then SCD with
+    that calibration, its correction stage trained, the distilled scorer fitted, a DistillCache policy trained);
+    returns {what: (seconds, the first line of its answer, or its refusal)}."""
+    from apprunner import running_app
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    text = _texts(1)[0]
+    out = {}
+    with tempfile.TemporaryDirectory() as work, running_app(Path(work) / "app.log", SCDVIZ_HOSTED="1",
+                                                            SCDVIZ_WORK=str(Path(work) / "w")) as url:
+        client = Client(url, verbose=False)
+        client.predict(P, J, api_name="/load_pair")
+        jobs = list(heavy_caps().items())
+        jobs.insert(1, ("/scd_transfer", (text, 16, 4, "4", 0, 0, 2, "selected", "", 10, 0.5, False, 0, "transform",
+                                          0)))
+        for api, args in jobs:
+            t0 = time.perf_counter()
+            try:
+                answer = client.predict(*args, api_name=api)
+                first = str(answer[0] if isinstance(answer, (list, tuple)) else answer).strip().splitlines()[0]
+            except AppError as err:  # a refusal (hosted mode's rules) is an answer too
+                first = f"refused: {err}"
+            out[api] = (time.perf_counter() - t0, first[:90])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heavy", action="store_true", help="instead: each heavy job once at hosted mode's caps, timed")
     args = ap.parse_args()
+    if args.heavy:
+        out = run_heavy()
+        print(f"\nhosted app, heavy jobs at hosted mode's caps ({os.cpu_count()} cores, load "
+              f"{os.getloadavg()[0]:.1f})")
+        print("| request | seconds | answer |")
+        print("|---|---|---|")
+        for api, (seconds, first) in out.items():
+            print(f"| {api} | {seconds:.1f} | {first.replace('|', '/')} |")
+        return
     out = run_load(args.requests, args.seed)
     rss, baseline, mb, n = out["rss"], out["baseline"], 2**20, len(out["rss"])
     print(f"\nhosted app, {n} requests ({os.cpu_count()} cores); server RSS after loading the pair "

@@ -149,3 +149,29 @@ def test_the_committed_controls_stub_is_what_gradio_writes(tmp_path):
                    timeout=300)
     written = (tmp_path / "stubcheck" / "controls.pyi").read_text(encoding="utf-8")
     assert source.with_suffix(".pyi").read_text(encoding="utf-8") == written
+
+
+def test_hosted_caps_bound_the_heavy_jobs_and_the_widgets_show_them(monkeypatch):
+    from scdviz import data
+    from scdviz.app.ui import controls
+
+    req = requests.CalibrateRequest(domains=["jargon"], fit_windows=8, select_windows=1)
+    monkeypatch.setenv("SCDVIZ_HOSTED", "0")
+    assert req.checked().fit_windows == 8  # a local install: the control's own limits
+    assert len(requests.CalibrateRequest(select_windows=1).checked().domains) == len(data.corpora())
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    with pytest.raises(UserError, match=r"this hosted demo takes Windows for the fits up to 4, got 8.*up to 64"):
+        req.checked()
+    with pytest.raises(UserError, match="at most 1 Calibration domains per request and 2 are chosen"):
+        requests.CalibrateRequest(domains=["jargon", "austen"], fit_windows=4, select_windows=1,
+                                  rate_windows=0).checked()
+    with pytest.raises(UserError, match="must be between 4 and 4"):  # below the floor: the limits in force
+        requests.CalibrateRequest(domains=["jargon"], fit_windows=2, select_windows=1, rate_windows=0).checked()
+    ok = requests.CalibrateRequest(fit_windows=4, select_windows=1, rate_windows=0).checked()
+    assert ok.domains == data.corpora()[:1]  # the default: as many as the hosted demo takes
+    c = requests.CalibrateRequest.controls()
+    slider = controls.widget(c["fit_windows"], 16)
+    assert (slider.maximum, slider.value) == (4, 4)  # the visitor sees the cap, and a default above it lowered
+    assert controls.widget(c["domains"], None).value == data.corpora()[:1]
+    fixed = controls.widget(c["select_windows"], 4)  # a cap at the control's floor: one value, not offered
+    assert isinstance(fixed, gr.Number) and fixed.value == 1 and not fixed.interactive

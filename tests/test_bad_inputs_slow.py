@@ -28,8 +28,8 @@ SCD = dict(text=None, cont=32, gen=8, bits="4", rank_k=0, rank_v=0, patch_k=2, p
            gbps=10, latency=0.5, fan=False, budget=0, coder="transform", tail=0)
 EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer",
           method="distilled-scorer", methods=None)
-CAL = dict(domains=["jargon"], n_fit=16, op_k=2, bits="4", name="bad-input-run")
-TR = dict(steps=20, contexts=4, per_head=True, name="bad-input-policy")
+CAL = dict(domains=["jargon"], n_fit=4, n_sel=1, n_rate=0, op_k=2, bits="4", name="bad-input-run")  # hosted caps
+TR = dict(steps=10, contexts=2, per_head=True, name="bad-input-policy")
 DI = dict(train_windows=2, val_windows=1, epochs=2, rank=32, recall=0.1, recall_target="quote", budgets=True,
           name="bad-input-distil")
 
@@ -142,8 +142,16 @@ ROWS = [
     ("both", cal(domains=["nope"]), "nope"),
     ("both", cal(domains=[]), "choose at least 1"),
     ("both", cal(n_fit=1), "is less than minimum value"),
-    ("both", cal(n_fit="abc"), "Expected a `float`"),
+    ("both", cal(n_fit="abc"), "Expected a `float"),  # a slider, or a fixed number in hosted mode
     ("both", cal(op_k=9), "is greater than maximum value"),
+    ("both", cal(n_sel=0), "is less than minimum value"),
+    ("hosted", cal(n_fit=16), "is greater than maximum value 4"),  # hosted caps: the slider's maximum there
+    ("hosted", cal(n_sel=2), "is greater than maximum value 1"),
+    ("hosted", cal(n_rate=4), "is greater than maximum value 0"),
+    ("hosted", tr(contexts=4), "is greater than maximum value 2"),
+    ("hosted", di(epochs=6), "is greater than maximum value 2"),
+    ("hosted", ("/fit", (6, 6, 32, "bad-input-scorer")), "this hosted demo runs on a CPU, where fitting"),
+    ("hosted", cal(domains=["jargon", "austen"]), "this hosted demo takes at most 1 Calibration domains"),
     ("both", cal(bits="3"), "3"),
     ("both", scd(text="{window}", bits=4), "not in the list of choices"),  # the API takes the documented strings
     ("both", cal(name=""), "the run name is empty"),

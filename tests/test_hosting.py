@@ -287,3 +287,19 @@ def test_hosted_eviction_requests_are_capped_before_any_gpu_time(monkeypatch):
     evict.hosted_cost(words, EvictRequest("word " * 50))  # the focused set, a short context: accepted
     monkeypatch.setenv("SCDVIZ_HOSTED_METHODS", "8")
     evict.hosted_cost(words, many)
+
+
+def test_a_hosted_cpu_server_refuses_fitting_the_scorer_before_any_work(monkeypatch, tiny_pair):
+    from scdviz.app import train
+
+    monkeypatch.setenv("SCDVIZ_HOSTED", "0")
+    train.hosted_fit(tiny_pair)  # a local install fits wherever its pair sits
+    monkeypatch.setenv("SCDVIZ_HOSTED", "1")
+    with pytest.raises(UserError, match="runs on a CPU, where fitting the distilled scorer takes minutes"):
+        train.hosted_fit(tiny_pair)
+    import torch
+
+    from scdviz.models import hf
+
+    monkeypatch.setattr(hf, "device_of", lambda model: torch.device("cuda"))
+    train.hosted_fit(tiny_pair)  # a GPU host fits, at the hosted caps

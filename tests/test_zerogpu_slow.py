@@ -68,7 +68,7 @@ def test_a_visitor_walks_every_tab_under_zerogpu(zerogpu_app):
     ev = _evict(client, "distilled-scorer", ["distilled-scorer", "ObservedAttention"])
     assert ev[0].startswith("distilled-scorer: keeps")
 
-    cal = client.predict(["jargon"], 4, 1, "4", "zg-calibration", api_name="/calibrate")
+    cal = client.predict(["jargon"], 4, 1, 0, 1, "4", "zg-calibration", api_name="/calibrate")
     assert "Calibrated in" in cal[0], cal[0]
     mine = _scd(client)
     assert "your calibration" in mine[0]  # made in one GPU call, used in the next
@@ -79,7 +79,7 @@ def test_a_visitor_walks_every_tab_under_zerogpu(zerogpu_app):
     assert ev[0].startswith("yours:zg-policy: keeps"), ev[0]  # its policy, trained in another worker
 
     # Stop: the visitor cancels a training; its worker stops and its run folder goes
-    job = client.submit(300, 4, True, "zg-stopped", api_name="/train")
+    job = client.submit(10, 2, True, "zg-stopped", api_name="/train")  # hosted caps: the longest training
     deadline = time.time() + 120
     runs = list(zerogpu_app["work"].glob("sessions/*/runs/policies/zg-stopped"))
     while not runs and time.time() < deadline:

@@ -52,7 +52,7 @@ def seconds(kind: str, request=None, fan_out: int = 1) -> int:
 
         extra = 4 * len(request.methods or bench.focus_methods()) + request.generated_tokens // 2
     elif kind == "calibrate":
-        extra = 12 * request.fit_windows
+        extra = 12 * request.fit_windows + 8 * request.select_windows + 8 * request.rate_windows
     elif kind == "distil":
         extra = 2 * request.epochs * request.train_windows
     elif kind == "fit":

@@ -129,6 +129,10 @@ class Control:
     row: str = ""  # consecutive fields of one row sit side by side
     props: tuple = ()  # more widget arguments as (key, value) pairs (elem_id, lines, ...)
     initial: Callable | None = None  # choices: what a default of None means (read when used); else all of them
+    # hosted mode's cap (``settings.hosted()``): an int's or number's highest value, or how many of ``choices`` one
+    # request may tick. Set on the sizes of the heavy jobs, so that each ends within a minute on a 2-core CPU
+    # (``python -m research.hosted_load --heavy``) and within a ZeroGPU visitor's daily minutes on a Space.
+    hosted: float | Callable | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -139,8 +143,25 @@ class Control:
         return self.name or self.label
 
     def limits(self) -> tuple:
-        """(lo, hi), callables read now."""
-        return tuple(v() if callable(v) else v for v in (self.lo, self.hi))
+        """(lo, hi), callables read now; an int's or number's ``hi`` is the hosted cap in hosted mode."""
+        lo, hi = (v() if callable(v) else v for v in (self.lo, self.hi))
+        cap = self.cap()
+        return lo, hi if cap is None or self.kind not in ("int", "number") else min(hi, cap)
+
+    def cap(self):
+        """The hosted cap in force (None: none, or not hosted)."""
+        from scdviz import settings
+
+        if self.hosted is None or not settings.hosted():
+            return None
+        return self.hosted() if callable(self.hosted) else self.hosted
+
+    def default_choices(self) -> list:
+        """What a ``choices`` default of None means: ``initial()``, else every option; in hosted mode the first
+        ``cap()`` of them."""
+        found = self.initial() if self.initial is not None else self.options()
+        cap = self.cap()
+        return list(found) if cap is None else list(found)[: int(cap)]
 
     def options(self) -> list:
         """The accepted values (the second of each (shown label, value) pair)."""
@@ -149,7 +170,25 @@ class Control:
 
     def check(self, value):
         """The value converted and bounded, or UserError naming the field, what was wrong and what is accepted."""
+        value = self._within_limits(value)
+        cap = self.cap()
+        if cap is not None and self.kind == "choices" and len(value) > cap:
+            raise UserError(f"this hosted demo takes at most {cap:g} {self.title} per request and {len(value)} are "
+                            "chosen; choose fewer (a local install takes them all)")
+        return value
+
+    def _within_limits(self, value):
         lo, hi = self.limits()
+        cap = self.cap()
+        if cap is not None and self.kind in ("int", "number"):
+            full = self.hi() if callable(self.hi) else self.hi
+            try:
+                over = float(value) > cap and float(value) <= full
+            except (TypeError, ValueError):
+                over = False
+            if over:
+                raise UserError(f"this hosted demo takes {self.title} up to {cap:g}, got {_short(value)}; lower it "
+                                f"(a local install takes up to {full:g})")
         if self.kind == "text":  # a limit read from the settings names its environment variable
             return text(value, self.title, hi, self.required, "SCDVIZ_MAX_PROMPT_CHARS" if callable(self.hi) else None)
         if self.kind == "int":
@@ -159,9 +198,7 @@ class Control:
         if self.kind == "flag":
             return flag(value, self.title)
         if self.kind == "choices":
-            if value is None and self.initial is not None:
-                value = self.initial()
-            return choices(value, self.title, self.options())
+            return choices(self.default_choices() if value is None else value, self.title, self.options())
         if self.kind == "pick":
             return value if isinstance(value, str) else None
         opts = self.options()

@@ -130,9 +130,13 @@ class EvictRequest(Request):
 class CalibrateRequest(Request):
     """Calibrate / train tab: an SCD calibration of the loaded pair, saved as a run."""
 
-    domains: list = control(None, "Calibration domains", "choices", choices=_corpora, row="calibrate",
+    domains: list = control(None, "Calibration domains", "choices", choices=_corpora, row="calibrate", hosted=1,
                             props={"elem_id": "cal-domains"})
-    fit_windows: int = control(16, "Windows for the fits", "int", lo=4, hi=64, step=4, row="calibrate")
+    fit_windows: int = control(16, "Windows for the fits", "int", lo=4, hi=64, step=4, row="calibrate", hosted=4)
+    select_windows: int = control(4, "Windows for patch selection", "int", lo=1, hi=16, step=1, row="calibrate",
+                                  hosted=1)
+    rate_windows: int = control(4, "Windows for the rate curves (0: none; the byte-budget coder needs them)", "int",
+                                name="Windows for the rate curves", lo=0, hi=16, step=1, row="calibrate", hosted=0)
     patch_layers: int = control(2, "Patch layers at the operating point", "int", lo=0, hi=6, step=1, row="calibrate")
     bits: int = control(4, "Code bits", "choice", choices=BITS_SHOWN, row="calibrate")
     name: str = control("my-calibration", "Save as", "text", hi=200, required=False, row="calibrate")
@@ -144,10 +148,10 @@ class DistilRequest(Request):
     trained through the consumer on its continuation KL (scdviz.scd.distil), saved as a new calibration run."""
 
     train_windows: int = control(2, "Training windows per domain (train split)", "int", lo=1, hi=30, step=1,
-                                 row="distil")
+                                 row="distil", hosted=2)
     val_windows: int = control(1, "Validation windows per domain (calib split; they choose the epoch)", "int", lo=1,
-                               hi=4, step=1, row="distil")
-    epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil")
+                               hi=4, step=1, row="distil", hosted=1)
+    epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil", hosted=2)
     rank: int = control(32, "Correction rank", "int", lo=4, hi=64, step=4, row="distil")
     recall: float = control(0.1, "Share of windows that quote their own prompt (a quote-recall term)", "number",
                             lo=0, hi=0.5, step=0.05, widget="slider", row="distil-recall")
@@ -164,8 +168,8 @@ class FitRequest(Request):
     """Calibrate / train tab: the headline eviction method, the distilled scorer, fitted on the producer and saved
     as a run (``python -m scdviz fit-student`` with the sizes a live session can afford)."""
 
-    contexts: int = control(12, "Training contexts", "int", lo=6, hi=60, step=6, row="fit")
-    val_contexts: int = control(6, "Validation contexts", "int", lo=6, hi=24, step=6, row="fit")
+    contexts: int = control(12, "Training contexts", "int", lo=6, hi=60, step=6, row="fit", hosted=6)
+    val_contexts: int = control(6, "Validation contexts", "int", lo=6, hi=24, step=6, row="fit", hosted=6)
     window: int = control(32, "Window (recent queries read; 0: none)", "int", lo=0, hi=64, step=8, row="fit")
     name: str = control("my-scorer", "Save scorer as", "text", hi=200, required=False, row="fit")
 
@@ -175,8 +179,8 @@ class TrainRequest(Request):
     """Calibrate / train tab: a DistillCache policy (REINFORCE, docs/design.md#training) trained on the producer,
     saved as a run."""
 
-    steps: int = control(20, "REINFORCE steps", "int", lo=5, hi=300, step=5, row="train")
-    contexts: int = control(4, "Training contexts", "int", lo=2, hi=32, step=2, row="train")
+    steps: int = control(20, "REINFORCE steps", "int", lo=5, hi=300, step=5, row="train", hosted=10)
+    contexts: int = control(4, "Training contexts", "int", lo=2, hi=32, step=2, row="train", hosted=2)
     per_head: bool = control(True, "Per layer and KV head (else one token set, as specified)", "flag",
                              name="Per layer and KV head", row="train")
     name: str = control("my-policy", "Save as", "text", hi=200, required=False, row="train")

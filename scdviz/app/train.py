@@ -32,7 +32,8 @@ def calibrate_for(pair: Pair, request: CalibrateRequest, folder: Path, progress:
     from scdviz.scd import calibration
 
     req = request.checked()
-    cfg = calibration.CalibConfig(domains=req.domains, n_fit=req.fit_windows, n_select=4, n_candidates=8,
+    cfg = calibration.CalibConfig(domains=req.domains, n_fit=req.fit_windows, n_select=req.select_windows,
+                                  rate_windows=req.rate_windows, n_candidates=8,
                                   op_patch_k=req.patch_layers, code_bits=req.bits, patch_k=max(req.patch_layers, 2))
     calib = cal.calibrate(cfg, pair, progress=progress)
     calib.save(folder)
@@ -67,6 +68,21 @@ def check_calibration(pair: Pair, folder: str | Path) -> dict:
     from scdviz.scd import calibration
 
     return calibration_shown(calibration.Calibration.load(folder, pair))
+
+
+def hosted_fit(pair: Pair) -> None:
+    """Hosted mode keeps every request within about a minute; fitting the distilled scorer takes minutes on a CPU
+    even at the smallest sizes (6 + 6 contexts: the prefills, teacher passes and greedy decodes of 512-token
+    contexts, then 12 candidates validated; ``python -m research.hosted_load --heavy``), so a hosted demo whose pair
+    sits on a CPU refuses it before any work (UserError naming where it runs); nothing outside hosted mode."""
+    from scdviz import settings
+    from scdviz.app.inputs import UserError
+    from scdviz.models import hf
+
+    if settings.hosted() and hf.device_of(pair.producer).type == "cpu":
+        raise UserError("this hosted demo runs on a CPU, where fitting the distilled scorer takes minutes even at the "
+                        "smallest sizes; it fits on a GPU host, or run it in a local install (python -m scdviz "
+                        "fit-student, or this tab there)")
 
 
 def fit_scorer(pair: Pair, request: FitRequest, folder: Path, progress: bool | Reporter = True) -> dict:

@@ -23,6 +23,7 @@ from gradio.route_utils import FnIndexInferError
 
 from scdviz import data, drift, settings
 from scdviz.app import evict, gpu, hosting, pairs, results, scd, session
+from scdviz.app import train as train_work
 from scdviz.app.inputs import UserError
 from scdviz.app.jobs import Jobs, visitor_of
 from scdviz.app.requests import EvictRequest, ScdRequest
@@ -217,6 +218,7 @@ def fit(jobs, key, sess, request, http=None, progress=None):
 
     sess, req = _session(sess, _page(http)), request.checked()
     producer = key.split("\n")[0]
+    train_work.hosted_fit(pairs.get_pair(*key.split("\n")))  # before any GPU time
     for item in _run_job(jobs, "fit", sess, http, req.name, "policies", lambda folder: gpu.fit(key, req, folder),
                          progress):
         if isinstance(item, Step):

@@ -39,6 +39,10 @@ def widget(c: Control, value) -> gr.components.Component:
         value = min(max(value, lo), hi)  # a default beyond a limit read from the settings
     if kind == "textbox":
         return gr.Textbox(label=c.label, value=value, max_length=hi, **props)
+    if kind == "slider" and lo >= hi:  # a hosted cap at the floor: one value, shown and not offered
+        info = f"fixed at {hi:g} in this hosted demo (a local install offers more)"
+        return gr.Number(value=hi, minimum=lo, maximum=hi, precision=0 if c.kind == "int" else None, label=c.label,
+                         interactive=False, **{**props, "info": info})
     if kind == "slider":
         if c.kind == "int":
             return WholeSlider(lo, hi, value=value, step=c.step or 1, precision=0, label=c.label, **props)
@@ -54,7 +58,7 @@ def widget(c: Control, value) -> gr.components.Component:
         return gr.Radio(shown, value=value, label=c.label, **props)
     if c.kind == "choices":
         if value is None:
-            value = c.initial() if c.initial is not None else list(c.options())
+            value = c.default_choices()
         return gr.Dropdown(shown, value=value, multiselect=True, label=c.label, **props)
     return gr.Dropdown(shown, value=value, label=c.label, allow_custom_value=c.kind == "pick", **props)
 
