@@ -15,6 +15,7 @@ GROUND = ("scdviz.settings", "scdviz.config", "scdviz.metrics", "scdviz.link", "
           "scdviz.progress")  # import no scdviz
 LAYERS = {**dict.fromkeys(GROUND, 0), "scdviz.models": 1, "scdviz.scd": 3, "scdviz.evict": 3,
           "scdviz.modelcard": 4, "scdviz.commands": 4, "scdviz.report": 4,  # tools over both methods
+          "scdviz.serving": 4,  # the codec inside a serving engine (its own environment)
           "scdviz.app": 5, "scdviz.cli": 6, "scdviz.__main__": 6}
 LIBRARY = 2  # every other module of scdviz: data, records, artefact, plots, ...
 
