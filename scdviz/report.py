@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from scdviz import config, records, settings
+from scdviz.serving import table as serving_table
 
 SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the docs' order
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
@@ -766,6 +767,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-ttft": scd_ttft,
     "scd-tail": scd_tail,
     "scd-recall": scd_recall,
+    "scd-engine": lambda: serving_table.scd_engine(shipped_record),
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
     "evict-domains": evict_domains,

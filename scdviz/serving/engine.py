@@ -4,12 +4,15 @@
     .engine-venv/bin/python -m scdviz.serving.engine consumer --model FOLDER --store DIR --job JOB.json --out OUT
 
 JOB.json: ``{"prompts": [[token ids], ...], "channels": {NAME: CODEC, ...}, "score": n, "runs": [...]}``
-(channels as ``scdviz.serving.connector`` reads them). Prompts are token ids, never text: the tokenizer folder
-written under the project's transformers 5.2 is mis-read by the engine's 5.19, so the engine starts without one
-(``skip_tokenizer_init``).
+(channels as ``scdviz.serving.connector`` reads them; ``max_model_len``, default 2048: the longest prompt the engine
+takes, and the tokens of one engine step, so that a whole prompt is prefilled, and saved, in one step). Prompts are
+token ids, never text: the tokenizer folder written under the project's transformers 5.2 is mis-read by the
+engine's 5.19, so the engine starts without one (``skip_tokenizer_init``).
 
 - ``producer``: one vLLM engine on the producer's weights with the connector as ``kv_producer``; every prompt is
-  prefilled (one token generated) and its whole blocks leave as one payload per channel in the store.
+  prefilled once (one token generated) and its whole blocks leave as one payload per channel in the store: one
+  prefill, one payload per target calibration (fan-out). ``warmup_prompts`` run first (the connector loads the
+  producer's weights and each channel's codec on first use); their connector rows are marked ``"warmup": true``.
 - ``consumer``: one vLLM engine on the specialist's weights with the connector as ``kv_consumer``; every prompt is
   run once per entry of ``runs``, teacher-forced (``prompt_logprobs`` over the whole vocabulary): ``own`` is its
   own prefill (the request skips every external or cached prefix), a channel's name runs over the prefix the
@@ -17,12 +20,14 @@ written under the project's transformers 5.2 is mis-read by the engine's 5.19, s
   continuation, given the prompt) are kept.
 
 With ``timing_repeats`` > 0 the consumer then times each run's first token on ``timing_prompts`` (default: the
-prompts; ``first_token_seconds``: one token generated, no log-probs).
+prompts; ``first_token_seconds``: one token generated, no log-probs), after an untimed warm-up request per run on
+the first timing prompt of each length; the connector rows written while timing are marked ``"timed": true``.
 
 OUT.pt (torch.save): {"logprobs": {run: (P, score, V)}, "seconds": {run: [per prompt]}, "loaded": {run: [tokens
 the engine took from outside, per prompt]}, "ttft": {run: [[seconds per round] per prompt]}, "stats": [rows the
-connector appended], "start_seconds": engine start}. The engine runs in float32 (the numbers of
-scdviz outside an engine are float32 on the CPU), prefix caching off (each run computes what it says).
+connector appended], "start_seconds": engine start, "versions": {vllm, transformers, torch}}. The engine runs in
+float32 (the numbers of scdviz outside an engine are float32 on the CPU), prefix caching off (each run computes
+what it says). Progress lines on stdout start with ``scdviz-engine:``.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ CONNECTOR = "scdviz.serving.connector"
 
 def make_engine(model: str, role: str, store: str, channels: dict, stats: str | None,
                 max_model_len: int = 2048, eager: bool = True):
-    """A vLLM engine on ``model`` with the ScdConnector as ``kv_<role>``. ``eager``: no torch.compile (the first
-    compile of a model costs about 90 s on 2 cores, and its cache did not load in another venv)."""
+    """A vLLM engine on ``model`` with the ScdConnector as ``kv_<role>``. ``max_model_len`` is also the tokens of one
+    engine step (a prompt is prefilled in one step: the connector saves only such prompts). ``eager``: no
+    torch.compile (the first compile of a model costs about 90 s on 2 cores, and its cache did not load in another
+    venv)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -55,12 +62,14 @@ class DenseRows(list):
     """A request's prompt log-probs as dense (rows, vocab) tensors, one per prefill chunk (``fast_prompt_logprobs``)."""
 
 
-def fast_prompt_logprobs(vocab: int) -> bool:
+def fast_prompt_logprobs(vocab: int, keep: int | None = None) -> bool:
     """Keep whole-vocabulary prompt log-probs as tensors in this (front-end) process instead of vLLM's Python lists.
 
     vLLM 0.32 turns them into Python lists element by element (``FlatLogprobs.append_fast``: 56 million list appends
     and 7 s for one 289-token prompt on 2 cores, against 0.7 s for the request without log-probs); the engine
-    computes the same numbers either way, only their hand-over changes. Patches
+    computes the same numbers either way, only their hand-over changes. ``keep``: only the last ``keep`` rows of
+    each prefill chunk are kept (the rows a caller reads, ``dense``; a chunk's last rows adjoin the next chunk's
+    first, so the last ``keep`` rows of the request are right whatever the chunks). Patches
     ``LogprobsProcessor._update_prompt_logprobs``; False (nothing patched) where vLLM has no such method."""
     import torch
 
@@ -72,7 +81,10 @@ def fast_prompt_logprobs(vocab: int) -> bool:
         return False
 
     def update(self, tensors) -> None:
-        token_ids, logprobs = tensors[0].long(), tensors[1].float()
+        token_ids, logprobs = tensors[0], tensors[1]
+        if keep is not None:
+            token_ids, logprobs = token_ids[-keep:], logprobs[-keep:]
+        token_ids, logprobs = token_ids.long(), logprobs.float()
         # some rows came with ids far outside the vocabulary (index 12582928 of 49152 was seen: uninitialised
         # memory, presumably positions the engine did not compute, e.g. a prefix the connector loaded; vLLM's
         # own lists carry them too and nothing reads them): such a row is NaN here, never scattered, and
@@ -113,25 +125,94 @@ def dense(prompt_logprobs, positions: range, vocab: int):
 
 def first_token_seconds(llm, prompts: list[list[int]], runs: list[str], repeats: int) -> dict:
     """Seconds from request to first token (one generated token, no log-probs) per run and prompt, ``repeats``
-    rounds after one warm-up round, the runs' order rotating per round: {run: [[per round] per prompt]}. A
-    channel's run includes reading and decoding its payload; the payload is already in the store (no link)."""
+    rounds after an untimed warm-up (each run once on the first prompt of each length), the runs' order rotating per
+    round: {run: [[per round] per prompt]}. A channel's run includes reading and decoding its payload, which is
+    already in the store (no link here: a harness adds the link's time, ``scdviz.link``)."""
     import time as clock
 
     from vllm import SamplingParams, TokensPrompt
 
+    def request(ids: list[int], run: str) -> float:
+        own = run == "own"
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=own,
+                                extra_args=None if own else {"scd_channel": run})
+        t = clock.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        return clock.perf_counter() - t
+
     out = {run: [[] for _ in prompts] for run in runs}
-    for rnd in range(repeats + 1 if repeats else 0):
+    if repeats < 1:
+        return out
+    for ids in {len(ids): ids for ids in reversed(prompts)}.values():  # the first prompt of each length
+        for run in runs:
+            request(ids, run)
+    for rnd in range(repeats):
         order = runs[rnd % len(runs):] + runs[: rnd % len(runs)]
         for i, ids in enumerate(prompts):
             for run in order:
-                own = run == "own"
-                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=own,
-                                        extra_args=None if own else {"scd_channel": run})
-                t = clock.perf_counter()
-                llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-                if rnd:
-                    out[run][i].append(clock.perf_counter() - t)
+                out[run][i].append(request(ids, run))
+        progress(f"timing round {rnd + 1}/{repeats} done")
     return out
+
+
+def progress(text: str) -> None:
+    """A progress line on stdout (a harness echoes the lines starting ``scdviz-engine:``)."""
+    print(f"scdviz-engine: {text}", flush=True)
+
+
+def connector_rows(path: Path) -> list[dict]:
+    """The rows the connector appended to its stats file (none yet: [])."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def run_producer(llm, job: dict, stats: Path, result: dict) -> None:
+    """Warm-up prompts, then every prompt once: prefilled, its payloads saved (``seconds["prefill"]``: the request,
+    prefill and every channel's gather, encode and write)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    for ids in job.get("warmup_prompts") or []:
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    result["warmup_rows"] = len(connector_rows(stats))
+    result["seconds"]["prefill"] = []
+    for n, ids in enumerate(job["prompts"]):
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        result["seconds"]["prefill"].append(time.perf_counter() - t)
+        progress(f"prompt {n + 1}/{len(job['prompts'])} ({len(ids)} tokens) prefilled and saved, "
+                 f"{result['seconds']['prefill'][-1]:.1f} s")
+
+
+def run_consumer(llm, job: dict, channels: dict, stats: Path, result: dict) -> None:
+    """Every prompt teacher-forced once per run (log-probs of the last ``score`` tokens), then the timed first
+    tokens."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    # "slow_logprobs": vLLM's own lists (a check that the fast hand-over gives the same numbers)
+    score, runs = int(job["score"]), list(job.get("runs") or ["own", *channels])
+    result["fast_logprobs"] = False if job.get("slow_logprobs") else fast_prompt_logprobs(vocab, keep=score)
+    rows = {run: [] for run in runs}
+    for run in runs:
+        result["seconds"][run], result["loaded"][run] = [], []
+    for n, ids in enumerate(job["prompts"]):
+        positions = range(len(ids) - score, len(ids))
+        for run in runs:
+            own = run == "own"
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=-1,
+                                    flat_logprobs=True, skip_reading_prefix_cache=own,
+                                    extra_args=None if own else {"scd_channel": run})
+            t = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            result["seconds"][run].append(time.perf_counter() - t)
+            result["loaded"][run].append(int(out.num_cached_tokens or 0))
+            rows[run].append(dense(out.prompt_logprobs, positions, vocab))
+        progress(f"prompt {n + 1}/{len(job['prompts'])} ({len(ids)} tokens) scored over {len(runs)} runs")
+    result["logprobs"] = {run: torch.stack(r) for run, r in rows.items()}
+    result["timed_rows"] = len(connector_rows(stats))
+    result["ttft"] = first_token_seconds(llm, job.get("timing_prompts") or job["prompts"], runs,
+                                         int(job.get("timing_repeats", 0)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,49 +227,32 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged KV: ample for 2k tokens of a 135M model
 
     import torch
-    from vllm import SamplingParams, TokensPrompt
+    import transformers
+    import vllm
 
     job = json.loads(Path(args.job).read_text())
-    stats = str(Path(args.out).with_suffix(".stats.jsonl"))
-    Path(stats).unlink(missing_ok=True)
+    stats = Path(args.out).with_suffix(".stats.jsonl")
+    stats.unlink(missing_ok=True)
     t0 = time.perf_counter()
     channels = job.get("channels") or {"raw": {"kind": "raw"}}
-    llm = make_engine(args.model, args.role, args.store, channels, stats, eager=not args.compile)
-    result = {"start_seconds": time.perf_counter() - t0, "seconds": {}, "loaded": {}, "logprobs": {}}
+    llm = make_engine(args.model, args.role, args.store, channels, str(stats), int(job.get("max_model_len", 2048)),
+                      eager=not args.compile)
+    result = {"start_seconds": time.perf_counter() - t0, "seconds": {}, "loaded": {}, "logprobs": {},
+              "versions": {"vllm": str(vllm.__version__), "transformers": str(transformers.__version__),
+                           "torch": str(torch.__version__)}}
+    progress(f"{args.role} engine started in {result['start_seconds']:.1f} s")
     if args.role == "producer":
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        result["seconds"]["prefill"] = []
-        for ids in job["prompts"]:
-            t = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-            result["seconds"]["prefill"].append(time.perf_counter() - t)
+        run_producer(llm, job, stats, result)
     else:
-        vocab = llm.llm_engine.model_config.get_vocab_size()
-        # "slow_logprobs": vLLM's own lists (a check that the fast hand-over gives the same numbers)
-        result["fast_logprobs"] = False if job.get("slow_logprobs") else fast_prompt_logprobs(vocab)
-        score, runs = int(job["score"]), list(job.get("runs") or ["own", *channels])
-        rows = {run: [] for run in runs}
-        for run in runs:
-            result["seconds"][run], result["loaded"][run] = [], []
-        for ids in job["prompts"]:
-            positions = range(len(ids) - score, len(ids))
-            for run in runs:
-                own = run == "own"
-                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=-1,
-                                        flat_logprobs=True, skip_reading_prefix_cache=own,
-                                        extra_args=None if own else {"scd_channel": run})
-                t = time.perf_counter()
-                out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-                result["seconds"][run].append(time.perf_counter() - t)
-                result["loaded"][run].append(int(out.num_cached_tokens or 0))
-                rows[run].append(dense(out.prompt_logprobs, positions, vocab))
-        result["logprobs"] = {run: torch.stack(r) for run, r in rows.items()}
-        result["ttft"] = first_token_seconds(llm, job.get("timing_prompts") or job["prompts"], runs,
-                                             int(job.get("timing_repeats", 0)))
-    rows_file = Path(stats)
-    result["stats"] = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.is_file() else []
+        run_consumer(llm, job, channels, stats, result)
+    result["stats"] = connector_rows(stats)
+    for i, row in enumerate(result["stats"]):
+        if i < result.get("warmup_rows", 0):
+            row["warmup"] = True
+        if i >= result.get("timed_rows", len(result["stats"])):
+            row["timed"] = True
     torch.save(result, args.out)
-    print(json.dumps({k: v for k, v in result.items() if k != "logprobs"}, default=str)[:3000])
+    print(json.dumps({k: v for k, v in result.items() if k not in ("logprobs", "stats")}, default=str)[:3000])
     llm.llm_engine.engine_core.shutdown()  # the engine core and its worker stop here, not in interpreter teardown
     return 0
 

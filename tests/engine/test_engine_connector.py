@@ -1,12 +1,14 @@
-"""ScdConnector end to end in two vLLM engine processes (needs the engine venv: python -m scdviz.serving.setup_engine).
+"""ScdConnector end to end in vLLM engine processes (needs the engine venv: python -m scdviz.serving.setup_engine).
 
-A producer engine (the built-in producer's weights) prefills 8 held-out jargon prompts and its connector writes two
-payloads per prompt into a shared folder (raw KV; SCD reuse-only codes of the shipped jargon calibration, int4 at its
-operating point and transform coded at 3,840 B/token); a fresh specialist engine (builtin:jargon merged) runs each
-prompt four times, teacher-forced over 32 continuation
-tokens: its own prefill, and over the prefix its connector loads from each payload. The engine's KL(own || loaded)
-and top-1 agreement must be those scdviz measures outside any engine (scdviz.scd.transfer, as ``bench scd`` does)
-on the same prompts and plans: KL within 10 %, top-1 within 0.02.
+A producer engine (the built-in producer's weights) prefills 8 held-out jargon prompts once each and its connector
+writes four payloads per prompt into a shared folder (raw KV; SCD reuse-only codes of the shipped jargon calibration,
+int4 at its operating point and transform coded at 3,840 B/token; SCD reuse-only codes of the shipped austen-qkv
+calibration: one prefill, a payload per target specialist); a fresh specialist engine (builtin:jargon merged) runs
+each prompt four times, teacher-forced over 32 continuation tokens: its own prefill, and over the prefix its
+connector loads from each of its payloads. The engine's KL(own || loaded) and top-1 agreement must be those scdviz
+measures outside any engine (scdviz.scd.transfer, as ``bench scd`` does) on the same prompts and plans: KL within
+10 %, top-1 within 0.02. Fan-out: a second specialist engine (builtin:austen-qkv merged) then runs the same prompts
+over its own prefill, the same raw payload and its own SCD payload from the same prefills, held to the same bounds.
 """
 
 from __future__ import annotations
@@ -32,34 +34,32 @@ PREFIX, CONT, N = 256, 32, 8  # the prefix is two whole 128-token blocks: what a
 CALIB = ASSETS_DIR / "scd" / "jargon"
 CHANNELS = {"raw": {"kind": "raw"}, "scd-reuse": {"kind": "scd", "calibration": str(CALIB), "patch_k": 0},
             "scd-tc3840": {"kind": "scd", "calibration": str(CALIB), "budget": 3840}}
+# the second specialist of the fan-out: the same raw payload and its own calibration's SCD payload
+FAN = "austen-qkv"
+FAN_CHANNELS = {"raw": CHANNELS["raw"],
+                f"scd-{FAN}-reuse": {"kind": "scd", "calibration": str(ASSETS_DIR / "scd" / FAN), "patch_k": 0}}
+PRODUCED = {**CHANNELS, **FAN_CHANNELS}  # what the producer writes per prompt, from one prefill
 
 
-def engine(role: str, model, store, job: dict, folder) -> dict:
+def engine(role: str, model, store, job: dict, folder, name: str | None = None) -> dict:
     """Run one engine process of the venv on ``job``; its results (scdviz.serving.engine)."""
-    (folder / f"{role}.json").write_text(json.dumps(job))
-    out, log = folder / f"{role}.pt", folder / f"{role}.log"
+    name = name or role
+    (folder / f"{name}.json").write_text(json.dumps(job))
+    out, log = folder / f"{name}.pt", folder / f"{name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run([str(setup_engine.python()), "-m", "scdviz.serving.engine", role, "--model", str(model),
-                               "--store", str(store), "--job", str(folder / f"{role}.json"), "--out", str(out)],
+                               "--store", str(store), "--job", str(folder / f"{name}.json"), "--out", str(out)],
                               cwd=REPO_DIR, stdout=f, stderr=subprocess.STDOUT, timeout=1200)
-    assert done.returncode == 0, f"{role} engine failed:\n" + "\n".join(log.read_text().splitlines()[-40:])
+    assert done.returncode == 0, f"{name} engine failed:\n" + "\n".join(log.read_text().splitlines()[-40:])
     result = torch.load(out)
     result["wall_seconds"] = time.perf_counter() - t0
     return result
 
 
-@pytest.fixture(scope="module")
-def run(builtin_pair, tmp_path_factory):
-    """Outside the engine (scdviz's own transfer) and inside it, on the same windows."""
-    pair = builtin_pair
-    folder = tmp_path_factory.mktemp("engine")
-    windows = [w.ids for w in data.eval_windows(pair.tokenizer, "jargon", "dev", PREFIX + 1 + CONT, N)]
-    calib = Calibration.load(CALIB, pair)
-    plans = {"raw": (Codec.raw(len(pair.producer.model.layers)).plan, None),
-             "scd-reuse": (Codec.of(calib, patch_k=0).plan, calib),
-             "scd-tc3840": (Codec.of(calib, budget=3840).plan, calib)}
-    t0 = time.perf_counter()
+def outside_numbers(pair, windows: list[list[int]], plans: dict) -> tuple[dict, list, list]:
+    """scdviz's own transfer on ``windows``: per plan KL, top-1 per token and bytes; the oracle's log-probs; the
+    raw payload of each window."""
     outside = {name: {"kl": [], "top1": [], "bytes": []} for name in plans}
     oracle, blobs = [], []
     for w in windows:
@@ -71,14 +71,42 @@ def run(builtin_pair, tmp_path_factory):
             outside[name]["kl"].append(float(metrics.kl_per_token(case.oracle_logits, got.logits).mean()))
             outside[name]["top1"] += metrics.top1_agreement(case.oracle_logits, got.logits).tolist()
             outside[name]["bytes"].append(got.payload_bytes)
+    return outside, oracle, blobs
+
+
+@pytest.fixture(scope="module")
+def run(builtin_pair, tmp_path_factory):
+    """Outside the engine (scdviz's own transfer) and inside it, on the same windows: one producer engine, then the
+    two specialists' engines, one after the other."""
+    from scdviz.models.pair import load_pair
+
+    pair = builtin_pair
+    folder = tmp_path_factory.mktemp("engine")
+    windows = [w.ids for w in data.eval_windows(pair.tokenizer, "jargon", "dev", PREFIX + 1 + CONT, N)]
+    calib = Calibration.load(CALIB, pair)
+    raw_plan = Codec.raw(len(pair.producer.model.layers)).plan
+    plans = {"raw": (raw_plan, None),
+             "scd-reuse": (Codec.of(calib, patch_k=0).plan, calib),
+             "scd-tc3840": (Codec.of(calib, budget=3840).plan, calib)}
+    t0 = time.perf_counter()
+    outside, oracle, blobs = outside_numbers(pair, windows, plans)
+    fan_pair = load_pair("builtin:smollm2-135m", f"builtin:{FAN}")
+    fan_calib = Calibration.load(ASSETS_DIR / "scd" / FAN, fan_pair)
+    fan_outside, fan_oracle, _ = outside_numbers(fan_pair, windows, {
+        "raw": (raw_plan, None), f"scd-{FAN}-reuse": (Codec.of(fan_calib, patch_k=0).plan, fan_calib)})
+    del fan_pair
     outside_seconds = time.perf_counter() - t0
     store = folder / "store"
     producer = engine("producer", models.producer_folder(), store,
-                      {"prompts": [w[: PREFIX + 1] for w in windows], "channels": CHANNELS}, folder)
+                      {"prompts": [w[: PREFIX + 1] for w in windows], "channels": PRODUCED}, folder)
     consumer = engine("consumer", models.specialist_folder("jargon"), store,
                       {"prompts": windows, "channels": CHANNELS, "score": CONT, "runs": ["own", *CHANNELS]}, folder)
+    fan = engine("consumer", models.specialist_folder(FAN), store,
+                 {"prompts": windows, "channels": FAN_CHANNELS, "score": CONT, "runs": ["own", *FAN_CHANNELS]},
+                 folder, name=f"consumer-{FAN}")
     return {"windows": windows, "outside": outside, "oracle": oracle, "raw_blobs": blobs, "store": store,
-            "producer": producer, "consumer": consumer, "outside_seconds": outside_seconds}
+            "producer": producer, "consumer": consumer, "outside_seconds": outside_seconds,
+            "fan": {"outside": fan_outside, "oracle": fan_oracle, "consumer": fan}}
 
 
 def test_the_specialist_engine_takes_the_whole_blocks_from_each_payload(run):
@@ -87,7 +115,7 @@ def test_the_specialist_engine_takes_the_whole_blocks_from_each_payload(run):
     for name in CHANNELS:
         assert loaded[name] == [PREFIX] * N, name
     saves = [r for r in run["producer"]["stats"] if r["event"] == "save"]
-    assert sorted((r["channel"], r["tokens"]) for r in saves) == sorted((c, PREFIX) for c in CHANNELS for _ in range(N))
+    assert sorted((r["channel"], r["tokens"]) for r in saves) == sorted((c, PREFIX) for c in PRODUCED for _ in range(N))
     for name in CHANNELS:  # the engine's payloads are scdviz's own for the same prefix and plan
         inside, outside = [r["bytes"] for r in saves if r["channel"] == name], run["outside"][name]["bytes"]
         if "budget" in CHANNELS[name]:  # rate control fits each prompt's own numbers: a few bytes either way
@@ -115,23 +143,53 @@ def test_the_specialist_engines_own_prefill_is_the_specialists(run):
         assert float((own[i] - run["oracle"][i]).abs().max()) < 2e-3
 
 
-def test_kl_and_top1_in_the_engine_are_those_measured_outside_it(run):
-    own = run["consumer"]["logprobs"]["own"]
+def agreement(consumer: dict, outside: dict, channels) -> list[str]:
+    """KL and top-1 in the engine (against its own prefill) beside outside it, per channel; asserts the bounds."""
+    own = consumer["logprobs"]["own"]
     rows = []
-    for name in CHANNELS:
-        got = run["consumer"]["logprobs"][name]
+    for name in channels:
+        got = consumer["logprobs"][name]
         kl_in = sum(float(metrics.kl_per_token(own[i], got[i]).mean()) for i in range(N)) / N
         top1_in = float(metrics.top1_agreement(own, got).mean())
-        kl_out = sum(run["outside"][name]["kl"]) / N
-        top1_out = sum(run["outside"][name]["top1"]) / len(run["outside"][name]["top1"])
+        kl_out = sum(outside[name]["kl"]) / N
+        top1_out = sum(outside[name]["top1"]) / len(outside[name]["top1"])
         rows.append(f"{name}: KL in {kl_in:.5f} out {kl_out:.5f}, top-1 in {top1_in:.4f} out {top1_out:.4f}, "
-                    f"{run['outside'][name]['bytes'][0] / PREFIX:,.0f} B/token")
+                    f"{outside[name]['bytes'][0] / PREFIX:,.0f} B/token")
         assert abs(kl_in - kl_out) <= 0.10 * kl_out, rows[-1]
         assert abs(top1_in - top1_out) <= 0.02, rows[-1]
-    c, p = run["consumer"], run["producer"]
+    return rows
+
+
+def test_kl_and_top1_in_the_engine_are_those_measured_outside_it(run):
+    rows = agreement(run["consumer"], run["outside"], CHANNELS)
+    c, p, f = run["consumer"], run["producer"], run["fan"]["consumer"]
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print("\n" + "\n".join(rows))
     print(f"outside {run['outside_seconds']:.1f} s; producer engine: start {p['start_seconds']:.1f} s, process "
           f"{p['wall_seconds']:.1f} s, prefill median {med(p['seconds']['prefill']):.2f} s; consumer engine: start "
           f"{c['start_seconds']:.1f} s, process {c['wall_seconds']:.1f} s, request medians "
-          + ", ".join(f"{k} {med(v):.2f} s" for k, v in c["seconds"].items()))
+          + ", ".join(f"{k} {med(v):.2f} s" for k, v in c["seconds"].items())
+          + f"; {FAN}'s engine: process {f['wall_seconds']:.1f} s")
+
+
+def test_one_producer_prefill_serves_both_specialists(run):
+    """Fan-out: each prompt was prefilled once by the producer (its connector saved every channel in that one
+    request); the second specialist's engine took the same raw payload file and its own calibration's SCD payload,
+    and holds the same bounds against scdviz outside the engine."""
+    producer, fan = run["producer"], run["fan"]
+    assert len(producer["seconds"]["prefill"]) == N
+    saves = [r for r in producer["stats"] if r["event"] == "save"]
+    for req in {r["req"] for r in saves}:  # one request (one prefill) wrote the payloads of both specialists
+        assert sorted(r["channel"] for r in saves if r["req"] == req) == sorted(PRODUCED), req
+    assert len({r["req"] for r in saves}) == N
+    loaded = fan["consumer"]["loaded"]
+    assert loaded["own"] == [0] * N
+    for name in FAN_CHANNELS:
+        assert loaded[name] == [PREFIX] * N, name
+    raw_keys = {engine: sorted(r["key"] for r in c["stats"] if r["event"] == "load" and r["channel"] == "raw")
+                for engine, c in (("jargon", run["consumer"]), (FAN, fan["consumer"]))}
+    assert raw_keys["jargon"] == raw_keys[FAN] and len(set(raw_keys[FAN])) == N  # the same raw payload files
+    own = fan["consumer"]["logprobs"]["own"]
+    for i in range(N):  # the second engine runs the second specialist's weights
+        assert float((own[i] - fan["oracle"][i]).abs().max()) < 2e-3
+    print("\n" + "\n".join(agreement(fan["consumer"], fan["outside"], FAN_CHANNELS)))

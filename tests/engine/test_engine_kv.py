@@ -1,4 +1,5 @@
-"""The paged KV layout, prefix keys and file store of scdviz.serving.kv: plain torch, no engine needed."""
+"""The paged KV layout, prefix keys and file store of scdviz.serving.kv, and the engine table rendered from its record
+(scdviz.serving.table): no engine needed."""
 
 from __future__ import annotations
 
@@ -54,3 +55,57 @@ def test_the_store_finds_the_longest_stored_prefix_of_its_channel(tmp_path):
     assert store.longest("raw", [7, *ids[1:]], 128) == 0  # another prefix
     assert store.get(kv.prefix_key("raw", ids[:256])) == b"bb"
     assert not list(tmp_path.glob(".*partial"))
+
+
+def _engine_record():
+    from scdviz import records
+
+    def row(spec, prefix, channel, method, engine_ms, ttft=None, **more):
+        out = {"specialist": spec, "prefix_tokens": prefix, "channel": channel, "method": method,
+               "engine_ms": engine_ms, "engine_iqr_ms": [engine_ms - 5, engine_ms + 5], "producer_request_ms": 2000.0}
+        if ttft is not None:
+            out.update({f"ttft_{g}gbps_ms": t for g, t in zip((1, 10, 100), ttft, strict=True)})
+            out.update({f"ttft_with_encode_{g}gbps_ms": t + 250.0 for g, t in zip((1, 10, 100), ttft, strict=True)})
+            out.update({"bytes_per_token": 6745.0, "encode_ms": 250.0, "load_ms": 600.0, "kl_engine": 0.0325,
+                        "kl_outside": 0.0324, "top1_engine": 0.89, "top1_outside": 0.89})
+        return out | more
+
+    rows = [row("jargon", 1024, "own", "own prefill", 3000.0),
+            row("jargon", 1024, "raw", "raw KV", 500.0, (690.0, 520.0, 502.0)),
+            row("jargon", 1024, "scd-jargon-reuse", "SCD reuse-only int4", 850.0, (910.0, 856.0, 851.0)),
+            row("austen-qkv", 1024, "own", "own prefill", 700.0),
+            row("austen-qkv", 1024, "scd-austen-qkv-reuse", "SCD reuse-only int4", 800.0, (860.0, 806.0, 801.0))]
+    settings = {"research": "engine_demo", "slice": "dev", "latency_ms": 0.5, "repeats": 3, "timing_prompts": 2,
+                "prompts": 2, "cont": 32, "domains": ["jargon", "austen"],
+                "command": "python -m research.engine_demo --record"}
+    versions = {"hardware": {"cpu_count": 2}, "engine": {"vllm": "0.32.0"},
+                "load_average": {"start": [1.0, 1.5, 2.0], "end": [1.2, 1.4, 1.9]}}
+    return records.BenchRecord("ttft", settings, 0, rows, versions)
+
+
+def test_the_engine_table_comes_from_its_record(tmp_path):
+    """scdviz.serving.table: a row per run, the link columns the rows carry, the formula, the load average, the
+    issue's bar per specialist (SCD below the own prefill at 1k tokens and 1 Gbit/s, or said NOT to be) and the
+    record's command; ``scd_engine`` reads through the reader it is given (report.shipped_record in the docs)."""
+    from scdviz import records
+    from scdviz.serving import table
+
+    record = _engine_record()
+    text = table.render(record, "assets/scd/engine.json")
+    assert "TTFT ms at 1 / 10 / 100 Gbit/s" in text
+    assert ("| jargon | 1,024 + 1 | SCD reuse-only int4 | 6,745 | 850 [845, 855] | 600 | 910 / 856 / 851 | 250 | "
+            "0.03250 / 0.03240 | 0.8900 / 0.8900 |") in text
+    assert "| jargon | 1,024 + 1 | own prefill |  | 3,000 [2,995, 3,005] |  | = engine ms (nothing sent) |" in text
+    assert "TTFT = engine ms + latency (0.5 ms) + payload bytes × 8 / bandwidth" in text
+    assert "at start 1.00 / 1.50 / 2.00" in text
+    assert ("jargon, 1k tokens at 1 Gbit/s: own prefill 3,000 ms; raw KV 690 ms (below; 940 ms with the producer's "
+            "encode added, below); SCD reuse-only int4 910 ms (below; 1,160 ms with the producer's encode added, "
+            "below).") in text
+    assert "SCD reuse-only int4 860 ms (NOT below; 1,110 ms with the producer's encode added, NOT below)" in text
+    last = text.splitlines()[-1]  # as every table of scdviz.report ends
+    assert last == ("*Records (and the command that made each):* `assets/scd/engine.json` (dev slice): "
+                    "`python -m research.engine_demo --record`.")
+    path = records.write(record, tmp_path / "engine.json")
+    asked = []
+    assert table.scd_engine(lambda rel: asked.append(rel) or records.read(path)) == text
+    assert asked == [table.RECORD]
