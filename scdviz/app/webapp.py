@@ -104,7 +104,7 @@ def scd_run(key, sess, request, progress=None):
 def evict_run(key, sess, request, progress=None):
     """The eviction tab's methods on one context, this visitor's own policies included; figures built here."""
     sess, request = _session(sess), request.checked()
-    evict.hosted_cost(pairs.get_pair(*key.split("\n")).tokenizer, request)  # before any GPU time
+    evict.hosted_cost(_pair(key).tokenizer, request)  # before any GPU time
     out = _through(gpu.evict(key, request, {k: str(v) for k, v in sess.policies.items()}), progress)
     return {**out, "figures": evict.evict_figures(out["figures"])}
 
@@ -218,7 +218,7 @@ def fit(jobs, key, sess, request, http=None, progress=None):
 
     sess, req = _session(sess, _page(http)), request.checked()
     producer = key.split("\n")[0]
-    train_work.hosted_fit(pairs.get_pair(*key.split("\n")))  # before any GPU time
+    train_work.hosted_fit(_pair(key))  # before any GPU time
     for item in _run_job(jobs, "fit", sess, http, req.name, "policies", lambda folder: gpu.fit(key, req, folder),
                          progress):
         if isinstance(item, Step):
