@@ -174,17 +174,21 @@ def _calibration_stage(cmd: Distil, stage: str):
 def _distil(cmd: Distil) -> None:
     from scdviz.scd import distil
 
+    if cmd.prepare_part:
+        return _distil_prepare(cmd)
     pair, calib, out = _calibration_stage(cmd, "distil")
+    work = Path(cmd.work) if cmd.work else runs.folder("distil-work", out.name)
+    print(f"checkpoint in {work}: the same command with --work {work} resumes this fit if it stops")
     t0 = time.perf_counter()
-    trained, log = distil.distil(pair, calib, cmd.distil)
+    trained, log = distil.distil(pair, calib, cmd.distil, folder=work, spool=cmd.spool)
     trained.save(out)
     _save_run(cmd, out, "distil", cmd.distil.seed, str(pair.device), time.perf_counter() - t0)
     kl, best = log["val_kl"], log["best_epoch"]
     what = ("objective (KL; quoted tokens: NLL less the oracle's)" if cmd.distil.recall and
             cmd.distil.recall_target == "quote" else "KL")
     print(f"validation {what} (calib split, {log['val_windows']} windows), mean of {len(log['plans'])} plans: "
-          f"closed form {kl[0]:.4f}, best {kl[best]:.4f} after epoch {best} of {len(kl) - 1}; training per epoch "
-          + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
+          f"closed form {kl[0]:.4f}, best {kl[best]:.4f} at validation {best} of {len(kl) - 1} (step "
+          f"{log['best_step']}); training between validations " + ", ".join(f"{x:.4f}" for x in log["train_kl"]))
     for name, by in log["val_kl_by_plan"].items():
         print(f"  {name}: {by[0]:.4f} -> {by[best]:.4f}")
     if not best:
@@ -195,6 +199,24 @@ def _distil(cmd: Distil) -> None:
           f"consumer's prefill)")
     print(f"saved to {out} in {log['seconds']:.0f} s; measure it with python -m scdviz bench scd --consumers "
           f"{cmd.consumer} --calibs {out}")
+
+
+def _distil_prepare(cmd: Distil) -> None:
+    """``distil --prepare-part I N``: one share of the spool's windows, nothing else."""
+    from scdviz.models.pair import choose_threads, load_pair
+    from scdviz.scd import calibration, distil
+
+    if len(cmd.prepare_part) != 2 or not cmd.spool:
+        raise ValueError("--prepare-part takes two numbers, I N, and needs --spool (the folder the fit will read)")
+    print(f"torch threads: {choose_threads()}")
+    pair = load_pair(cmd.producer, cmd.consumer)
+    calib = calibration.Calibration.load(Path(cmd.calib) if cmd.calib else _calib_folder(cmd.consumer), pair)
+    calib = calib.closed_form()
+    t0 = time.perf_counter()
+    train, val = distil.prepare(pair, calib, cmd.distil, distil.trained_plans(calib, cmd.distil), Path(cmd.spool),
+                                True, tuple(cmd.prepare_part))
+    print(f"part {cmd.prepare_part[0]} of {cmd.prepare_part[1]} of {len(train)} training and {len(val)} validation "
+          f"windows prepared into {cmd.spool} in {time.perf_counter() - t0:.0f} s")
 
 
 def _bench_scd(cmd: BenchScd) -> None:
@@ -276,11 +298,15 @@ def _fit_student(cmd: FitStudent) -> None:
     from scdviz.models.pair import choose_threads, load_model
 
     folder = _out_folder(cmd.fit.out, "policies", cmd.name or runs.auto_name("student"), cmd.maintainer, None)
+    work = Path(cmd.work) if cmd.work else runs.folder("fit-work", folder.name)
+    print(f"checkpoint in {work}: the same command with --work {work} resumes this fit if it stops")
     print(f"torch threads: {choose_threads()}")
     model, tokenizer = load_model(cmd.model)
     t0 = time.perf_counter()
-    fitted = student_fit.fit(dataclasses.replace(cmd.fit, out=str(folder)), (model, tokenizer, cmd.model))
+    fitted = student_fit.fit(dataclasses.replace(cmd.fit, out=str(folder)), (model, tokenizer, cmd.model),
+                             folder=work)
     fitted.save(folder)
+    student_fit.remove_checkpoint(work)  # the student is saved: the checkpoint and spool are not needed
     _save_run(cmd, folder, "fit-student", None, str(next(model.parameters()).device), time.perf_counter() - t0)
     log = fitted.log
     print(f"validation KL ({cmd.fit.val_contexts} calib contexts, kept {', '.join(map(str, cmd.fit.keeps))}): "

@@ -95,6 +95,13 @@ class Distil:
                             "folder, else the shipped one)")
     name: str | None = opt(None, NAME_HELP.format(kind="calibrations") + " (default: <calibration>-distil)")
     out: str | None = opt(None, "output folder instead of the runs folder")
+    work: str | None = opt(None, "folder of the fit's checkpoint (default: <runs>/distil-work/<name>); the same "
+                           "command with the same --work resumes a fit that was stopped")
+    spool: str | None = opt(None, "folder of the prepared windows (default: <work>/spool); fits of the same "
+                            "calibration, plans and window length may share one, each preparing only the windows "
+                            "it lacks")
+    prepare_part: list[int] = opt([], "I N: only prepare the I-th of every N windows into the spool, then stop (N "
+                                  "of these at once, one core each, prepare a large fit's windows faster)")
     maintainer: bool = opt(False, MAINTAINER_HELP + ": --out may then write into assets/")
     distil: DistilConfig = field(default_factory=DistilConfig)
 
@@ -137,6 +144,9 @@ class TrainPolicy:
 class FitStudent:
     model: str = opt(PRODUCER, f"{SOURCE_HELP}: the model whose caches are pruned")
     name: str | None = opt(None, NAME_HELP.format(kind="policies") + " (default: student-<UTC time>)")
+    work: str | None = opt(None, "folder of the fit's checkpoint and listwise spool (default: <runs>/fit-work/<name>); "
+                           "the same command with the same --work resumes a fit that was stopped; removed once the "
+                           "student is saved")
     maintainer: bool = opt(False, MAINTAINER_HELP + " (with --out under assets/policy)")
     fit: FitConfig = field(default_factory=FitConfig)
 

@@ -155,7 +155,7 @@ def to_dict(cfg) -> dict:
 # ----------------------------------------------------------------------------- config files (TOML)
 
 # where a run writes, not what it measures: left out of a saved config, so a rerun from it makes a new run
-OUTPUT_FIELDS = frozenset({"out", "name", "figures", "maintainer", "resume"})
+OUTPUT_FIELDS = frozenset({"out", "name", "figures", "maintainer", "resume", "work", "spool", "prepare_part"})
 
 
 def _toml_value(value) -> str:

@@ -465,24 +465,25 @@ def fit_candidates(log: dict | None) -> go.Figure:
 
 
 def distil_curve(log: dict | None) -> go.Figure:
-    """The correction stage's training (scdviz.scd.distil): validation KL per epoch at each plan it was
-    trained at (epoch 0 = the closed form), their mean (which chooses the epoch, marked), training KL."""
+    """The correction stage's training (scdviz.scd.distil): validation KL at each validation (step 0 = the closed
+    form) at each plan it was trained at, their mean (which chooses the checkpoint kept, marked), and the training
+    KL between validations, against training steps."""
     fig = go.Figure()
     log = log or {}
-    for name, kl in (log.get("val_kl_by_plan") or {}).items():
-        fig.add_scatter(x=list(range(len(kl))), y=kl, mode="lines+markers", name=f"validation, {name}")
-    if log.get("val_kl"):
-        kl = log["val_kl"]
-        fig.add_scatter(x=list(range(len(kl))), y=kl, mode="lines+markers", name="validation, mean (chooses)",
-                        line=dict(width=3))
+    kl = log.get("val_kl") or []
+    at = log.get("val_steps") or list(range(len(kl)))  # a log from before validation by steps: one per epoch
+    for name, by in (log.get("val_kl_by_plan") or {}).items():
+        fig.add_scatter(x=at, y=by, mode="lines+markers", name=f"validation, {name}")
+    if kl:
+        fig.add_scatter(x=at, y=kl, mode="lines+markers", name="validation, mean (chooses)", line=dict(width=3))
         best = log.get("best_epoch", 0)
-        fig.add_scatter(x=[best], y=[kl[best]], mode="markers", name=f"kept: epoch {best}",
+        fig.add_scatter(x=[at[best]], y=[kl[best]], mode="markers", name=f"kept: step {at[best]}",
                         marker=dict(size=14, symbol="star"))
     if log.get("train_kl"):
-        fig.add_scatter(x=list(range(1, len(log["train_kl"]) + 1)), y=log["train_kl"], mode="lines",
-                        name="training (mean over the epoch)", line=dict(dash="dot"))
-    fig.update_xaxes(dtick=1)  # whole epochs
-    return _layout(fig, "Correction stage trained through the consumer", "epoch (0 = closed form)",
+        fig.add_scatter(x=at[1 : len(log["train_kl"]) + 1], y=log["train_kl"], mode="lines",
+                        name="training (mean since the validation before)", line=dict(dash="dot"))
+    unit = "step" if log.get("val_steps") else "epoch"
+    return _layout(fig, "Correction stage trained through the consumer", f"training {unit} (0 = closed form)",
                    "KL(oracle ‖ SCD), nats/token")
 
 

@@ -3,7 +3,8 @@
     <work dir>/runs/<kind>/<name>/     work dir: SCDVIZ_WORK, else SCDVIZ_CACHE, else the platform cache
 
 Kinds: ``calibrations`` (SCD), ``policies`` (DistillCache), ``specialists`` (LoRA adapters from
-``finetune``) and ``bench`` (a record, its config and its figures). The repository's
+``finetune``), ``bench`` (a record, its config and its figures), and ``distil-work`` / ``fit-work`` (the
+checkpoints of ``distil`` and ``fit-student``, where a stopped fit resumes). The repository's
 ``assets/`` is written only when a maintainer asks for it by name (``--maintainer``).
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from scdviz import settings
 from scdviz.errors import UserError
 
-KINDS = ("calibrations", "policies", "specialists", "bench")
+KINDS = ("calibrations", "policies", "specialists", "bench", "distil-work", "fit-work")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 

@@ -175,3 +175,30 @@ def test_hosted_caps_bound_the_heavy_jobs_and_the_widgets_show_them(monkeypatch)
     assert controls.widget(c["domains"], None).value == data.corpora()[:1]
     fixed = controls.widget(c["select_windows"], 4)  # a cap at the control's floor: one value, not offered
     assert isinstance(fixed, gr.Number) and fixed.value == 1 and not fixed.interactive
+
+
+def test_a_stopped_correction_fit_asked_for_again_resumes_in_the_same_work_folder(monkeypatch):
+    """The fit's checkpoint folder is the visitor's, one per pair, base calibration and settings: the same ask
+    under another name finds it (so it resumes), other settings, another pair or another visitor do not; and the
+    time left is shown once the current step has moved, from its own pace."""
+    from scdviz.app import session, webapp
+    from scdviz.progress import Step
+
+    a, b = session.Session(), session.Session()
+    req = requests.DistilRequest(name="one")
+    work = webapp.distil_work(a, "p\nc", None, req)
+    assert work.parent.parent == a.folder  # inside the visitor's own folder
+    assert webapp.distil_work(a, "p\nc", None, requests.DistilRequest(name="two")) == work
+    assert webapp.distil_work(a, "p\nc", None, requests.DistilRequest(epochs=3)) != work
+    assert webapp.distil_work(a, "p\nd", None, req) != work
+    assert webapp.distil_work(a, "p\nc", "/runs/mine", req) != work
+    assert webapp.distil_work(b, "p\nc", None, req).name == work.name != ""  # same recipe, another folder
+    assert webapp.distil_work(b, "p\nc", None, req).parent != work.parent
+    clock = iter([0.0, 10.0, 20.0, 30.0, 40.0])
+    monkeypatch.setattr(webapp.time, "monotonic", lambda: next(clock))
+    pace = webapp.Pace()
+    assert pace.eta(Step("steps", 10, 110)) == ""  # first seen: no pace yet
+    assert pace.eta(Step("steps", 20, 110)) == ", about 90 s left"  # 10 steps in 10 s, 90 to go
+    assert pace.eta(Step("steps", 30, 110)) == ", about 80 s left"  # 20 in 20 s, 80 to go
+    assert pace.eta(Step("steps", 31, 1000)) == ", about 23 min left"  # 21 in 30 s, 969 to go: 1384 s
+    assert pace.eta(Step("validation", 0, 6)) == ""  # a new step starts its own pace

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import struct
 
 import pandas as pd
@@ -742,7 +743,7 @@ def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_witho
     from scdviz.scd import bench, distil
 
     base = cal.calibrate(small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2), tiny_pair, progress=False)
-    recipe = distil.DistilConfig(rank=2, epochs=1, train_windows=2, val_windows=1, prompt_len=40, cont_len=8,
+    recipe = distil.DistilConfig(rank=2, epochs=3, train_windows=4, val_windows=1, prompt_len=40, cont_len=8,
                                  lr=1e-2, budgets=[], recall=0.0, seed=3)
     trained, _ = distil.distil(tiny_pair, base, recipe, progress=False)
     assert trained.corrections and bench.distil_recipe(trained) == recipe and bench.distil_recipe(base) is None
@@ -1257,7 +1258,8 @@ def test_a_recall_window_scored_against_its_quote_counts_quoted_tokens_by_excess
     lead = tiny_pair.tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]
     cfg = distil.DistilConfig(train_windows=2, val_windows=2, prompt_len=40, cont_len=len(lead) + 16, recall=0.5,
                               recall_target="quote")
-    train, _ = distil.labelled_windows(tiny_pair, tiny_calib, cfg)
+    train, _ = distil.named_windows(tiny_pair, tiny_calib, cfg)
+    train = [(w, r) for _, w, r in train]
     assert [r for _, r in train] == [distil.is_recall(i, 0.5) for i in range(2)] * (len(train) // 2)
     window = next(w for w, r in train if r)
     q = distil.quote_from(tiny_pair.tokenizer)
@@ -1296,3 +1298,79 @@ def test_row_spread_accumulated_payload_by_payload_is_the_spread_of_all_rows_at_
     for layer, spread in got.items():
         rows = [kv for blob in blobs for i, kv in transfer.code_rows(tiny_calib, blob) if i == layer]
         torch.testing.assert_close(spread, torch.cat(rows).double().std(0).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_spread_order_nests_every_smaller_set_in_a_larger_one_spread_through_the_split():
+    """The windows a fit takes from a split: distinct, every index once when all are asked for, the first m of
+    any longer order the order of m (so a 10x fit's spool holds the 1x fit's windows), and spread: the first
+    four of 100 fall in four different quarters."""
+    from scdviz.scd import distil
+
+    assert distil.spread_order(100, 4) == [0, 50, 25, 75]
+    for count in (7, 100, 501):
+        full = distil.spread_order(count, count)
+        assert sorted(full) == list(range(count))
+        for m in (1, 3, count // 2):
+            assert distil.spread_order(count, m) == full[:m]
+    assert len(distil.spread_order(5, 9)) == 5  # never more than the split holds
+
+
+def test_a_stopped_fit_resumes_from_its_checkpoint_to_the_same_corrections(tiny_pair, tiny_calib, tmp_path):
+    """Stopped in its second epoch (the reporter raises ``Stopped``, as the app's Stop does), a fit called again
+    with the same folder prepares nothing again, resumes at the step it stopped after, and ends with corrections
+    and a validation log bit for bit those of a fit never interrupted; every validation is in the log once."""
+    from scdviz.progress import Stopped
+    from scdviz.scd import distil
+
+    plan = _low_rank_plan(tiny_calib)
+    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=3, val_windows=1, prompt_len=40, cont_len=8, lr=1e-2,
+                              budgets=[], recall=0.0)
+    whole, whole_log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan], folder=tmp_path / "a")
+    seen = []
+
+    def stop_at_step_8(desc, done, total):
+        seen.append(desc)
+        if desc.startswith("distil: steps") and done == 4:  # after 4 of the 9 steps, in the second epoch
+            raise Stopped("stopped")
+
+    folder = tmp_path / "b"
+    with pytest.raises(Stopped):
+        distil.distil(tiny_pair, tiny_calib, cfg, progress=stop_at_step_8, at=[plan], folder=folder)
+    assert json.loads((folder / "checkpoint.json").read_text())["done"] == 4
+    seen.clear()
+    got, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=lambda d, i, n: seen.append((d, i, n)),
+                             at=[plan], folder=folder)
+    assert all(n == 0 for d, _, n in seen if d.startswith("distil: preparing"))  # the spool held every window
+    assert any("resumed at step 4" in d and n == 5 for d, _, n in seen)
+    assert log["resumed_at"] == [4] and log["val_steps"] == whole_log["val_steps"] == [0, 3, 6, 9]
+    assert log["val_kl"] == whole_log["val_kl"] and log["train_kl"] == whole_log["train_kl"]
+    assert sorted(got.corrections) == sorted(whole.corrections)
+    for layer, p in whole.corrections.items():
+        for k, v in p.items():
+            assert torch.equal(got.corrections[layer][k], v), (layer, k)
+
+
+def test_fits_share_a_spool_and_one_of_another_recipe_is_refused(tiny_pair, tiny_calib, tmp_path):
+    """A fit with more windows prepares only those the smaller one's spool lacks, and validating every 2 steps
+    logs a validation at each even step and at the end; a spool prepared for another window length is refused
+    by name, before any work."""
+    from scdviz.scd import distil
+
+    plan = _low_rank_plan(tiny_calib)
+    cfg = distil.DistilConfig(rank=4, epochs=1, train_windows=2, val_windows=1, prompt_len=40, cont_len=8, lr=1e-2,
+                              budgets=[], recall=0.0)
+    spool = tmp_path / "spool"
+    distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan], folder=tmp_path / "a", spool=spool)
+    before = {p.name: p.stat().st_mtime_ns for p in spool.glob("*.safetensors")}
+    domains = len(set(name.split("-")[1] for name in before))
+    seen = []
+    more = dataclasses.replace(cfg, train_windows=3, val_every=2)
+    _, log = distil.distil(tiny_pair, tiny_calib, more, progress=lambda d, i, n: seen.append((d, n)), at=[plan],
+                           folder=tmp_path / "b", spool=spool)
+    assert [n for d, n in seen if d.startswith("distil: preparing")][0] == domains  # one new window a domain
+    assert all(p.stat().st_mtime_ns == t for p in spool.glob("*.safetensors") if (t := before.get(p.name)))
+    steps_ = 3 * domains
+    assert log["val_steps"] == [*range(0, steps_, 2), steps_] if steps_ % 2 else [*range(0, steps_ + 1, 2)]
+    with pytest.raises(ValueError, match="spool .* was prepared for"):
+        distil.distil(tiny_pair, tiny_calib, dataclasses.replace(cfg, cont_len=10), progress=False, at=[plan],
+                      folder=tmp_path / "c", spool=spool)

@@ -28,10 +28,12 @@ from scdviz.evict.student_fit import (
     design_parts,
     fit,
     listwise_layer,
+    remove_checkpoint,
     teacher_distribution,
     teacher_rows,
 )
 from scdviz.models import hf
+from scdviz.progress import Stopped
 
 
 def _ids(n: int, seed: int = 1) -> torch.Tensor:
@@ -283,8 +285,9 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
     real_flush = Lists.flush
     monkeypatch.setattr(Lists, "flush", lambda self: (spooled.append(self.folder), real_flush(self))[1])
     student = fit(cfg, (model, _Words(), "tiny"), progress=False)
-    # the lists went to disk inside the run's folder, one file per training context, and are gone now
-    assert len(spooled) == 4 and {p.parent for p in spooled} == {tmp_path / "run"}
+    # the lists went to disk inside the run's folder (the fit's temporary folder there), one file per training
+    # context, and are gone now
+    assert len(spooled) == 4 and all(tmp_path / "run" in p.parents for p in spooled)
     assert not any((tmp_path / "run").iterdir())
     vals = student.log["val"]
     assert [(v["ridge"] if "listwise_penalty" not in v else None, v.get("listwise_penalty")) for v in vals][:2] == \
@@ -304,6 +307,91 @@ def test_fit_runs_the_listwise_stage_after_the_closed_form_and_keeps_the_better_
                                            else "distilled-scorer-closed-form")
     assert student.weight.shape[-1] == student.hidden + 4 + bool(window) and student.config.window == window
     assert not torch.equal(student.weight, closed.weight) == ("listwise_penalty" in best)
+
+
+def _resumable(**overrides) -> FitConfig:
+    """A tiny fit with every stage: decode states, decode validation and the listwise stage (whose spool a resumed
+    fit must have whole)."""
+    return FitConfig(**{**dict(corpora=("austen", "gcide"), contexts=4, val_contexts=2, context_len=40, teacher_len=8,
+                                cont_len=4, question_len=2, ridges=(0.1, 1000.0), decode_len=6, decode_every=3,
+                                decode_weights=(0.3,), val_decode=2, val_decode_tokens=8, decode_interval=4,
+                                listwise=(0.0,), listwise_iters=5), **overrides})
+
+
+def test_a_fit_stopped_after_k_contexts_resumes_from_its_folder_to_the_uninterrupted_student_bit_for_bit(tmp_path):
+    model = tiny_model("llama")
+    cfg, work = _resumable(), tmp_path / "work"
+    whole = fit(cfg, (model, _Words(), "tiny"), progress=False)
+
+    def stop_after_two(desc, done, total):  # the visitor cancels once two training contexts are in
+        if desc.startswith("student: prefill and teacher") and done == 2:
+            raise Stopped("stopped")
+
+    with pytest.raises(Stopped):
+        fit(cfg, (model, _Words(), "tiny"), progress=stop_after_two, folder=work)
+    state = json.loads((work / "checkpoint.json").read_text())
+    assert (state["done"], state["rows"], state["decode_rows"]) == (2, 2 * 40, 2 * (40 + 3))  # one state: s = 3 of 6
+    assert sorted(p.name for p in (work / "listwise").iterdir()) == ["context-00000.safetensors",
+                                                                     "context-00001.safetensors"]
+    seen = []
+    again = fit(cfg, (model, _Words(), "tiny"), progress=lambda desc, done, total: seen.append((desc, total)),
+                folder=work)
+    assert {total for desc, total in seen if desc.startswith("student: prefill and teacher")} == {2}  # only the rest
+    assert torch.equal(again.weight, whole.weight)
+    assert torch.equal(again.stages["closed_form"].weight, whole.stages["closed_form"].weight)
+    mine, theirs = ({k: v for k, v in s.log.items() if k not in ("seconds", "resumed_at")} for s in (again, whole))
+    assert mine == theirs and again.log["resumed_at"] == [2] and "resumed_at" not in whole.log
+    assert again.meta == whole.meta and again.config == whole.config
+    assert json.loads((work / "checkpoint.json").read_text())["done"] == 4  # kept until the caller removes it
+    remove_checkpoint(work)
+    assert not work.exists()
+
+
+def test_an_error_inside_a_context_leaves_the_checkpoint_before_it_and_the_resumed_sums_are_exact(tmp_path,
+                                                                                                 monkeypatch):
+    import scdviz.evict.student_fit as sf
+
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen",), contexts=3, context_len=12, teacher_len=4, decode_len=6, decode_every=3)
+    student = Student.for_model(model)
+    whole = accumulate(model, _Words(), cfg, student, False)
+    monkeypatch.setattr(sf, "CHECKPOINT_EVERY", 1)
+    real, calls, layers = sf.NormalEquations.add, [], student.weight.shape[0]
+
+    def killed_in_the_third(self, *args, **kwargs):  # the third context's second layer: its first layer is in
+        if self.decode is not None:  # the prefill rows' equations (the decode states' have none of their own)
+            calls.append(1)
+            if len(calls) == 2 * layers + 2:
+                raise RuntimeError("killed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sf.NormalEquations, "add", killed_in_the_third)
+    with pytest.raises(RuntimeError, match="killed"):
+        accumulate(model, _Words(), cfg, student, False, folder=tmp_path)
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["done"] == 2  # the half context is not in it
+    monkeypatch.setattr(sf.NormalEquations, "add", real)
+    again = accumulate(model, _Words(), cfg, student, False, folder=tmp_path)
+    assert again.resumed_at == [2] and (again.rows, again.decode.rows) == (whole.rows, whole.decode.rows)
+    got, want = again.tensors(), whole.tensors()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_a_checkpoint_of_another_fit_is_refused_naming_what_differs(tmp_path):
+    model = tiny_model("llama")
+    cfg = FitConfig(corpora=("austen",), contexts=2, context_len=12, teacher_len=4, decode_len=0)
+    accumulate(model, _Words(), cfg, Student.for_model(model), False, folder=tmp_path)
+    before = (tmp_path / "checkpoint.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"checkpoint of another fit \(contexts: 2 there, 3 here; "
+                                         r"student.window: 0 there, 4 here\)"):
+        fit(dataclasses.replace(cfg, contexts=3, student=StudentConfig(window=4)), (model, _Words(), "tiny"),
+            progress=False, folder=tmp_path)
+    with pytest.raises(ValueError, match="checkpoint of another fit \\(another model"):
+        fit(cfg, (tiny_model("llama", seed=1), _Words(), "tiny"), progress=False, folder=tmp_path)
+    assert (tmp_path / "checkpoint.safetensors").read_bytes() == before  # refused before any work
+    # the same recipe but where the student is written: the same fit, resumed (all its contexts in already)
+    again = accumulate(model, _Words(), dataclasses.replace(cfg, out="elsewhere"), Student.for_model(model), False,
+                       folder=tmp_path)
+    assert again.resumed_at == [2] and again.rows == 2 * 12
 
 
 def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):

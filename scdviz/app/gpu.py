@@ -174,12 +174,12 @@ def calibrate(key: str, request, folder: str) -> Iterator:
 
 
 @_gpu("distil")
-def distil(key: str, request, folder: str, base: str | None = None) -> Iterator:
-    """Train the correction stage of the calibration in ``base`` (None: the shipped one) into ``folder``:
-    Done(its training log)."""
+def distil(key: str, request, folder: str, base: str | None = None, work: str | None = None) -> Iterator:
+    """Train the correction stage of the calibration in ``base`` (None: the shipped one) into ``folder``, its
+    checkpoint in ``work`` (a stopped fit asked for again resumes from it): Done(its training log)."""
     from scdviz.app import train
 
-    yield from stream(lambda report: train.distil_for(_pair(key), request, folder, base, report), folder)
+    yield from stream(lambda report: train.distil_for(_pair(key), request, folder, base, report, work), folder)
 
 
 @_gpu("check")

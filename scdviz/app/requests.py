@@ -147,10 +147,10 @@ class DistilRequest(Request):
     """Calibrate / train tab: the correction stage of the visitor's SCD calibration (else the shipped one)
     trained through the consumer on its continuation KL (scdviz.scd.distil), saved as a new calibration run."""
 
-    train_windows: int = control(2, "Training windows per domain (train split)", "int", lo=1, hi=30, step=1,
+    train_windows: int = control(2, "Training windows per domain (train split)", "int", lo=1, hi=300, step=1,
                                  row="distil", hosted=2)
     val_windows: int = control(1, "Validation windows per domain (calib split; they choose the epoch)", "int", lo=1,
-                               hi=4, step=1, row="distil", hosted=1)
+                               hi=8, step=1, row="distil", hosted=1)
     epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil", hosted=2)
     rank: int = control(32, "Correction rank", "int", lo=4, hi=64, step=4, row="distil")
     recall: float = control(0.1, "Share of windows that quote their own prompt (a quote-recall term)", "number",

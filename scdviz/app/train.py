@@ -10,6 +10,7 @@ never a loaded model part), so nothing a visitor makes lives in a global or only
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from scdviz.app.requests import CalibrateRequest, DistilRequest, FitRequest, TrainRequest
@@ -41,11 +42,12 @@ def calibrate_for(pair: Pair, request: CalibrateRequest, folder: Path, progress:
 
 
 def distil_for(pair: Pair, request: DistilRequest, folder: Path, base_folder: str | Path | None = None,
-               progress: bool | Reporter = True) -> dict:
+               progress: bool | Reporter = True, work: str | Path | None = None) -> dict:
     """Train the correction stage of the SCD tab's calibration for this visitor (the one in ``base_folder``, else
     the shipped one) through the consumer (``scdviz.scd.distil``) and save the result in ``folder``; returns
     the training log. Without rate curves (a calibration made here) it trains at the operating point only, and
-    the log says so."""
+    the log says so. ``work``: the fit's prepared windows and checkpoint (``distil.distil``'s folder), where a
+    stopped fit asked for again resumes; removed once the fit is saved."""
     from scdviz.app import scd
     from scdviz.scd import distil
 
@@ -56,9 +58,11 @@ def distil_for(pair: Pair, request: DistilRequest, folder: Path, base_folder: st
                               recall_target=req.recall_target)  # budgets: the CLI's (1/6 and 1/10 of fp16)
     if not (req.budgets and base.rate is not None):
         cfg.budgets = []  # the operating point only
-    calib, log = distil.distil(pair, base, cfg, progress=progress)
+    calib, log = distil.distil(pair, base, cfg, progress=progress, folder=work)
     log["asked_budgets_without_rate"] = bool(req.budgets and base.rate is None)
     calib.save(folder)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
     return log
 
 

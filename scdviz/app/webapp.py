@@ -13,9 +13,13 @@ results. Nothing heavy happens at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -125,6 +129,24 @@ def _progress_of(progress, step: Step) -> None:
         progress((step.done, step.total or None), desc=step.desc)
 
 
+class Pace:
+    """A job's time left, from how fast its current step has gone so far (one per followed job)."""
+
+    def __init__(self) -> None:
+        self.desc, self.since, self.first = None, 0.0, 0
+
+    def eta(self, step: Step) -> str:
+        """``, about N s left`` for ``step`` once it has moved past where it was first seen; else ``""``."""
+        now = time.monotonic()
+        if step.desc != self.desc:
+            self.desc, self.since, self.first = step.desc, now, step.done
+            return ""
+        if step.done <= self.first or not step.total:
+            return ""
+        left = (now - self.since) / (step.done - self.first) * (step.total - step.done)
+        return f", about {left / 60:.0f} min left" if left >= 120 else f", about {left:.0f} s left"
+
+
 def _run_job(jobs: Jobs, what: str, sess: session.Session, http, name, kind: str, call, progress):
     """Start a heavy job making a run folder ``runs/<kind>/<name>`` of the visitor's session and follow the GPU call
     ``call(folder)`` (``scdviz.app.gpu``): yields each ``Step`` (shown on ``progress``), then the folder and the
@@ -168,15 +190,24 @@ def distil(jobs, key, sess, request, http=None, progress=None):
 
     sess, req = _session(sess, _page(http)), request.checked()
     base = _calibration_of(sess, key)
+    work, pace = distil_work(sess, key, base, req), Pace()
     for item in _run_job(jobs, "distil", sess, http, req.name, "calibrations",
-                         lambda folder: gpu.distil(key, req, folder, base), progress):
+                         lambda folder: gpu.distil(key, req, folder, base, str(work)), progress):
         if isinstance(item, Step):
-            yield (f"Training the correction stage: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
-                   gr.skip(), sess)
+            yield (f"Training the correction stage: {item.desc} ({item.done}/{item.total}{pace.eta(item)}); press "
+                   "Stop to cancel (the same settings asked for again resume where it stopped).", gr.skip(), sess)
         else:
             folder, log = item
             sess.calibrations[tuple(key.split("\n", 1))] = folder
             yield _distil_summary(log, folder), plots.distil_curve(log), sess
+
+
+def distil_work(sess: session.Session, key: str, base, req) -> Path:
+    """The folder of a correction-stage fit's prepared windows and checkpoint in the visitor's session: one per
+    pair, base calibration and settings (the name it is saved under aside), so the same ask after a Stop resumes."""
+    recipe = json.dumps([key, str(base), {k: v for k, v in dataclasses.asdict(req).items() if k != "name"}],
+                        sort_keys=True)
+    return sess.folder / "distil-work" / hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
 def _distil_summary(log: dict, folder: Path) -> str:
@@ -184,8 +215,10 @@ def _distil_summary(log: dict, folder: Path) -> str:
     kl, best, f = log["val_kl"], log["best_epoch"], log["footprint"]
     rows = "\n".join(f"| {name} | {by[0]:.4f} | {by[best]:.4f} | {by[best] / by[0]:.3f}× |"
                       for name, by in log["val_kl_by_plan"].items())
-    kept = (f"epoch {best} of {len(kl) - 1} kept" if best else
-            "no epoch beat the closed form, so the calibration is the closed form again")
+    kept = (f"validation {best} of {len(kl) - 1} kept (after {log['val_steps'][best]} steps)" if best else
+            "no validation beat the closed form, so the calibration is the closed form again")
+    if log.get("resumed_at"):
+        kept += f"; resumed after a stop at step {', '.join(map(str, log['resumed_at']))}"
     note = ("\n\nYour calibration has no rate curves (`python -m scdviz rate` makes them), so it trained at the "
             "operating point only." if log.get("asked_budgets_without_rate") else "")
     recall = log["recall_windows"]

@@ -12,15 +12,25 @@ KLs the benches report: at prefill (``train.validation_kls``: deterministic top-
 continuation teacher-forced after ``question_len`` unscored tokens) plus, with ``val_decode``,
 while decoding (``decode_kls``: the cache held at its budget by the same student); then the
 listwise stage (``listwise_layer``) refits the chosen closed form on the softmax cross-entropy
-to the teacher's attention, kept when it validates better. Writes only the listwise stage's spool
-(``Lists``: a temporary folder inside ``out``, deleted when the fit ends); the CLI saves what it returns
+to the teacher's attention, kept when it validates better. The CLI saves what it returns
 (``Student.save``).
+
+The accumulated sums are what a fit spends its time on and do not change once a context is in them, so
+they are checkpointed: ``fit``'s ``folder`` holds them (``checkpoint.safetensors``, float64, and
+``checkpoint.json``: the training contexts done, the row counts, the recipe it belongs to) with the
+listwise stage's spool (``listwise/``, ``Lists``), and a fit stopped or killed and called again with the
+same folder and recipe accumulates only the contexts after its last checkpoint, ending with the same
+student, bit for bit, as a fit never interrupted. Without a folder a temporary one is used (inside
+``out`` when it is set), deleted when the fit ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -42,6 +52,11 @@ from scdviz.evict.student import WINDOW_EPS, Student, StudentConfig, StudentPres
 from scdviz.evict.windows import compressed_layers
 from scdviz.models import hf
 from scdviz.progress import Reporter, steps
+
+CHECKPOINT_EVERY = 10  # training contexts between the closed form's checkpoints (also one when stopped and when done)
+CHECKPOINT_S = 300.0  # and at most this many seconds (a large model's contexts are slow on a CPU)
+CHECKPOINT_FILES = ("checkpoint.safetensors", "checkpoint.json")  # in a fit's folder, beside its spool (``SPOOL``)
+SPOOL = "listwise"  # the listwise stage's spool, in a fit's folder
 
 
 @dataclass
@@ -164,6 +179,8 @@ class NormalEquations:
             raise ValueError("give either the dense X'X (L, R, F, F) or its shared blocks hh, he and ee")
         self.dense, self.xty, self.rows, self.decode = xtx, xty, rows, decode
         self.hh, self.he, self.ee = hh, he, ee
+        self.seconds_before = 0.0  # seconds spent accumulating them in earlier sittings (a resumed fit's)
+        self.resumed_at: list[int] = []  # the training contexts already in them at each resumption
 
     @classmethod
     def zeros(cls, n_layers: int, rows: int, f: int, hidden: int | None = None) -> NormalEquations:
@@ -186,6 +203,35 @@ class NormalEquations:
         n_layers, rows, _ = self.xty.shape
         return torch.stack([torch.stack([self.matrix(layer, row) for row in range(rows)])
                             for layer in range(n_layers)])
+
+    def _named(self) -> dict[str, Tensor]:
+        """Every accumulated tensor by its name in a checkpoint (the decode states' under ``decode.``), the
+        tensors themselves."""
+        out = {"xty": self.xty}
+        if self.dense is not None:
+            out["xtx"] = self.dense
+        else:
+            for layer, blocks in enumerate(zip(self.hh, self.he, self.ee, strict=True)):
+                out |= {f"{name}.{layer}": t for name, t in zip(("hh", "he", "ee"), blocks, strict=True)}
+        if self.decode is not None:
+            out |= {f"decode.{name}": t for name, t in self.decode._named().items()}
+        return out
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every accumulated tensor by name, on the host and contiguous: what a checkpoint stores (``load``
+        reads them back). Host tensors are not copied."""
+        return {name: t.detach().cpu().contiguous() for name, t in self._named().items()}
+
+    def load(self, get) -> None:
+        """Set every accumulated tensor, in place, to ``get(name)`` (names as ``tensors``: a checkpoint's
+        ``safe_open`` handle's ``get_tensor``), one tensor at a time; ValueError when one differs in shape or
+        type (the row counts are the caller's)."""
+        for name, t in self._named().items():
+            got = get(name)
+            if got.shape != t.shape or got.dtype != t.dtype:
+                raise ValueError(f"the checkpoint's {name} is {got.dtype} {tuple(got.shape)}, not {t.dtype} "
+                                 f"{tuple(t.shape)}")
+            t.copy_(got)
 
     def nbytes(self) -> int:
         """Bytes of the accumulated tensors, the decode states' included."""
@@ -259,14 +305,24 @@ class Lists:
     float16 (the context's, then its generation's up to the last decode state), and per scored list (the prefill,
     or a decode state of ``now`` tokens, keyed by ``now``) the extra columns (R, now, k) and the teacher's
     distribution (R, now). ``set_hidden`` / ``add`` fill the current context, ``flush`` writes it
-    (``context-NNNNN.safetensors``) and starts the next. ``fit`` spools into a temporary folder inside its ``out``
-    folder and deletes it when done."""
+    (``context-NNNNN.safetensors``) and starts the next; ``resume`` continues a spool a stopped fit left. ``fit``
+    spools into its folder (``SPOOL``), beside its checkpoint, so a resumed fit's stage sees every context."""
 
     def __init__(self, folder, n_layers: int):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.n_layers, self.contexts = n_layers, 0
         self._current: dict[str, Tensor] = {}
+
+    def resume(self, contexts: int) -> None:
+        """Continue a spool that already holds its first ``contexts`` contexts (a resumed fit's; those after them,
+        left by a sitting that stopped before its next checkpoint, are written again); ValueError when one of them
+        is missing."""
+        missing = [n for n in range(contexts) if not (self.folder / f"context-{n:05d}.safetensors").is_file()]
+        if missing:
+            raise ValueError(f"the listwise spool {self.folder} lacks context {missing[0]} of the {contexts} its "
+                             "checkpoint counts: remove the folder's checkpoint to start the fit again")
+        self.contexts, self._current = contexts, {}
 
     def set_hidden(self, layer: int, hidden: Tensor) -> None:
         """The current context's inputs of ``layer`` (rows, d), replacing the ones set before (a decode state's rows
@@ -348,40 +404,154 @@ def windows(tokenizer, cfg: FitConfig, split: str, count: int, length: int) -> l
 
 
 def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: bool | Reporter = True,
-               lists: Lists | None = None) -> NormalEquations:
+               lists: Lists | None = None, folder: str | Path | None = None, key: dict | None = None
+               ) -> NormalEquations:
     """The normal equations over ``cfg.contexts`` training contexts: per context an SDPA prefill (H_in and
     values of every layer) and the teacher's continuation over the full cache with eager attention; with
-    ``lists``, the listwise stage's data is collected there too."""
+    ``lists``, the listwise stage's data is collected there too.
+
+    With ``folder``, they are checkpointed there (``_save_checkpoint``) every ``CHECKPOINT_EVERY`` contexts or
+    ``CHECKPOINT_S`` seconds, whichever comes first, when all are in, and when stopped (the reporter raises
+    ``Stopped``) or failing between two contexts (a failure or Ctrl-C inside a context leaves the checkpoint before
+    it, since the sums in memory then hold part of that context); a checkpoint there of the same ``key`` (default
+    ``_checkpoint_key``) is resumed: its sums loaded, only the contexts after it accumulated, ``lists`` continued
+    (``Lists.resume``). ValueError, before any work, for a checkpoint of another fit."""
+    t0 = time.perf_counter()
     n_layers, rows, f = student.weight.shape
     normal = NormalEquations.zeros(n_layers, rows, f, hidden=student.hidden)  # H_in'H_in once per layer
     if cfg.decode_len:
         normal.decode = NormalEquations.zeros(n_layers, rows, f, hidden=student.hidden)
-    t = cfg.context_len
-    positions = torch.arange(t)
-    _, n_kv, _ = hf.attn_heads(model)
-    for window in steps(windows(tokenizer, cfg, "train", cfg.contexts, t + cfg.teacher_len),
-                        "student: prefill and teacher (train contexts)", progress):
-        ids = hf.ids_tensor(window, device=hf.device_of(model))
-        with torch.no_grad():
-            trace = hf.forward(model, ids[:, :t], capture={"h_in"}, last_logits=True)
-            with hf.eager(model):
-                cont = hf.forward(model, ids[:, t:], cache=hf.make_cache(model, trace.keys, trace.values),
-                                  attentions=True, last_logits=True)
-        future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
-        for layer in range(n_layers):
-            column = prefill_column(model, student, layer, trace.h_in[layer], trace.keys[layer])
-            h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions.to(ids.device), t,
-                                    None if column is None else column[0])
-            normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
+    done = saved = 0
+    last = t0  # when the last checkpoint was written (or the fit began)
+    if folder is not None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        key = _checkpoint_key(cfg, model) if key is None else key
+        resumed = _load_checkpoint(folder, key, normal)
+        if resumed is not None:
+            done = saved = resumed
+            normal.resumed_at.append(done)
             if lists is not None:
-                lists.set_hidden(layer, h)
-                lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head))
-        normal.rows += t
-        if cfg.decode_len:
-            _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace, lists)
-        if lists is not None:
-            lists.flush()
+                lists.resume(done)
+
+    def save() -> None:
+        nonlocal saved, last
+        _save_checkpoint(folder, key, done, normal, normal.seconds_before + time.perf_counter() - t0)
+        saved, last = done, time.perf_counter()
+
+    todo = windows(tokenizer, cfg, "train", cfg.contexts, cfg.context_len + cfg.teacher_len)[done:]
+    desc = "student: prefill and teacher (train contexts" + (f"; resumed after {done})" if done else ")")
+    between = True  # the sums hold whole contexts only: a checkpoint now is one of ``done`` contexts
+    try:
+        for window in steps(todo, desc, progress):
+            between = False
+            _add_context(model, cfg, student, normal, window, lists)
+            done, between = done + 1, True
+            if folder is not None and (not done % CHECKPOINT_EVERY or time.perf_counter() - last > CHECKPOINT_S):
+                save()
+    except BaseException:  # stopped or killed: the contexts done are kept, and the same call resumes after them
+        if folder is not None and between and done != saved:
+            save()
+        raise
+    if folder is not None and done != saved:
+        save()
     return normal
+
+
+def _add_context(model, cfg: FitConfig, student: Student, normal: NormalEquations, window: list[int],
+                 lists: Lists | None) -> None:
+    """One training context's rows (``window``: its ``cfg.context_len`` tokens, then the teacher's), its decode
+    states' too, added to ``normal`` (and ``lists``, then flushed)."""
+    n_layers, t, n_kv = student.weight.shape[0], cfg.context_len, hf.attn_heads(model)[1]
+    ids = hf.ids_tensor(window, device=hf.device_of(model))
+    with torch.no_grad():
+        trace = hf.forward(model, ids[:, :t], capture={"h_in"}, last_logits=True)
+        with hf.eager(model):
+            cont = hf.forward(model, ids[:, t:], cache=hf.make_cache(model, trace.keys, trace.values),
+                              attentions=True, last_logits=True)
+    future = F.future_attention(cont.attn, t, n_kv)[0][:, 0]  # (L, Hkv, T)
+    positions = torch.arange(t, device=ids.device)
+    for layer in range(n_layers):
+        column = prefill_column(model, student, layer, trace.h_in[layer], trace.keys[layer])
+        h, extra = design_parts(student, trace.h_in[layer][0], trace.values[layer][0], positions, t,
+                                None if column is None else column[0])
+        normal.add(layer, h, extra, teacher_rows(future[layer], student.config.per_head))
+        if lists is not None:
+            lists.set_hidden(layer, h)
+            lists.add(layer, extra, teacher_distribution(future[layer], student.config.per_head))
+    normal.rows += t
+    if cfg.decode_len:
+        _add_decode_states(model, cfg, student, normal.decode, ids[:, t : t + 1], trace, lists)
+    if lists is not None:
+        lists.flush()
+
+
+def _checkpoint_key(cfg: FitConfig, model) -> dict:
+    """What a checkpoint must match to be resumed: the model (``artefact.fingerprint``) and the recipe, less
+    ``out`` (where the student is written); as JSON reads it back (tuples as lists)."""
+    recipe = {k: v for k, v in config.to_dict(cfg).items() if k != "out"}
+    return json.loads(json.dumps({"model": artefact.fingerprint(model), "config": recipe}))
+
+
+def _key_difference(theirs: dict, ours: dict) -> str:
+    """What differs between two checkpoint keys, in words: the model, or each setting as ``name: A there, B
+    here`` (nested ones dotted)."""
+    if theirs.get("model") != ours.get("model"):
+        return f"another model: fingerprint {theirs.get('model')} there, {ours.get('model')} here"
+
+    def flat(d: dict, at: str = "") -> dict:
+        return {k: v for name, value in d.items()
+                for k, v in (flat(value, f"{at}{name}.").items() if isinstance(value, dict)
+                             else [(f"{at}{name}", value)])}
+
+    a, b = flat(theirs.get("config", {})), flat(ours.get("config", {}))
+    return "; ".join(f"{name}: {a.get(name, '(none)')} there, {b.get(name, '(none)')} here"
+                     for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name))
+
+
+def _save_checkpoint(folder: Path, key: dict, done: int, normal: NormalEquations, seconds: float) -> None:
+    """The sums of the first ``done`` training contexts, whole (written, then renamed): their tensors
+    (``NormalEquations.tensors``, float64) and, in the tensors' own metadata and in ``checkpoint.json``, ``done``
+    and the row counts; the JSON also holds ``key`` and the seconds spent accumulating, every sitting's."""
+    counters = {"done": done, "rows": normal.rows, "decode_rows": normal.decode.rows if normal.decode else 0}
+    save_file(normal.tensors(), str(folder / "checkpoint.part"), metadata={k: str(v) for k, v in counters.items()})
+    state = {"key": key, **counters, "seconds": round(seconds, 1), "resumed_at": normal.resumed_at}
+    (folder / "checkpoint.json.part").write_text(json.dumps(state))
+    os.replace(folder / "checkpoint.part", folder / "checkpoint.safetensors")
+    os.replace(folder / "checkpoint.json.part", folder / "checkpoint.json")
+
+
+def _load_checkpoint(folder: Path, key: dict, normal: NormalEquations) -> int | None:
+    """The training contexts done by the checkpoint in ``folder``, with ``normal`` set to its sums (row counts,
+    earlier sittings' seconds and resumptions too); None when there is none. ValueError for one of another fit,
+    naming what differs. The counters are the tensors' own (their metadata): a sitting killed between renaming
+    the tensors and the JSON leaves a JSON one checkpoint older, never sums counted twice."""
+    if not (folder / "checkpoint.json").exists():
+        return None
+    state = json.loads((folder / "checkpoint.json").read_text())
+    if state["key"] != key:
+        raise ValueError(f"{folder} holds the checkpoint of another fit ({_key_difference(state['key'], key)}); "
+                         "give another folder, or remove that one to start again")
+    with safe_open(str(folder / "checkpoint.safetensors"), "pt") as fh:
+        counters = {k: int(v) for k, v in fh.metadata().items()}
+        normal.load(fh.get_tensor)
+    normal.rows = counters["rows"]
+    if normal.decode is not None:
+        normal.decode.rows = counters["decode_rows"]
+    normal.seconds_before = float(state["seconds"])
+    normal.resumed_at = list(state.get("resumed_at", []))
+    return counters["done"]
+
+
+def remove_checkpoint(folder: str | Path) -> None:
+    """Remove what ``fit`` wrote into ``folder`` (its checkpoint and listwise spool), and the folder when nothing
+    else is left in it: once the fit's student is saved, nothing in there is needed."""
+    folder = Path(folder)
+    for name in CHECKPOINT_FILES:
+        (folder / name).unlink(missing_ok=True)
+    shutil.rmtree(folder / SPOOL, ignore_errors=True)
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def _add_decode_states(model, cfg: FitConfig, student: Student, normal: NormalEquations, first, trace,
@@ -476,33 +646,43 @@ def prepared_samples(model, tokenizer, cfg: FitConfig, split: str, count: int, p
                            windows=windows(tokenizer, cfg, split, count, length))
 
 
-def fit(cfg: FitConfig, subject, progress: bool | Reporter = True) -> Student:
+def fit(cfg: FitConfig, subject, progress: bool | Reporter = True, folder: str | Path | None = None) -> Student:
     """Fit a student for ``subject`` (a Pair, whose producer is pruned, or (model, tokenizer, source)); returns
     it with ``log``: every ridge's (and listwise penalty's) validation KL (mean and per kept fraction), H2O's on
-    the same contexts, the chosen ridge and the seconds taken; ``stages["closed_form"]`` is the ridge fit alone.
-    Writes only the listwise stage's spool, deleted before it returns."""
+    the same contexts, the chosen ridge and the seconds taken (every sitting's accumulation, and this sitting);
+    ``stages["closed_form"]`` is the ridge fit alone.
+
+    ``folder`` holds the fit's checkpoint (the closed form's sums: ``accumulate``) and the listwise stage's spool
+    (``SPOOL``): a fit stopped or killed and called again with the same ``folder`` and config resumes after the
+    last context checkpointed and ends with the same student as one never interrupted; ValueError, before any
+    work, for a folder holding another fit's checkpoint. The folder is left as it is when the fit ends
+    (``remove_checkpoint`` clears it). Without one, a temporary folder (inside ``cfg.out`` when set, else the
+    system's), deleted when the fit ends, however it ends."""
     model, tokenizer, source = trainer.subject(subject)
     compressed_layers(model)  # a model of sliding-window layers only has nothing to compress: refused before any work
-    if not cfg.listwise:
-        return _fit(cfg, model, tokenizer, source, None, progress)
+    if folder is not None:
+        return _fit(cfg, model, tokenizer, source, Path(folder), progress)
     if cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    # the listwise stage's lists on disk, not in host memory: inside the run's folder (the system's temporary
-    # folder without one), deleted when the fit ends, however it ends
-    with tempfile.TemporaryDirectory(prefix="listwise-spool-", dir=cfg.out or None) as spool:
-        return _fit(cfg, model, tokenizer, source, Lists(spool, hf.n_layers(model)), progress)
+    with tempfile.TemporaryDirectory(prefix="scdviz-fit-", dir=cfg.out or None) as tmp:
+        return _fit(cfg, model, tokenizer, source, Path(tmp), progress)
 
 
-def _fit(cfg: FitConfig, model, tokenizer, source: str, lists: Lists | None, progress: bool | Reporter) -> Student:
-    """``fit`` once the model is checked, ``lists`` the listwise stage's spool (None without that stage)."""
+def _fit(cfg: FitConfig, model, tokenizer, source: str, folder: Path, progress: bool | Reporter) -> Student:
+    """``fit`` into ``folder`` once the model is checked."""
     t0 = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
     base = Student.for_model(model, cfg.student)
-    normal = accumulate(model, tokenizer, cfg, base, progress, lists)
+    # the listwise stage's lists on disk, not in host memory, beside the checkpoint: a resumed fit has them all
+    lists = Lists(folder / SPOOL, hf.n_layers(model)) if cfg.listwise else None
+    normal = accumulate(model, tokenizer, cfg, base, progress, lists, folder, _checkpoint_key(cfg, model))
     decoding = bool(normal.decode)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
     # windows are always spread through their splits: the log says so, as a policy's does (bench.LoadedPolicy reads it)
     log = {"config": {**config.to_dict(cfg), "spread": True}, "val": [], "rows": normal.rows,
            "decode_rows": normal.decode.rows if normal.decode else 0}
+    if normal.resumed_at:
+        log["resumed_at"] = list(normal.resumed_at)
 
     def scorer(student: Student):
         return lambda s: torch.cat([p[0] for p in prefill_scores(model, student, s.obs)], 0)
@@ -553,7 +733,7 @@ def _fit(cfg: FitConfig, model, tokenizer, source: str, lists: Lists | None, pro
             closed, closed_kl, closed_weight, closed_decode = best, best_kl, best_weight, best_decode
     log["h2o_per_context"] = [round(v, 6) for v in h2o]
     log["closed_form_kl"] = round(closed_kl, 5)
-    log["seconds"] = round(time.perf_counter() - t0, 1)
+    log["seconds"] = round(normal.seconds_before + time.perf_counter() - t0, 1)  # every sitting's accumulation
     n_heads, _, head_dim = hf.attn_heads(model)
     for one, kl, decoding, weight in ((closed, log["closed_form_kl"], closed_decode, closed_weight),
                                       (best, best_kl, best_decode, best_weight)):

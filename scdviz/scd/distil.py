@@ -24,11 +24,17 @@ so payloads of the two never mix) and a log; ``save`` / ``load`` are the calibra
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from scdviz import config, data, metrics, qa
 from scdviz.config import opt
@@ -68,9 +74,13 @@ class DistilConfig:
                              "log-likelihood, less the oracle's: the quote itself is the truth, and the oracle's "
                              "own recall is below raw reuse's on both built-in specialists)",
                              choices=RECALL_TARGETS)
+    val_every: int = opt(0, "training steps between validations (0: after each epoch); the corrections kept are "
+                         "the validated ones with the lowest KL")
     seed: int = opt(0, "initialisation and window order")
 
     def __post_init__(self) -> None:
+        if self.val_every < 0:
+            raise ValueError(f"--val-every is a number of steps (0: after each epoch), got {self.val_every}")
         for name in ("rank", "epochs", "train_windows", "val_windows", "prompt_len", "cont_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -95,11 +105,28 @@ def windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list[lis
     """(training windows from the train splits, validation windows from the calib splits) of the
     calibration's domains, ``prompt_len + cont_len`` tokens each, spread through each split; ``cfg.recall``
     of each domain's windows continue with a quote of their own prompt instead (``quoted``)."""
-    return tuple([w for w, _ in split] for split in labelled_windows(pair, calib, cfg))
+    return tuple([w for _, w, _ in split] for split in named_windows(pair, calib, cfg))
 
 
-def labelled_windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list, list]:
-    """``windows``, each as (window, whether it is a quote-recall one)."""
+def spread_order(count: int, n: int) -> list[int]:
+    """The first ``n`` of ``count`` windows in an order whose every prefix is spread through them: index
+    floor(count * v_k) for the base-2 van der Corput sequence v_0, v_1, ... (0, 1/2, 1/4, 3/4, ...), repeats
+    skipped. So 30 windows a domain are the first 30 of 300: a larger training set holds every smaller one."""
+    out, seen, k = [], set(), 0
+    while len(out) < min(n, count):
+        v, x, base = 0.0, k, 0.5
+        while x:
+            v, x, base = v + base * (x & 1), x >> 1, base / 2
+        k += 1
+        if int(count * v) not in seen:
+            seen.add(int(count * v))
+            out.append(int(count * v))
+    return out
+
+
+def named_windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[list, list]:
+    """``windows``, each as (its name in a spool: split, domain and place in ``spread_order``, the window,
+    whether it is a quote-recall one)."""
     length, train, val = cfg.prompt_len + cfg.cont_len, [], []
     for name in domains_of(calib.config):
         for split, n, out in (("train", cfg.train_windows, train), ("calib", cfg.val_windows, val)):
@@ -107,9 +134,10 @@ def labelled_windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple
             if len(got) < n:
                 raise ValueError(f"{name!r} gives {len(got)} windows of {length} tokens in its {split} split; "
                                  f"need {n}")
-            picked = [got[round(i * len(got) / n)] for i in range(n)]
-            out += [(quoted(pair.tokenizer, w[: cfg.prompt_len], cfg.cont_len, i), True) if is_recall(i, cfg.recall)
-                    else (w, False) for i, w in enumerate(picked)]
+            for i, at in enumerate(spread_order(len(got), n)):
+                recall = is_recall(i, cfg.recall)
+                w = quoted(pair.tokenizer, got[at][: cfg.prompt_len], cfg.cont_len, i) if recall else got[at]
+                out.append((f"{split}-{name}-{i:05d}", w, recall))
     return train, val
 
 
@@ -218,17 +246,27 @@ def continuation_kl(pair: Pair, target: Target, blob: bytes, calib: Calibration,
     return per_token.mean()
 
 
-def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
-    """Per code layer, the standard deviation of each column of the [K_pre, V] rows of every payload in
-    ``blobs`` as ``transfer.receive`` refines them (no correction). Accumulated payload by payload in
-    float64, so memory does not grow with the payloads (a whole training set's rows are ~35 MB a window)."""
-    acc: dict[int, list] = {}
+def row_sums(calib: Calibration, blobs) -> dict[int, tuple]:
+    """Per code layer, (rows, sum, sum of squares per column) of the [K_pre, V] rows of every payload in ``blobs``
+    as ``transfer.receive`` refines them (no correction), in float64, payload by payload, so memory does not grow
+    with the payloads (a whole training set's rows are ~35 MB a window)."""
+    out: dict[int, tuple] = {}
     for blob in blobs:
         for layer, rows in transfer.code_rows(calib, blob):
             rows = rows.double()
-            n, total, squares = acc.setdefault(layer, [0, 0.0, 0.0])
-            acc[layer] = [n + rows.shape[0], total + rows.sum(0), squares + (rows**2).sum(0)]
-    return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in acc.items()}
+            n, total, squares = out.get(layer, (0, 0.0, 0.0))
+            out[layer] = (n + rows.shape[0], total + rows.sum(0), squares + (rows**2).sum(0))
+    return out
+
+
+def spread_of_sums(sums: dict[int, tuple]) -> dict[int, torch.Tensor]:
+    """Per code layer, the standard deviation of each column from its ``row_sums``."""
+    return {layer: ((sq - t**2 / n) / max(n - 1, 1)).clamp_min(0).sqrt().float() for layer, (n, t, sq) in sums.items()}
+
+
+def row_spread(calib: Calibration, blobs) -> dict[int, torch.Tensor]:
+    """Per code layer, the standard deviation of each column of the refined rows of every payload in ``blobs``."""
+    return spread_of_sums(row_sums(calib, blobs))
 
 
 def footprint(corrections: dict[int, dict[str, torch.Tensor]], consumer_params: int, layers: int) -> dict:
@@ -261,80 +299,253 @@ def step(opt_: torch.optim.Optimizer, trained: list[torch.Tensor], loss: torch.T
     return norm
 
 
+SPOOL_FORMAT = 1  # a spool's layout (``prepare``); a spool of another format is refused
+CHECKPOINT_S = 60.0  # a fit writes its checkpoint at every validation, when stopped, and at least this often
+
+
+def spool_meta(calib: Calibration, cfg: DistilConfig, at: list[plans.Plan]) -> dict:
+    """What a spool's prepared windows depend on, beside their names: a spool made for other values is refused."""
+    return {"format": SPOOL_FORMAT, "calibration": f"{calib.tag:016x}", "plans": [p.name for p in at],
+            "prompt_len": cfg.prompt_len, "cont_len": cfg.cont_len, "recall": cfg.recall,
+            "recall_target": cfg.recall_target, "texts": str(calib.config.texts)}
+
+
+def _blob_key(j: int) -> str:
+    return f"blob.{j}"
+
+
+def _write_window(path: Path, src: Source, blobs: list[bytes], sums: dict | None) -> None:
+    """One prepared window as a spool file (written whole, then renamed: an interrupted preparation leaves no
+    half file): its ids, the oracle's logits (float16 for a training window, float32 for a validation one, which
+    chooses the checkpoint), its payload at each plan and, for a training window, its rows' sums per code layer."""
+    tensors = {"ids": src.ids.contiguous(), "logits": (src.logits if sums is None else src.logits.half()).contiguous()}
+    tensors.update({_blob_key(j): torch.frombuffer(bytearray(b), dtype=torch.uint8) for j, b in enumerate(blobs)})
+    for layer, (n, total, squares) in (sums or {}).items():
+        tensors.update({f"n.{layer}": torch.tensor([float(n)], dtype=torch.float64), f"sum.{layer}": total,
+                        f"sq.{layer}": squares})
+    tmp = path.with_suffix(".part")
+    save_file(tensors, str(tmp), metadata={"quote": "" if src.quote is None else str(src.quote)})
+    os.replace(tmp, path)
+
+
+def _read_window(path: Path, device, plan: int | None = None) -> tuple[Target, list[bytes]]:
+    """(the Target of a spool file, its payloads; only plan ``plan``'s, in place, when one is named)."""
+    with safe_open(str(path), "pt") as f:
+        quote = f.metadata().get("quote", "")
+        n = sum(k.startswith("blob.") for k in f.keys())
+        blobs = [f.get_tensor(_blob_key(j)).numpy().tobytes() if plan in (None, j) else b"" for j in range(n)]
+        src = Source(f.get_tensor("ids"), f.get_tensor("logits").float(), int(quote) if quote else None)
+    return src.target(device), blobs
+
+
+def _spread_of(paths: list[Path]) -> dict[int, torch.Tensor]:
+    """``row_spread`` of the training windows' payloads, from the ``row_sums`` their spool files carry."""
+    acc: dict[int, tuple] = {}
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            for key in (k for k in f.keys() if k.startswith("n.")):
+                layer = int(key[2:])
+                n, total, squares = acc.get(layer, (0.0, 0.0, 0.0))
+                acc[layer] = (n + float(f.get_tensor(key)), total + f.get_tensor(f"sum.{layer}"),
+                              squares + f.get_tensor(f"sq.{layer}"))
+    return spread_of_sums(acc)
+
+
+def prepare(pair: Pair, calib: Calibration, cfg: DistilConfig, at: list[plans.Plan], spool: Path,
+            progress: bool | Reporter = True, part: tuple[int, int] = (0, 1)) -> tuple[list[Path], list[Path]]:
+    """Everything training reads that does not change while it trains, computed once per window and stored in
+    ``spool`` (one file a window, ``_write_window``): the producer's payload at each plan, the consumer's own
+    logits of the continuation, the rows' sums that set the correction's scale. A window already in the spool is
+    not computed again, so an interrupted preparation resumes, and fits with more windows, or another rank,
+    learning rate or schedule, share the windows they have in common. ``part`` (i, n): only the i-th of every n
+    windows (n processes preparing one spool, one core each). Returns (training files, validation files).
+    ValueError when ``spool`` was prepared for another calibration, plans or windows."""
+    if not 0 <= part[0] < part[1]:
+        raise ValueError(f"part {part[0]} of {part[1]}: the first number counts from 0 to the second less one")
+    spool.mkdir(parents=True, exist_ok=True)
+    meta, meta_path = spool_meta(calib, cfg, at), spool / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise ValueError(f"the spool {spool} was prepared for {json.loads(meta_path.read_text())}, not for {meta}: "
+                         "give another spool folder")
+    meta_path.write_text(json.dumps(meta, indent=1))
+    answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
+    train_w, val_w = named_windows(pair, calib, cfg)
+    todo = [(name, w, recall, split == 0) for split, ws in enumerate((train_w, val_w)) for name, w, recall in ws]
+    have = sum((spool / f"{t[0]}.safetensors").exists() for t in todo)
+    todo = [t for i, t in enumerate(todo) if i % part[1] == part[0] and not (spool / f"{t[0]}.safetensors").exists()]
+    for name, w, recall, training in steps(todo, f"distil: preparing {len(todo)} windows (producer and oracle "
+                                           f"prefills, payloads at {len(at)} plans; "
+                                           f"{have} already in the spool)", progress):
+        with torch.no_grad():
+            src, state = source(pair, w, cfg.prompt_len, answer if recall else None)
+            blobs = [transfer.build_payload(state, p, calib) for p in at]
+            _write_window(spool / f"{name}.safetensors", src, blobs, row_sums(calib, blobs) if training else None)
+    return ([spool / f"{name}.safetensors" for name, _, _ in train_w],
+            [spool / f"{name}.safetensors" for name, _, _ in val_w])
+
+
+def _checkpoint_key(calib: Calibration, cfg: DistilConfig, at: list[plans.Plan]) -> dict:
+    """What a checkpoint must match to be resumed: the calibration, plans and recipe, less the epochs (a fit may be
+    resumed with more)."""
+    return {"calibration": f"{calib.tag:016x}", "plans": [p.name for p in at],
+            "config": {k: v for k, v in config.to_dict(cfg).items() if k != "epochs"}}
+
+
+def _save_checkpoint(folder: Path, key: dict, done: int, running: list[float], log: dict, params: dict,
+                     opt_: torch.optim.Optimizer, trained: list[torch.Tensor], best: dict) -> None:
+    """The fit so far, whole (written, then renamed): the corrections, AdamW's state, the best corrections, the log."""
+    tensors = {f"p.{layer}.{k}": v.detach().cpu().contiguous() for layer, p in params.items() for k, v in p.items()}
+    tensors.update({f"b.{layer}.{k}": v.contiguous() for layer, p in best.items() for k, v in p.items()})
+    for i, t in enumerate(trained):
+        for k, v in opt_.state.get(t, {}).items():
+            tensors[f"o.{i}.{k}"] = v.detach().cpu().reshape(-1) if k == "step" else v.detach().cpu().contiguous()
+    save_file(tensors, str(folder / "checkpoint.part"))
+    state = {"key": key, "done": done, "running": running, "log": log}
+    (folder / "checkpoint.json.part").write_text(json.dumps(state))
+    os.replace(folder / "checkpoint.part", folder / "checkpoint.safetensors")
+    os.replace(folder / "checkpoint.json.part", folder / "checkpoint.json")
+
+
+def _load_checkpoint(folder: Path, key: dict, params: dict, opt_: torch.optim.Optimizer,
+                     trained: list[torch.Tensor]) -> tuple[int, list[float], dict, dict] | None:
+    """(steps done, the running training loss, the log, the best corrections) of the checkpoint in ``folder``,
+    with ``params`` and ``opt_`` set to it; None when there is none. ValueError for one of another fit."""
+    if not (folder / "checkpoint.json").exists():
+        return None
+    state = json.loads((folder / "checkpoint.json").read_text())
+    if state["key"] != key:
+        raise ValueError(f"{folder} holds the checkpoint of another fit ({state['key']}); give another folder")
+    best: dict = {}
+    with safe_open(str(folder / "checkpoint.safetensors"), "pt") as f:
+        for name in f.keys():
+            kind, *rest = name.split(".")
+            if kind == "p":
+                with torch.no_grad():
+                    params[int(rest[0])][rest[1]].copy_(f.get_tensor(name))
+            elif kind == "b":
+                best.setdefault(int(rest[0]), {})[rest[1]] = f.get_tensor(name)
+        for i, t in enumerate(trained):
+            if f"o.{i}.step" in f.keys():
+                got = {k: f.get_tensor(f"o.{i}.{k}") for k in ("step", "exp_avg", "exp_avg_sq")}
+                opt_.state[t] = {k: v.reshape(()) if k == "step" else v.to(t.device) for k, v in got.items()}
+    return state["done"], state["running"], state["log"], best
+
+
 def distil(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Reporter = True,
-           at: list[plans.Plan] | None = None) -> tuple[Calibration, dict]:
+           at: list[plans.Plan] | None = None, folder: str | Path | None = None,
+           spool: str | Path | None = None) -> tuple[Calibration, dict]:
     """Train the correction stage of ``calib``'s closed form (see the module docstring; a stage ``calib``
-    already has is replaced) at the plans ``at`` (default:
-    ``trained_plans``), one plan per step in turn. The epoch kept is the one with the lowest validation
-    KL averaged over the plans. Returns (the calibration with that epoch's corrections, the log); when no
-    epoch beats the closed form, the closed form itself (same tag, no corrections; the log says so)."""
+    already has is replaced) at the plans ``at`` (default: ``trained_plans``), one plan per step in turn.
+
+    The windows are prepared once into ``spool`` (default ``folder``/spool; ``prepare``) and training streams
+    over them. Validation runs after every epoch, or every ``cfg.val_every`` steps; the corrections kept are the
+    ones with the lowest validation KL averaged over the plans. ``folder`` (default: a temporary one) holds the
+    checkpoint: a fit stopped or killed and called again with the same ``folder`` resumes where its last
+    checkpoint was, and ends with the same corrections as one never interrupted. Returns (the calibration with
+    the kept corrections, the log); when no validation beats the closed form, the closed form itself (same tag,
+    no corrections; the log says so)."""
+    if folder is None:
+        with tempfile.TemporaryDirectory(prefix="scdviz-distil-") as tmp:
+            return _fit(pair, calib, cfg, progress, at, Path(tmp), spool)
+    return _fit(pair, calib, cfg, progress, at, Path(folder), spool)
+
+
+def _fit(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Reporter, at: list[plans.Plan] | None,
+         folder: Path, spool: str | Path | None) -> tuple[Calibration, dict]:
+    """``distil`` into ``folder``."""
     t0 = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
     calib = calib.closed_form()  # a calibration trained before starts again from its closed form
     at = at or trained_plans(calib, cfg)
     if not any("code" in p.modes for p in at):
         raise ValueError(f"plans {[p.name for p in at]} send no REUSE codes: there is nothing to correct")
-    train_w, val_w = labelled_windows(pair, calib, cfg)
+    train_files, val_files = prepare(pair, calib, cfg, at, Path(spool) if spool else folder / "spool", progress)
     device = hf.device_of(pair.consumer)
-    answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
-
-    def prepared(ws, what):
-        sources, blobs = [], []
-        for w, recall in steps(ws, f"distil: producer and oracle prefills, payloads at {len(at)} plans ({what})",
-                               progress):
-            src, state = source(pair, w, cfg.prompt_len, answer if recall else None)
-            sources.append(src)
-            blobs.append([transfer.build_payload(state, p, calib) for p in at])
-        return sources, blobs  # ~4 MB a window (its logits in float32, its payloads)
-
-    train, val = prepared(train_w, "training"), prepared(val_w, "validation")
-    val = ([s.target(device) for s in val[0]], val[1])
-    start = initial(row_spread(calib, (b for blobs in train[1] for b in blobs)), cfg.rank, cfg.seed)
+    val = [_read_window(path, device) for path in val_files]
+    start = initial(_spread_of(train_files), cfg.rank, cfg.seed)
     params = {layer: {k: v.to(device).requires_grad_(k in TRAINED) for k, v in p.items()}
               for layer, p in start.items()}
     trained = [t for p in params.values() for k, t in p.items() if k in TRAINED]  # sigma, tau: fixed
     opt_ = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    n_train, total_steps = len(train_files), cfg.epochs * len(train_files)
+    every = cfg.val_every or n_train
 
     def validation() -> list[float]:
         """Mean validation KL at each plan."""
         with torch.no_grad():
             kept = stored(params)  # as they would be saved: the factors through int8 rows
-            return [sum(float(continuation_kl(pair, c, blobs[j], calib, kept, False))
-                        for c, blobs in zip(*val, strict=True)) / len(val[0]) for j in range(len(at))]
+            return [sum(float(continuation_kl(pair, target, blobs[j], calib, kept, False))
+                        for target, blobs in val) / len(val) for j in range(len(at))]
 
-    def record(by_plan: list[float]) -> None:
+    def record(by_plan: list[float], done: int) -> None:
         for p, kl in zip(at, by_plan, strict=True):
             log["val_kl_by_plan"][p.name].append(kl)
         log["val_kl"].append(sum(by_plan) / len(by_plan))
+        log["val_steps"].append(done)
 
-    log = {"config": config.to_dict(cfg), "plans": [p.name for p in at], "train_windows": len(train_w),
-           "val_windows": len(val_w), "recall_windows": [sum(r for _, r in train_w), sum(r for _, r in val_w)],
-           "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "train_kl": [],
-           "best_epoch": 0}
-    record(validation())
-    best: dict = {}
-    order = list(range(len(train_w)))
-    rng = random.Random(cfg.seed)
-    all_steps = [(epoch, n) for epoch in range(cfg.epochs) for n in range(len(order))]  # one bar, every step
-    for epoch, n in steps(all_steps, f"distil: steps through the consumer ({cfg.epochs} epochs, validation after "
-                          "each)", progress):
-        if n == 0:
-            rng.shuffle(order)
-            total = 0.0
-        i, j = order[n], (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
-        loss = continuation_kl(pair, train[0][i].target(device), train[1][i][j], calib, params, True)
-        step(opt_, trained, loss, cfg.clip)
-        total += float(loss.detach())
-        if n < len(order) - 1:
-            continue
-        log["train_kl"].append(total / len(order))
-        record(validation())
-        if log["val_kl"][-1] < min(log["val_kl"][:-1]):
-            log["best_epoch"] = epoch + 1
-            best = {layer: {k: v.cpu() for k, v in p.items()} for layer, p in stored(params).items()}
-    log["seconds"] = round(time.perf_counter() - t0, 1)
+    key = _checkpoint_key(calib, cfg, at)
+
+    def save() -> None:
+        log["seconds"] = round(spent + time.perf_counter() - t0, 1)  # every sitting's, summed
+        _save_checkpoint(folder, key, done, running, log, params, opt_, trained, best)
+
+    resumed = _load_checkpoint(folder, key, params, opt_, trained)
+    if resumed is None:
+        done, running, best = 0, [0.0, 0], {}
+        log = {"config": config.to_dict(cfg), "plans": [p.name for p in at], "train_windows": n_train,
+               "val_windows": len(val_files),
+               "recall_windows": [sum(is_recall(i, cfg.recall) for i in range(n)) * len(domains_of(calib.config))
+                                  for n in (cfg.train_windows, cfg.val_windows)],
+               "val_kl": [], "val_kl_by_plan": {p.name: [] for p in at}, "val_steps": [], "train_kl": [],
+               "best_epoch": 0, "seconds_prepare": round(time.perf_counter() - t0, 1)}
+        spent = 0.0
+        record(validation(), 0)
+        save()
+    else:
+        done, running, log, best = resumed
+        spent = log["seconds"]
+        log["config"]["epochs"] = cfg.epochs
+        log.setdefault("resumed_at", []).append(done)
+    last_saved, validating = time.perf_counter(), False
+    work = range(done, total_steps)
+    desc = (f"distil: steps through the consumer ({cfg.epochs} epochs of {n_train} windows, validation every "
+            f"{every} steps{f'; resumed at step {done}' if done else ''})")
+    try:
+        for s in steps(work, desc, progress):
+            epoch, n = divmod(s, n_train)
+            order = list(range(n_train))
+            random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)  # each epoch's order, from its number alone
+            j = (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
+            target, blobs = _read_window(train_files[order[n]], device, j)
+            loss = continuation_kl(pair, target, blobs[j], calib, params, True)
+            step(opt_, trained, loss, cfg.clip)
+            done, running = s + 1, [running[0] + float(loss.detach()), running[1] + 1]
+            if done % every and done != total_steps:
+                if time.perf_counter() - last_saved > CHECKPOINT_S:
+                    save()
+                    last_saved = time.perf_counter()
+                continue
+            validating = True  # a checkpoint now would skip this validation on resume: the last one stands
+            by_plan = validation()
+            log["train_kl"].append(running[0] / running[1])
+            running = [0.0, 0]
+            record(by_plan, done)
+            if log["val_kl"][-1] < min(log["val_kl"][:-1]):
+                log["best_epoch"] = len(log["val_kl"]) - 1
+                best = {layer: {k: v.cpu() for k, v in p.items()} for layer, p in stored(params).items()}
+            validating = False
+            save()
+            last_saved = time.perf_counter()
+    except BaseException:  # stopped or killed: what was done is kept, and the same call resumes from it
+        if not validating:
+            save()
+        raise
+    log["best_step"] = log["val_steps"][log["best_epoch"]]
+    log["best_by_plan"] = {name: kls.index(min(kls)) for name, kls in log["val_kl_by_plan"].items()}
+    log["seconds"] = round(spent + time.perf_counter() - t0, 1)
     facts = pair.consumer_facts
     log["footprint"] = footprint(best or params, facts.params, facts.layers)
-    if not log["best_epoch"]:  # no epoch beat the closed form: it is the result, under its own tag
+    if not log["best_epoch"]:  # no validation beat the closed form: it is the result, under its own tag
         return calib.closed_form(), log
     out = replace(calib, corrections=best, stats={**calib.stats, "distil": log})  # a new tag: payloads never mix
     return out, log
