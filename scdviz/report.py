@@ -35,9 +35,10 @@ from scdviz.serving import table as serving_table
 SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the docs' order
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
 # where a run writes, not what it measures (as scdviz.config leaves them out of a saved config)
-OUTPUT_FIELDS = frozenset({"out", "name", "figures", "maintainer", "resume"})
+OUTPUT_FIELDS = config.OUTPUT_FIELDS
 
-RESEARCH_FLAGS = ("per_domain", "seeds")  # the settings of a research probe's record that are its flags
+# the settings of a research probe's record that are its flags
+RESEARCH_FLAGS = ("per_domain", "seeds", "consumer", "calibs", "limit", "other_limit", "budgets")
 BLOCK = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
@@ -395,6 +396,32 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     head = ["method", "bytes/token", "KL", "KL / raw KV [95% CI]", "KL / without the raw layers [95% CI]", "top-1",
             "QA F1", "QA − raw (paired) [95% CI]"]
     return _table(head, out) + "\n\n" + _source_line([record])
+
+
+def scd_distil_scale(rel: str = "scd/austen-qkv/distil_scale_dev.json") -> str:
+    """The correction stage trained on more windows (dev slice): each arm at each trained plan beside raw KV and
+    the closed form on the same prompts, per scope of text, with paired passage-bootstrap intervals
+    (``research.distil_scale``)."""
+    rows = shipped_record(rel).rows
+    arms = list(dict.fromkeys(r["arm"] for r in rows if r["arm"] not in ("raw KV", "closed form")))
+    out = []
+    for scope in dict.fromkeys(r["scope"] for r in rows):
+        mine = [r for r in rows if r["scope"] == scope]
+        raw = next(r for r in mine if r["arm"] == "raw KV")
+        closed = {r["method"]: r for r in mine if r["arm"] == "closed form"}
+        first = {r["method"]: r for r in mine if r["arm"] == arms[0]}
+        for r in mine:
+            t = r.get("training") or {}
+            windows = f"{t['train_windows']:,} / {t['val_windows']}" if t.get("train_windows") else ""
+            kept = f"{t['best_step']:,} of {t['val_steps'][-1]:,}" if t.get("val_steps") else ""
+            trained = r["arm"] not in ("raw KV", "closed form")
+            out.append([f"{scope} ({len(r['kl_per_prompt'])})", r["arm"], windows, kept, r["method"], _f(r["kl"], 5),
+                        _ratio(raw, r) if r is not raw else "1", _ratio(closed[r["method"]], r) if trained else "",
+                        _ratio(first[r["method"]], r) if r["arm"] in arms[1:] else "", _f(r["top1"], 3),
+                        _f(r["qa_f1_mean"], 3)])
+    head = ["text (prompts)", "arm", "training / validation windows", "kept at step", "plan", "KL", "× raw KV",
+            "× closed form", f"× {arms[0]}", "top-1", "QA F1"]
+    return _table(head, out) + "\n\n" + _source_line([rel])
 
 
 def scd_ttft() -> str:
@@ -767,6 +794,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-ttft": scd_ttft,
     "scd-tail": scd_tail,
     "scd-recall": scd_recall,
+    "scd-distil-scale": scd_distil_scale,
     "scd-engine": lambda: serving_table.scd_engine(shipped_record),
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
