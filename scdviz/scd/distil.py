@@ -321,8 +321,8 @@ def _write_window(path: Path, src: Source, blobs: list[bytes], sums: dict | None
     tensors = {"ids": src.ids.contiguous(), "logits": (src.logits if sums is None else src.logits.half()).contiguous()}
     tensors.update({_blob_key(j): torch.frombuffer(bytearray(b), dtype=torch.uint8) for j, b in enumerate(blobs)})
     for layer, (n, total, squares) in (sums or {}).items():
-        tensors.update({f"n.{layer}": torch.tensor([float(n)], dtype=torch.float64), f"sum.{layer}": total,
-                        f"sq.{layer}": squares})
+        count = torch.tensor([float(n)], dtype=torch.float64, device="cpu")  # a host-side artefact, as the sums
+        tensors.update({f"n.{layer}": count, f"sum.{layer}": total, f"sq.{layer}": squares})
     tmp = path.with_suffix(".part")
     save_file(tensors, str(tmp), metadata={"quote": "" if src.quote is None else str(src.quote)})
     os.replace(tmp, path)
