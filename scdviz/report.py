@@ -398,7 +398,7 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line([record])
 
 
-def scd_distil_scale(rel: str = "scd/austen-qkv/distil_scale_dev.json") -> str:
+def scd_distil_scale(rel: str = "scd/distil_scale_dev.json") -> str:
     """The correction stage trained on more windows (dev slice): each arm at each trained plan beside raw KV and
     the closed form on the same prompts, per scope of text, with paired passage-bootstrap intervals
     (``research.distil_scale``)."""

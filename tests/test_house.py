@@ -174,8 +174,7 @@ def test_a_gzipped_record_reads_as_its_json_and_a_bomb_is_refused(tmp_path, monk
 def test_shipped_records_and_artefacts_are_current():
     """Every shipped bench file is a record of its kind; every shipped artefact loads in this format (a record's
     settings and a calibration's config may hold settings retired since, ``commands.RETIRED_SETTINGS`` and
-    ``calibration.RETIRED_CONFIG``, and nothing else the CLI does not know; a research probe's record names a
-    script in research/)."""
+    ``calibration.RETIRED_CONFIG``, and nothing else the CLI does not know)."""
     from scdviz import settings
     from scdviz.scd import calibration
 
@@ -188,9 +187,6 @@ def test_shipped_records_and_artefacts_are_current():
         name = records.stem(path)
         kind = "ttft" if name.startswith("ttft") else "cost" if name.endswith("cost") else "scd" if scd else "evict"
         assert rec.kind == kind, path
-        if "research" in rec.settings:  # a research probe's record: its settings are the script's flags
-            assert (settings.REPO_DIR / "research" / f"{rec.settings['research']}.py").is_file(), path
-            continue
         assert set(config.from_dict(commands.BENCHES[rec.kind], rec.settings)[1]) <= commands.RETIRED_SETTINGS, path
     for path in settings.ASSETS_DIR.glob("policy/*/*.safetensors"):
         loaded = Student.load(path) if is_student(path) else Policy.load(path)
