@@ -371,8 +371,9 @@ def prepare(pair: Pair, calib: Calibration, cfg: DistilConfig, at: list[plans.Pl
     answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
     train_w, val_w = named_windows(pair, calib, cfg)
     todo = [(name, w, recall, split == 0) for split, ws in enumerate((train_w, val_w)) for name, w, recall in ws]
-    have = sum((spool / f"{t[0]}.safetensors").exists() for t in todo)
-    todo = [t for i, t in enumerate(todo) if i % part[1] == part[0] and not (spool / f"{t[0]}.safetensors").exists()]
+    missing = [not (spool / f"{t[0]}.safetensors").exists() for t in todo]
+    have = len(todo) - sum(missing)
+    todo = [t for i, (t, lacks) in enumerate(zip(todo, missing, strict=True)) if i % part[1] == part[0] and lacks]
     for name, w, recall, training in steps(todo, f"distil: preparing {len(todo)} windows (producer and oracle "
                                            f"prefills, payloads at {len(at)} plans; "
                                            f"{have} already in the spool)", progress):
@@ -506,15 +507,16 @@ def _fit(pair: Pair, calib: Calibration, cfg: DistilConfig, progress: bool | Rep
         spent = log["seconds"]
         log["config"]["epochs"] = cfg.epochs
         log.setdefault("resumed_at", []).append(done)
-    last_saved, validating = time.perf_counter(), False
+    last_saved, validating, order = time.perf_counter(), False, None
     work = range(done, total_steps)
     desc = (f"distil: steps through the consumer ({cfg.epochs} epochs of {n_train} windows, validation every "
             f"{every} steps{f'; resumed at step {done}' if done else ''})")
     try:
         for s in steps(work, desc, progress):
             epoch, n = divmod(s, n_train)
-            order = list(range(n_train))
-            random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)  # each epoch's order, from its number alone
+            if n == 0 or order is None:  # each epoch's order, from its number alone (so a resumed fit has it too)
+                order = list(range(n_train))
+                random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
             j = (n + epoch) % len(at)  # the plans in turn: every window meets a different one each epoch
             target, blobs = _read_window(train_files[order[n]], device, j)
             loss = continuation_kl(pair, target, blobs[j], calib, params, True)
