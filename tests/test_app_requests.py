@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import gradio as gr
 import pandas as pd
@@ -136,7 +137,6 @@ def test_the_committed_controls_stub_is_what_gradio_writes(tmp_path):
     import shutil
     import subprocess
     import sys
-    from pathlib import Path
 
     from scdviz import settings
     from scdviz.app.ui import controls
@@ -186,14 +186,18 @@ def test_a_stopped_correction_fit_asked_for_again_resumes_in_the_same_work_folde
 
     a, b = session.Session(), session.Session()
     req = requests.DistilRequest(name="one")
-    work = webapp.distil_work(a, "p\nc", None, req)
+    work = webapp.work_folder(a, "distil", "p\nc", None, req)
     assert work.parent.parent == a.folder  # inside the visitor's own folder
-    assert webapp.distil_work(a, "p\nc", None, requests.DistilRequest(name="two")) == work
-    assert webapp.distil_work(a, "p\nc", None, requests.DistilRequest(epochs=3)) != work
-    assert webapp.distil_work(a, "p\nd", None, req) != work
-    assert webapp.distil_work(a, "p\nc", "/runs/mine", req) != work
-    assert webapp.distil_work(b, "p\nc", None, req).name == work.name != ""  # same recipe, another folder
-    assert webapp.distil_work(b, "p\nc", None, req).parent != work.parent
+    assert webapp.work_folder(a, "distil", "p\nc", None, requests.DistilRequest(name="two")) == work
+    assert webapp.work_folder(a, "distil", "p\nc", None, requests.DistilRequest(epochs=3)) != work
+    assert webapp.work_folder(a, "distil", "p\nd", None, req) != work
+    assert webapp.work_folder(a, "distil", "p\nc", "/runs/mine", req) != work
+    assert webapp.work_folder(b, "distil", "p\nc", None, req).name == work.name != ""  # same recipe, another folder
+    assert webapp.work_folder(b, "distil", "p\nc", None, req).parent != work.parent
+    fit = webapp.work_folder(a, "fit", "p\nc", None, requests.FitRequest(name="one"))
+    assert fit.parent.name == "fit-work" and fit.parent.parent == a.folder  # the scorer's fits: a folder of their own
+    assert webapp.work_folder(a, "fit", "p\nc", None, requests.FitRequest(name="two")) == fit
+    assert webapp.work_folder(a, "fit", "p\nc", None, requests.FitRequest(contexts=18)) != fit
     clock = iter([0.0, 10.0, 20.0, 30.0, 40.0])
     monkeypatch.setattr(webapp.time, "monotonic", lambda: next(clock))
     pace = webapp.Pace()
@@ -202,3 +206,35 @@ def test_a_stopped_correction_fit_asked_for_again_resumes_in_the_same_work_folde
     assert pace.eta(Step("steps", 30, 110)) == ", about 80 s left"  # 20 in 20 s, 80 to go
     assert pace.eta(Step("steps", 31, 1000)) == ", about 23 min left"  # 21 in 30 s, 969 to go: 1384 s
     assert pace.eta(Step("validation", 0, 6)) == ""  # a new step starts its own pace
+
+
+def test_the_scorer_fit_keeps_its_checkpoint_until_the_scorer_is_saved(monkeypatch, tmp_path):
+    """The Calibrate tab's scorer fit runs in the visitor's work folder: a fit that stops (any exception) leaves its
+    checkpoint there for the same ask to resume from; one that ends saves the scorer and removes the folder."""
+    from scdviz.app import train
+    from scdviz.evict import student_fit
+    from scdviz.evict.student import Student, StudentConfig
+
+    work, seen = tmp_path / "fit-work" / "abc", []
+
+    def stopped(cfg, pair, progress=True, folder=None):
+        seen.append(folder)
+        (Path(folder) / "checkpoint.json").parent.mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "checkpoint.json").write_text("{}")
+        raise KeyboardInterrupt  # what a Stop raises inside the fit
+
+    monkeypatch.setattr(student_fit, "fit", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        train.fit_scorer(None, requests.FitRequest(), tmp_path / "out", False, work)
+    assert seen == [work] and (work / "checkpoint.json").is_file()  # kept for the next ask
+
+    def done(cfg, pair, progress=True, folder=None):
+        seen.append(folder)
+        student = Student(2, 3, 8, StudentConfig(window=cfg.student.window))
+        student.log, student.meta = {"rows": 1}, {"val_kl": 0.1}
+        return student
+
+    monkeypatch.setattr(student_fit, "fit", done)
+    log = train.fit_scorer(None, requests.FitRequest(), tmp_path / "out", False, work)
+    assert seen == [work, work] and not work.exists() and log["kept"] == {"val_kl": 0.1}
+    assert (tmp_path / "out").is_dir() and any((tmp_path / "out").iterdir())

@@ -192,11 +192,12 @@ def check_calibration(key: str, request: str) -> Iterator:
 
 
 @_gpu("fit")
-def fit(key: str, request, folder: str) -> Iterator:
-    """Fit the distilled scorer on the pair's producer into ``folder``: Done(its fit log)."""
+def fit(key: str, request, folder: str, work: str | None = None) -> Iterator:
+    """Fit the distilled scorer on the pair's producer into ``folder``, its checkpoint in ``work`` (a stopped fit
+    asked for again resumes from it): Done(its fit log)."""
     from scdviz.app import train
 
-    yield from stream(lambda report: train.fit_scorer(_pair(key), request, folder, report), folder)
+    yield from stream(lambda report: train.fit_scorer(_pair(key), request, folder, report, work), folder)
 
 
 @_gpu("train")

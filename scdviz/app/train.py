@@ -55,7 +55,8 @@ def distil_for(pair: Pair, request: DistilRequest, folder: Path, base_folder: st
     base = scd.get_calibration(pair, base_folder)  # says what to do when the pair has none
     cfg = distil.DistilConfig(rank=req.rank, epochs=req.epochs, train_windows=req.train_windows,
                               val_windows=req.val_windows, recall=req.recall,
-                              recall_target=req.recall_target)  # budgets: the CLI's (1/6 and 1/10 of fp16)
+                              recall_target=req.recall_target,  # budgets: the CLI's (1/6 and 1/10 of fp16)
+                              val_every=0)  # a live fit is a few hundred steps: validated after each epoch
     if not (req.budgets and base.rate is not None):
         cfg.budgets = []  # the operating point only
     calib, log = distil.distil(pair, base, cfg, progress=progress, folder=work)
@@ -89,19 +90,24 @@ def hosted_fit(pair: Pair) -> None:
                         "fit-student, or this tab there)")
 
 
-def fit_scorer(pair: Pair, request: FitRequest, folder: Path, progress: bool | Reporter = True) -> dict:
+def fit_scorer(pair: Pair, request: FitRequest, folder: Path, progress: bool | Reporter = True,
+               work: str | Path | None = None) -> dict:
     """Fit the distilled scorer (``scdviz.fit_student``: closed form on the future's attention, ridge and decode weight
     chosen on validation, then the listwise stage) on the pair's producer and save it in ``folder``; returns its
     fit log, with ``kept`` the kept candidate's meta. The shipped recipe's settings but the sizes a live session
-    can afford: the request's contexts, 2 validation contexts decoding 64 tokens."""
+    can afford: the request's contexts, 2 validation contexts decoding 64 tokens. ``work``: the fit's checkpoint
+    and listwise spool (``student_fit.fit``'s folder), where a stopped fit asked for again resumes; removed once
+    the scorer is saved."""
     from scdviz.evict.student import StudentConfig
     from scdviz.evict.student_fit import FitConfig, fit
 
     req = request.checked()
     cfg = FitConfig(out=str(folder), contexts=req.contexts, val_contexts=req.val_contexts, val_decode=2,
                     val_decode_tokens=64, student=StudentConfig(window=req.window))
-    student = fit(cfg, pair, progress=progress)
+    student = fit(cfg, pair, progress=progress, folder=work)
     student.save(folder)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
     return {**student.log, "kept": dict(student.meta)}
 
 

@@ -190,7 +190,7 @@ def distil(jobs, key, sess, request, http=None, progress=None):
 
     sess, req = _session(sess, _page(http)), request.checked()
     base = _calibration_of(sess, key)
-    work, pace = distil_work(sess, key, base, req), Pace()
+    work, pace = work_folder(sess, "distil", key, base, req), Pace()
     for item in _run_job(jobs, "distil", sess, http, req.name, "calibrations",
                          lambda folder: gpu.distil(key, req, folder, base, str(work)), progress):
         if isinstance(item, Step):
@@ -202,12 +202,13 @@ def distil(jobs, key, sess, request, http=None, progress=None):
             yield _distil_summary(log, folder), plots.distil_curve(log), sess
 
 
-def distil_work(sess: session.Session, key: str, base, req) -> Path:
-    """The folder of a correction-stage fit's prepared windows and checkpoint in the visitor's session: one per
-    pair, base calibration and settings (the name it is saved under aside), so the same ask after a Stop resumes."""
+def work_folder(sess: session.Session, kind: str, key: str, base, req) -> Path:
+    """The folder of a ``kind`` fit's ("distil": the correction stage's prepared windows and checkpoint; "fit": the
+    distilled scorer's checkpointed sums and listwise spool) in the visitor's session: one per pair, base artefact
+    and settings (the name it is saved under aside), so the same ask after a Stop resumes where it stopped."""
     recipe = json.dumps([key, str(base), {k: v for k, v in dataclasses.asdict(req).items() if k != "name"}],
                         sort_keys=True)
-    return sess.folder / "distil-work" / hashlib.sha256(recipe.encode()).hexdigest()[:16]
+    return sess.folder / f"{kind}-work" / hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
 def _distil_summary(log: dict, folder: Path) -> str:
@@ -252,11 +253,12 @@ def fit(jobs, key, sess, request, http=None, progress=None):
     sess, req = _session(sess, _page(http)), request.checked()
     producer = key.split("\n")[0]
     train_work.hosted_fit(_pair(key))  # before any GPU time
-    for item in _run_job(jobs, "fit", sess, http, req.name, "policies", lambda folder: gpu.fit(key, req, folder),
-                         progress):
+    work, pace = work_folder(sess, "fit", key, None, req), Pace()
+    for item in _run_job(jobs, "fit", sess, http, req.name, "policies",
+                         lambda folder: gpu.fit(key, req, folder, str(work)), progress):
         if isinstance(item, Step):
-            yield (f"Fitting on {producer}: {item.desc} ({item.done}/{item.total}); press Stop to cancel.",
-                   gr.skip(), sess)
+            yield (f"Fitting on {producer}: {item.desc} ({item.done}/{item.total}{pace.eta(item)}); press Stop to "
+                   "cancel (the same settings asked for again resume where it stopped).", gr.skip(), sess)
         else:
             folder, log = item
             sess.policies[f"yours:{folder.name}"] = folder / STUDENT_FILE
