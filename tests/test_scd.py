@@ -743,7 +743,8 @@ def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_witho
     from scdviz.scd import bench, distil
 
     base = cal.calibrate(small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2), tiny_pair, progress=False)
-    recipe = distil.DistilConfig(rank=2, epochs=3, train_windows=4, val_windows=1, prompt_len=40, cont_len=8,
+    recipe = distil.DistilConfig(val_every=0,
+                                 rank=2, epochs=3, train_windows=4, val_windows=1, prompt_len=40, cont_len=8,
                                  lr=1e-2, budgets=[], recall=0.0, seed=3)
     trained, _ = distil.distil(tiny_pair, base, recipe, progress=False)
     assert trained.corrections and bench.distil_recipe(trained) == recipe and bench.distil_recipe(base) is None
@@ -1038,7 +1039,8 @@ def test_distilling_through_the_consumer_lowers_validation_kl_below_the_closed_f
     from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
-    cfg = distil.DistilConfig(rank=4, epochs=5, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2)
+    cfg = distil.DistilConfig(val_every=0,
+                              rank=4, epochs=5, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2)
     out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan])
     assert len(log["val_kl"]) == cfg.epochs + 1 and len(log["train_kl"]) == cfg.epochs
     assert log["best_epoch"] > 0 and log["val_kl"][log["best_epoch"]] == min(log["val_kl"])
@@ -1078,7 +1080,8 @@ def test_one_correction_is_trained_and_chosen_at_every_operating_point(tiny_pair
 
     n = len(tiny_calib.key_codes)
     at = [plans.scd_plan([2] * n, [2] * n, [], code_bits=bits, name=f"rank 2, {bits} bits") for bits in (16, 4)]
-    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
+    cfg = distil.DistilConfig(val_every=0,
+                              rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
                               budgets=[])
     out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=at)
     by = log["val_kl_by_plan"]
@@ -1102,7 +1105,8 @@ def test_a_correction_trained_with_a_recomputed_tail_lowers_that_plans_kl(tiny_p
     from scdviz.scd import distil
     from scdviz.scd import plan as plans
 
-    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
+    cfg = distil.DistilConfig(val_every=0,
+                              rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
                               budgets=[])
     tail = plans.with_tail(plans.operating_plan(tiny_calib), 8)
     assert tail.name == plans.operating_plan(tiny_calib).name + " + last 8 recomputed" and tail.tail == 8
@@ -1183,7 +1187,8 @@ def test_one_correction_serves_a_plan_that_patches_a_layer_another_codes(tiny_pa
     n = len(tiny_calib.key_codes)
     at = [plans.scd_plan([2] * n, [2] * n, [1], code_bits=16, name="patch 1"),
           plans.scd_plan([2] * n, [2] * n, [], code_bits=16, name="all code")]
-    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
+    cfg = distil.DistilConfig(val_every=0,
+                              rank=4, epochs=3, train_windows=4, val_windows=2, prompt_len=40, cont_len=8, lr=1e-2,
                               budgets=[])
     out, log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=at)
     assert log["best_epoch"] > 0 and sorted(out.corrections) == list(range(n))
@@ -1323,7 +1328,8 @@ def test_a_stopped_fit_resumes_from_its_checkpoint_to_the_same_corrections(tiny_
     from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
-    cfg = distil.DistilConfig(rank=4, epochs=3, train_windows=3, val_windows=1, prompt_len=40, cont_len=8, lr=1e-2,
+    cfg = distil.DistilConfig(val_every=0,
+                              rank=4, epochs=3, train_windows=3, val_windows=1, prompt_len=40, cont_len=8, lr=1e-2,
                               budgets=[], recall=0.0)
     whole, whole_log = distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan], folder=tmp_path / "a")
     seen = []
@@ -1357,7 +1363,8 @@ def test_fits_share_a_spool_and_one_of_another_recipe_is_refused(tiny_pair, tiny
     from scdviz.scd import distil
 
     plan = _low_rank_plan(tiny_calib)
-    cfg = distil.DistilConfig(rank=4, epochs=1, train_windows=2, val_windows=1, prompt_len=40, cont_len=8, lr=1e-2,
+    cfg = distil.DistilConfig(val_every=0,
+                              rank=4, epochs=1, train_windows=2, val_windows=1, prompt_len=40, cont_len=8, lr=1e-2,
                               budgets=[], recall=0.0)
     spool = tmp_path / "spool"
     distil.distil(tiny_pair, tiny_calib, cfg, progress=False, at=[plan], folder=tmp_path / "a", spool=spool)

@@ -51,16 +51,17 @@ TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its fact
 
 @dataclass
 class DistilConfig:
-    """One training of the correction stage. Defaults: the shipped calibrations' recipe (docs/design.md): of
-    three runs on austen-qkv (10 windows per domain at lr 3e-4, 30 at 3e-4, 30 at 1e-4), the one with the
-    lowest calib-split validation KL; the recall share and target chosen on the austen-qkv dev slice."""
+    """One training of the correction stage. Defaults: the shipped recipe (docs/design.md): lr 1e-4 chosen by
+    calib-split validation KL of three runs on austen-qkv, the recall share and target on its dev slice, and
+    the data size (300 training windows a domain, one epoch, 6 validation windows a domain every 180 steps)
+    chosen over 30 and 90 a domain on its dev slice (``research/distil_scale``)."""
 
     rank: int = opt(32, "rank r of each layer's correction")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
                                "calibration's own operating point (needs its rate curves; none: that point only)")
-    epochs: int = opt(6, "passes over the training windows (the epoch with the lowest validation KL is kept)")
-    train_windows: int = opt(30, "training windows per domain (train split)")
-    val_windows: int = opt(2, "validation windows per domain (calib split), which choose the epoch")
+    epochs: int = opt(1, "passes over the training windows (the epoch with the lowest validation KL is kept)")
+    train_windows: int = opt(300, "training windows per domain (train split)")
+    val_windows: int = opt(6, "validation windows per domain (calib split), which choose the epoch")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens scored per window")
     lr: float = opt(1e-4, "AdamW learning rate")
@@ -74,7 +75,7 @@ class DistilConfig:
                              "log-likelihood, less the oracle's: the quote itself is the truth, and the oracle's "
                              "own recall is below raw reuse's on both built-in specialists)",
                              choices=RECALL_TARGETS)
-    val_every: int = opt(0, "training steps between validations (0: after each epoch); the corrections kept are "
+    val_every: int = opt(180, "training steps between validations (0: after each epoch); the corrections kept are "
                          "the validated ones with the lowest KL")
     seed: int = opt(0, "initialisation and window order")
 
