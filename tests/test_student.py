@@ -378,7 +378,7 @@ def test_an_error_inside_a_context_leaves_the_checkpoint_before_it_and_the_resum
 
 def test_a_checkpoint_of_another_fit_is_refused_naming_what_differs(tmp_path):
     model = tiny_model("llama")
-    cfg = FitConfig(corpora=("austen",), contexts=2, context_len=12, teacher_len=4, decode_len=0)
+    cfg = FitConfig(corpora=("austen",), contexts=2, context_len=12, teacher_len=4, decode_len=0, listwise=())
     accumulate(model, _Words(), cfg, Student.for_model(model), False, folder=tmp_path)
     before = (tmp_path / "checkpoint.safetensors").read_bytes()
     with pytest.raises(ValueError, match=r"checkpoint of another fit \(contexts: 2 there, 3 here; "
@@ -388,10 +388,16 @@ def test_a_checkpoint_of_another_fit_is_refused_naming_what_differs(tmp_path):
     with pytest.raises(ValueError, match="checkpoint of another fit \\(another model"):
         fit(cfg, (tiny_model("llama", seed=1), _Words(), "tiny"), progress=False, folder=tmp_path)
     assert (tmp_path / "checkpoint.safetensors").read_bytes() == before  # refused before any work
-    # the same recipe but where the student is written: the same fit, resumed (all its contexts in already)
-    again = accumulate(model, _Words(), dataclasses.replace(cfg, out="elsewhere"), Student.for_model(model), False,
-                       folder=tmp_path)
+    with pytest.raises(ValueError, match=r"checkpoint of another fit \(listwise: False there, True here\)"):
+        fit(dataclasses.replace(cfg, listwise=(1e-3,)), (model, _Words(), "tiny"), progress=False,
+            folder=tmp_path)  # its sums have no listwise spool beside them
+    # where the student is written and what is chosen after the sums (validation, ridges, the student's ridge): the
+    # same sums, resumed with all their contexts in already
+    later = dataclasses.replace(cfg, out="elsewhere", val_contexts=3, keeps=(0.5,), ridges=(3.0,), cont_len=5,
+                                decode_weights=(1.0,), listwise_iters=2, student=StudentConfig(ridge=1.0))
+    again = accumulate(model, _Words(), later, Student.for_model(model), False, folder=tmp_path)
     assert again.resumed_at == [2] and again.rows == 2 * 12
+    assert (tmp_path / "checkpoint.safetensors").read_bytes() == before
 
 
 def test_bench_scores_a_student_in_the_shared_prefill_never_as_a_baseline(tmp_path):

@@ -426,7 +426,7 @@ def accumulate(model, tokenizer, cfg: FitConfig, student: Student, progress: boo
     if folder is not None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        key = _checkpoint_key(cfg, model) if key is None else key
+        key = _checkpoint_key(cfg, model, lists is not None) if key is None else key
         resumed = _load_checkpoint(folder, key, normal)
         if resumed is not None:
             done = saved = resumed
@@ -486,10 +486,18 @@ def _add_context(model, cfg: FitConfig, student: Student, normal: NormalEquation
         lists.flush()
 
 
-def _checkpoint_key(cfg: FitConfig, model) -> dict:
-    """What a checkpoint must match to be resumed: the model (``artefact.fingerprint``) and the recipe, less
-    ``out`` (where the student is written); as JSON reads it back (tuples as lists)."""
-    recipe = {k: v for k, v in config.to_dict(cfg).items() if k != "out"}
+SUMMED = ("corpora", "contexts", "context_len", "teacher_len", "decode_len", "decode_every")  # what the sums depend on
+
+
+def _checkpoint_key(cfg: FitConfig, model, listwise: bool) -> dict:
+    """What a checkpoint must match to be resumed: the model (``artefact.fingerprint``) and the settings the
+    checkpointed sums and listwise spool depend on (``SUMMED``; ``listwise``, whether the listwise stage's lists
+    were collected beside them; the student's shape: all of ``StudentConfig`` but the ridge). Where the student is
+    written and everything chosen after the sums (validation, ridges, decode weights, listwise penalties and
+    iterations) may change between sittings. As JSON reads it back (tuples as lists)."""
+    recipe = {k: v for k, v in config.to_dict(cfg).items() if k in SUMMED}
+    recipe["listwise"] = listwise
+    recipe["student"] = {k: v for k, v in config.to_dict(cfg.student).items() if k != "ridge"}
     return json.loads(json.dumps({"model": artefact.fingerprint(model), "config": recipe}))
 
 
@@ -675,7 +683,7 @@ def _fit(cfg: FitConfig, model, tokenizer, source: str, folder: Path, progress: 
     base = Student.for_model(model, cfg.student)
     # the listwise stage's lists on disk, not in host memory, beside the checkpoint: a resumed fit has them all
     lists = Lists(folder / SPOOL, hf.n_layers(model)) if cfg.listwise else None
-    normal = accumulate(model, tokenizer, cfg, base, progress, lists, folder, _checkpoint_key(cfg, model))
+    normal = accumulate(model, tokenizer, cfg, base, progress, lists, folder)
     decoding = bool(normal.decode)
     val = prepared_samples(model, tokenizer, cfg, "calib", cfg.val_contexts, progress)
     # windows are always spread through their splits: the log says so, as a policy's does (bench.LoadedPolicy reads it)
