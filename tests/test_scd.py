@@ -769,6 +769,11 @@ def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_witho
     with pytest.raises(ValueError, match="carries no recipe"):
         bare = dataclasses.replace(trained, stats={k: v for k, v in trained.stats.items() if k != "distil"})
         bench.reports(run, tiny_pair, bare, progress=False)
+    # a stage trained before --val-every existed (its log has no such key) validated after each epoch: so is its refit
+    log = trained.stats["distil"]
+    older = dataclasses.replace(trained, stats={**trained.stats, "distil": {
+        **log, "config": {k: v for k, v in log["config"].items() if k != "val_every"}}})
+    assert bench.distil_recipe(older) == recipe and distil.DistilConfig().val_every != 0
 
 
 def test_lineup_names_are_unique_even_when_no_patch_survives(tiny_calib):

@@ -296,6 +296,7 @@ def distil_recipe(calib: calibration.Calibration) -> distil.DistilConfig | None:
     if saved is None:
         raise ValueError("this calibration's trained stage carries no recipe (its distil log has no config): "
                          "train it again with `python -m scdviz distil` to measure it leave-one-domain-out")
+    saved = {"val_every": 0, **saved}  # a log from before --val-every validated after each epoch, its default then
     return config.from_dict(distil.DistilConfig, saved, "the calibration's distil recipe")[0]
 
 
