@@ -152,6 +152,8 @@ class DistilRequest(Request):
     val_windows: int = control(1, "Validation windows per domain (calib split; they choose the epoch)", "int", lo=1,
                                hi=8, step=1, row="distil", hosted=1)
     epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil", hosted=2)
+    val_every: int = control(0, "Validate every N training steps (0: after each epoch)", "int", lo=0, hi=1800,
+                             step=10, row="distil", hosted=0)
     rank: int = control(32, "Correction rank", "int", lo=4, hi=64, step=4, row="distil")
     recall: float = control(0.1, "Share of windows that quote their own prompt (a quote-recall term)", "number",
                             lo=0, hi=0.5, step=0.05, widget="slider", row="distil-recall")

@@ -55,8 +55,7 @@ def distil_for(pair: Pair, request: DistilRequest, folder: Path, base_folder: st
     base = scd.get_calibration(pair, base_folder)  # says what to do when the pair has none
     cfg = distil.DistilConfig(rank=req.rank, epochs=req.epochs, train_windows=req.train_windows,
                               val_windows=req.val_windows, recall=req.recall,
-                              recall_target=req.recall_target,  # budgets: the CLI's (1/6 and 1/10 of fp16)
-                              val_every=0)  # a live fit is a few hundred steps: validated after each epoch
+                              recall_target=req.recall_target, val_every=req.val_every)  # budgets: the CLI's
     if not (req.budgets and base.rate is not None):
         cfg.budgets = []  # the operating point only
     calib, log = distil.distil(pair, base, cfg, progress=progress, folder=work)
