@@ -721,7 +721,8 @@ def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that
     assert (table["n"] == 2).all() and table["ratio_ci"].str.startswith("[").all()
     for rep, above in zip(reports, table["above_raw"]):  # prompts where SCD full is worse than raw reuse
         raw = next(r for r in rep.methods if r.method.startswith("raw KV"))
-        assert above == sum(s > r for s, r in zip(rep.methods[-1].kl_per_prompt, raw.kl_per_prompt)) <= 2
+        full = next(r for r in rep.methods if r.method == "SCD full")
+        assert above == sum(s > r for s, r in zip(full.kl_per_prompt, raw.kl_per_prompt)) <= 2
     qa_rows = bench.qa_table(reports)
     assert set(qa_rows["items"]) == {4} and "SCD full" in set(qa_rows["method"])
     # leave out only bible
@@ -763,6 +764,9 @@ def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_witho
     assert report.calibrated_on == ["jargon"] and any(n.endswith("(closed form)") for n in names)
     closed = next(r for r in report.methods if r.method == "SCD reuse-only (closed form)")
     assert next(r for r in report.methods if r.method == "SCD reuse-only").kl != closed.kl  # the stage was applied
+    row = bench.domain_table([report]).iloc[0]  # raw reuse against the trained SCD full, not its closed-form twin
+    full = next(r for r in report.methods if r.method == "SCD full")
+    assert row["scd_kl"] == round(full.kl, 4) and report.methods[-1].method.endswith("(closed form)")
     seen.clear()
     bench.reports(run, tiny_pair, base, progress=False)  # a closed form alone is refitted as before: no training
     assert seen == []

@@ -382,7 +382,7 @@ def domain_table(reports: list[BenchReport]) -> pd.DataFrame:
         by = {r.method: r for r in rep.methods}
         raw = next(r for name, r in by.items() if name.startswith("raw KV"))
         four = next(r for name, r in by.items() if name.startswith("4-bit KV"))
-        scd = rep.methods[-1]
+        scd = by["SCD full"]  # the lineup's name for the operating point (its closed-form twin comes after it)
         versus = protocol.vs_best({raw.method: raw.kl_per_prompt, scd.method: scd.kl_per_prompt}, scd.method,
                                   [raw.method], min_n=1, clusters=_clusters(rep))
         rows_.append({
