@@ -1,20 +1,18 @@
 """Is it the student's loss or its inputs that keeps it behind H2O? (validation only)
 
-The student (scdviz.evict.student) reads no attention: a linear map of H_in, log ||v||, log(1 + pos), log(n -
-pos). This probe fits, on the same spread train contexts and future-attention teacher as ``fit-student
---decode-len 0``, three designs: the student; the student plus log of SnapKV's window attention (the last W
-prompt queries, per KV head: the group's query heads averaged, the rows summed / W; cheap: W rows, not T); the
-student plus log of H2O's own score (every query row: not cheap), a reference of what attention history can add;
-and (``--strides S ...``) the student plus H2O's score read from every S-th query row only (rows S-1, 2S-1, ...,
-the last always among them; each token's sum over the rows that see it / their number, as H2O's is over all
-rows): T/S rows instead of T, so for S = 16 at T = 512 the same 32 rows' cost as the window column, the cheap
-stand-in for the cumulative column. Each is fitted two ways: ridge regression of the centred log future
-attention (fit-student's closed form), and a listwise loss from there: per context and row, the cross-entropy
-between the softmax of the scores over the context and the future attention normalised to a distribution (a
-weight of 1 on log H2O's score reproduces H2O's ranking), an L2 penalty on the H_in weights, L-BFGS. It scores
-each on the fit's validation contexts (calib) at 25 % and 12.5 % kept against H2O's top-B.
+The student (scdviz.evict.student) reads no attention: a linear map of H_in, log ||v||, log(1 + pos),
+log(n - pos). This probe fits, on the same spread train contexts and future-attention teacher as
+``fit-student --decode-len 0``, three designs: the student; the student plus log of SnapKV's window
+attention (the last W prompt queries, per KV head: the group's query heads averaged, the rows
+summed / W; cheap: W rows, not T); the student plus log of H2O's own score (every query row: not
+cheap), a reference of what attention history can add. Each is fitted two ways: ridge regression
+of the centred log future attention (fit-student's closed form), and a listwise loss from there:
+per context and row, the cross-entropy between the softmax of the scores over the context and the
+future attention normalised to a distribution (a weight of 1 on log H2O's score reproduces H2O's
+ranking), an L2 penalty on the H_in weights, L-BFGS. It scores each on the fit's validation
+contexts (calib) at 25 % and 12.5 % kept against H2O's top-B.
 
-    SCDVIZ_THREADS=2 python -m research.student_listwise [--contexts 120] [--penalties 0 1e-3 1e-2] [--strides 8 16 32]
+    SCDVIZ_THREADS=2 python -m research.student_listwise [--contexts 120] [--penalties 0 1e-3 1e-2]
 
 Calib text only: for choices.
 """
@@ -34,17 +32,6 @@ def window_attention(attn, window: int, n_kv: int):
     averaged over each KV head's query heads."""
     a = attn[0, :, -window:, :].float().sum(1) / window  # (H, T)
     return a.view(n_kv, -1, a.shape[-1]).mean(1)
-
-
-def strided_attention(attn, stride: int, n_kv: int):
-    """(Hkv, T) H2O's score from every ``stride``-th query row of a causal prefill (1, H, T, T) only: rows T-1,
-    T-1-stride, ..., each token's attention summed over the sampled rows that see it / their number, averaged
-    over each KV head's query heads."""
-    t = attn.shape[-1]
-    rows = torch.arange(t - 1, -1, -stride, device=attn.device).flip(0)  # the last row always sampled
-    a = attn[0, :, rows, :].float().sum(1)  # (H, T): rows before a token pay it nothing (causal)
-    seen = (rows[:, None] >= torch.arange(t, device=attn.device)[None]).sum(0).clamp_min(1)  # (T,)
-    return (a / seen).view(n_kv, -1, t).mean(1)
 
 
 def columns(extra, cols):
@@ -92,8 +79,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--penalties", type=float, nargs="+", default=[0.0, 1e-3, 1e-2])
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--ridge", type=float, default=1.0, help="the starting point's ridge strength")
-    parser.add_argument("--strides", type=int, nargs="*", default=[], help="designs with H2O's score read from "
-                        "every S-th query row (S > 1)")
     args = parser.parse_args(argv)
     choose_threads()
     t0 = time.perf_counter()
@@ -104,18 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     _, n_kv, _ = hf.attn_heads(model)
     t = cfg.context_len
     positions = torch.arange(t)
-    if any(s < 2 or s >= t for s in args.strides):
-        parser.error(f"--strides are from 2 to {t - 1}")
     designs = {"student": [], f"student + window {args.window}": [args.window], "student + H2O's score": [t]}
-    designs.update({f"student + H2O's, every {s}th row": [-s] for s in args.strides})  # a negative key: a stride
 
     def attention_cols(attn_layers):
         out = []
         for a in attn_layers:
             w = window_attention(a, args.window, n_kv)
             h2o = F.prefill_layer_features(a, torch.ones(1, n_kv, t, 1), t, n_kv)[0, ..., 0]
-            out.append({args.window: w + EPS, t: h2o + EPS,
-                        **{-s: strided_attention(a, s, n_kv) + EPS for s in args.strides}})
+            out.append({args.window: w + EPS, t: h2o + EPS})
         return out
 
     normal = {name: sf.NormalEquations.zeros(n_layers, rows, f + len(ws)) for name, ws in designs.items()}
@@ -179,12 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     k = len(cfg.keeps)
     print(f"{cfg.val_contexts} calib contexts; H2O: {sum(h2o) / len(h2o):.5f} "
           + " / ".join(f"{sum(h2o[i::k]) / len(h2o[i::k]):.5f}" for i in range(k)) + f" at keeps {cfg.keeps}")
-    print(f"{'design':34} {'loss':>9} {'pen.':>6} {'KL':>8} {'by keep':>16} {'x H2O':>6} [95% CI]")
+    print(f"{'design':28} {'loss':>9} {'pen.':>6} {'KL':>8} {'by keep':>16} {'x H2O':>6} [95% CI]")
     for (name, loss, setting), weight in fitted.items():
         kls = trainer.validation_kls(model, scorer(weight, designs[name]), True, val, cfg.keeps)
         boot = metrics.paired_bootstrap(h2o, kls)
         by = " / ".join(f"{sum(kls[i::k]) / len(kls[i::k]):.4f}" for i in range(k))
-        print(f"{name:34} {loss:>9} {setting:6g} {sum(kls) / len(kls):8.5f} {by:>16} {boot['ratio']:6.3f} "
+        print(f"{name:28} {loss:>9} {setting:6g} {sum(kls) / len(kls):8.5f} {by:>16} {boot['ratio']:6.3f} "
               f"[{boot['ratio_ci'][0]:.3f}, {boot['ratio_ci'][1]:.3f}]", flush=True)
     print(f"{time.perf_counter() - t0:.0f} s")
 
