@@ -149,7 +149,7 @@ class DistilRequest(Request):
 
     train_windows: int = control(2, "Training windows per domain (train split)", "int", lo=1, hi=300, step=1,
                                  row="distil", hosted=2)
-    val_windows: int = control(1, "Validation windows per domain (calib split; they choose the epoch)", "int", lo=1,
+    val_windows: int = control(1, "Validation windows per domain (calib split; they choose what is kept)", "int", lo=1,
                                hi=8, step=1, row="distil", hosted=1)
     epochs: int = control(2, "Epochs", "int", lo=1, hi=6, step=1, row="distil", hosted=2)
     val_every: int = control(0, "Validate every N training steps (0: after each epoch)", "int", lo=0, hi=1800,

@@ -15,7 +15,7 @@ operating point it is trained for (quantisation-aware): the calibration's own pl
 and the transform-coded plans at ``budgets`` bytes per token (by default 1/6 and 1/10 of the fp16
 cache of the built-in producer), one plan per step in turn, so one correction serves them all. It
 reads what a consumer receives (decoded codes), never the producer's raw state. Training windows come from
-the ``train`` splits, the validation windows that choose the epoch from the ``calib`` splits
+the ``train`` splits, the validation windows that choose the point kept from the ``calib`` splits
 (never eval). Gradients are taken with ``torch.autograd.grad``: nothing lands on the shared model.
 
 ``distil(pair, calib, cfg)`` returns a new Calibration carrying the corrections (its tag differs,
@@ -59,9 +59,10 @@ class DistilConfig:
     rank: int = opt(32, "rank r of each layer's correction")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "
                                "calibration's own operating point (needs its rate curves; none: that point only)")
-    epochs: int = opt(1, "passes over the training windows (the epoch with the lowest validation KL is kept)")
+    epochs: int = opt(1, "passes over the training windows (the validated point with the lowest validation "
+                      "objective is kept)")
     train_windows: int = opt(300, "training windows per domain (train split)")
-    val_windows: int = opt(6, "validation windows per domain (calib split), which choose the epoch")
+    val_windows: int = opt(6, "validation windows per domain (calib split), which choose the point kept")
     prompt_len: int = opt(256, "prompt tokens per window")
     cont_len: int = opt(32, "teacher-forced continuation tokens scored per window")
     lr: float = opt(1e-4, "AdamW learning rate")

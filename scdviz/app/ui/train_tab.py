@@ -46,9 +46,10 @@ def build(calibrate: Callable, load_calibration: Callable, train: Callable, stop
                     "(yours, else the shipped one) and trains a low-rank correction of every decoded REUSE layer by "
                     "backpropagation through the frozen consumer on KL(oracle ‖ SCD) of teacher-forced "
                     "continuations, on payloads at the operating point (and at 1/6 and 1/10 of fp16 when the "
-                    "calibration has rate curves). Windows come from the *train* splits; the epoch kept is chosen "
-                    "on *calib* windows. The result becomes your calibration; the SCD tab then shows every SCD "
-                    "method beside its closed form. (Same code as `python -m scdviz distil`.)")
+                    "calibration has rate curves). Windows come from the *train* splits; the validated point kept "
+                    "(after each epoch, or every N steps) is chosen on *calib* windows. The result becomes your "
+                    "calibration; the SCD tab then shows every SCD method beside its closed form. (Same code as "
+                    "`python -m scdviz distil`.)")
         distilling, dis_btn, dis_stop, dis_info, dis_plot = _job_section(DistilRequest, "Train correction stage",
                                                                          "distil", "Correction stage training")
 
