@@ -24,10 +24,10 @@ import torch
 from scdviz import data, metrics, protocol, records
 from scdviz.models import builtin
 from scdviz.models.pair import choose_threads, load_pair
-from scdviz.scd import calibration, measure
+from scdviz.scd import calibration, distil, measure
 from scdviz.scd import plan as plans
 
-BUDGETS = (3840.0, 2304.0)
+BUDGETS = tuple(distil.DistilConfig().budgets)  # the plans the shipped stage is trained at
 
 
 def arms(pair, specs: list[str]) -> list[tuple[str, calibration.Calibration]]:
@@ -42,11 +42,6 @@ def arms(pair, specs: list[str]) -> list[tuple[str, calibration.Calibration]]:
     if len(tags) != 1:
         raise SystemExit("every calibration must share one closed form (the same base, trained differently)")
     return [("closed form", out[0][1].closed_form()), *out]
-
-
-def lineup(calib: calibration.Calibration, budgets=BUDGETS) -> list[plans.Plan]:
-    """The plans a correction stage is trained at: the calibration's own, then transform coded at ``budgets``."""
-    return [plans.operating_plan(calib)] + [plans.tc_plan(calib, b) for b in budgets]
 
 
 def main() -> None:
@@ -74,7 +69,7 @@ def main() -> None:
     groups = arms(pair, args.calibs)
     run_plans, run_calibs, labels = [plans.raw_plan(pair.consumer_facts.layers)], [None], ["raw KV"]
     for label, calib in groups:
-        for p in lineup(calib, args.budgets):
+        for p in distil.trained_plans(calib, distil.DistilConfig(budgets=list(args.budgets))):
             run_plans.append(p)
             run_calibs.append(calib)
             labels.append(f"{p.name} [{label}]")

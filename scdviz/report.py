@@ -34,8 +34,6 @@ from scdviz.serving import table as serving_table
 
 SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the docs' order
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
-# where a run writes, not what it measures (as scdviz.config leaves them out of a saved config)
-OUTPUT_FIELDS = config.OUTPUT_FIELDS
 
 # the settings of a research probe's record that are its flags
 RESEARCH_FLAGS = ("per_domain", "seeds", "consumer", "calibs", "limit", "other_limit", "budgets")
@@ -67,7 +65,7 @@ def _flat(settings_: dict, prefix: str = "") -> dict:
     for key, value in settings_.items():
         if isinstance(value, dict):
             out.update(_flat(value, prefix))
-        elif key not in OUTPUT_FIELDS and value is not None:
+        elif key not in config.OUTPUT_FIELDS and value is not None:  # where a run writes, not what it measures
             out[key] = value
     return out
 
