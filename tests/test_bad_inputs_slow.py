@@ -24,34 +24,43 @@ BIG = "x" * 4_000_000  # a 4 MB prompt: refused on length before any tokenizer s
 LONG_TOKENS = "the " * 1100  # ~1,100 tokens in ~4,400 characters: under the character cap, over the token cap
 CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches from the gate and the children "
        "laugh in the orchard under the old apple trees. ") * 6  # ~180 tokens
-SCD = dict(text=None, cont=32, gen=8, bits="4", rank_k=0, rank_v=0, patch_k=2, placement="selected", layers="",
-           gbps=10, latency=0.5, fan=False, budget=0, coder="transform", tail=0)
-EV = dict(context=CTX, question="", aware=False, unit="% kept", budget=25, model="producer",
+# the arguments by position, named as the request's fields (the endpoint's parameters, in order; trailing ones may be
+# left to their defaults): test_the_arguments_follow_the_request_fields keeps them so
+SCD = dict(text=None, continuation_tokens=32, generated_tokens=8, bits="4", rank_k=0, rank_v=0, patch_layers=2,
+           placement="selected", manual_layers="", bandwidth_gbps=10, latency_ms=0.5, fan_out=False, byte_budget=0,
+           coder="transform", recompute_tail=0)
+EV = dict(context=CTX, question="", question_aware=False, budget_unit="% kept", budget=25, model="producer",
           method="distilled-scorer", methods=None)
-CAL = dict(domains=["jargon"], n_fit=4, n_sel=1, n_rate=0, op_k=2, bits="4", name="bad-input-run")  # hosted caps
+CAL = dict(domains=["jargon"], fit_windows=4, select_windows=1, rate_windows=0, patch_layers=2, bits="4",  # hosted caps
+           name="bad-input-run")
 TR = dict(steps=10, contexts=2, per_head=True, name="bad-input-policy")
-DI = dict(train_windows=2, val_windows=1, epochs=2, rank=32, recall=0.1, recall_target="quote", budgets=True,
-          name="bad-input-distil")
+DI = dict(train_windows=2, val_windows=1, epochs=2, val_every=0, rank=32, recall=0.1, recall_target="quote",
+          budgets=True, name="bad-input-distil")
+
+
+def _call(endpoint, defaults, kw):
+    assert set(kw) <= set(defaults), set(kw) - set(defaults)  # a misspelt field would be sent as an extra argument
+    return (endpoint, tuple({**defaults, **kw}.values()))
 
 
 def scd(**kw):
-    return ("/scd_transfer", tuple({**SCD, **kw}.values()))
+    return _call("/scd_transfer", SCD, kw)
 
 
 def ev(**kw):
-    return ("/evict", tuple({**EV, **kw}.values()))
+    return _call("/evict", EV, kw)
 
 
 def cal(**kw):
-    return ("/calibrate", tuple({**CAL, **kw}.values()))
+    return _call("/calibrate", CAL, kw)
 
 
 def tr(**kw):
-    return ("/train", tuple({**TR, **kw}.values()))
+    return _call("/train", TR, kw)
 
 
 def di(**kw):
-    return ("/distil", tuple({**DI, **kw}.values()))
+    return _call("/distil", DI, kw)
 
 
 # (mode, (endpoint, args), expected fragment); mode: "both", "hosted", "local", or "nopair" (a fresh visitor)
@@ -94,26 +103,26 @@ ROWS = [
     ("both", scd(text=""), "the text is empty"),
     ("both", scd(text=BIG), "4,000,000 characters"),
     ("both", scd(text=LONG_TOKENS), "this app accepts at most 1024"),
-    ("both", scd(text="{window}", cont="abc"), "Expected a `float`"),
-    ("both", scd(text="{window}", cont=3), "is less than minimum value"),
-    ("both", scd(text="{window}", gen=100), "is greater than maximum value"),
+    ("both", scd(text="{window}", continuation_tokens="abc"), "Expected a `float`"),
+    ("both", scd(text="{window}", continuation_tokens=3), "is less than minimum value"),
+    ("both", scd(text="{window}", generated_tokens=100), "is greater than maximum value"),
     ("both", scd(text="{window}", bits="5"), "not in the list of choices"),
     ("both", scd(text="{window}", rank_k=999), "is greater than maximum value"),
     ("both", scd(text="{window}", rank_v=-8), "is less than minimum value"),
     ("both", scd(text="{window}", rank_k=12.5), "r_K must be a whole number"),
-    ("both", scd(text="{window}", patch_k=99), "is greater than maximum value"),
+    ("both", scd(text="{window}", patch_layers=99), "is greater than maximum value"),
     ("both", scd(text="{window}", placement="somewhere"), "somewhere"),
-    ("both", scd(text="{window}", placement="manual", layers="a, b"), "integers separated by commas"),
-    ("both", scd(text="{window}", placement="manual", layers="99"), "between 0 and 29"),
-    ("both", scd(text="{window}", placement="manual", layers="0"), "no aligner for layer 0"),
-    ("both", scd(text="{window}", placement="manual", layers="1," * 150), "Manual patch layers has"),
-    ("both", scd(text="{window}", gbps=0), "is less than minimum value"),
-    ("both", scd(text="{window}", tail=600), "is greater than maximum value"),
-    ("both", scd(text="{window}", tail=300), "a recomputed tail is 1 to"),
-    ("both", scd(text="{window}", latency=-1), "is less than minimum value"),
-    ("both", scd(text="{window}", fan="maybe"), "All built-in specialists must be true or false"),
-    ("both", scd(text="{window}", budget=1), "below the smallest transform-coded payload"),
-    ("both", scd(text="{window}", budget=2304, coder="lzma"), "not in the list of choices"),
+    ("both", scd(text="{window}", placement="manual", manual_layers="a, b"), "integers separated by commas"),
+    ("both", scd(text="{window}", placement="manual", manual_layers="99"), "between 0 and 29"),
+    ("both", scd(text="{window}", placement="manual", manual_layers="0"), "no aligner for layer 0"),
+    ("both", scd(text="{window}", placement="manual", manual_layers="1," * 150), "Manual patch layers has"),
+    ("both", scd(text="{window}", bandwidth_gbps=0), "is less than minimum value"),
+    ("both", scd(text="{window}", recompute_tail=600), "is greater than maximum value"),
+    ("both", scd(text="{window}", recompute_tail=300), "a recomputed tail is 1 to"),
+    ("both", scd(text="{window}", latency_ms=-1), "is less than minimum value"),
+    ("both", scd(text="{window}", fan_out="maybe"), "All built-in specialists must be true or false"),
+    ("both", scd(text="{window}", byte_budget=1), "below the smallest transform-coded payload"),
+    ("both", scd(text="{window}", byte_budget=2304, coder="lzma"), "not in the list of choices"),
     # ---- eviction tab
     ("nopair", ev(), "load a pair first"),
     ("both", ev(context=""), "the context is empty"),
@@ -129,25 +138,25 @@ ROWS = [
     ("both", ev(budget=0), "strictly between 0 and 100"),
     ("both", ev(budget=100), "strictly between 0 and 100"),
     ("both", ev(budget=-5), "Budget (% kept) must be between"),
-    ("both", ev(unit="tokens kept", budget=2.5), "Budget (tokens kept) must be a whole number"),
-    ("both", ev(unit="tokens kept", budget=100000), "Budget (tokens kept) must be between 1 and 1024"),
-    ("both", ev(unit="tokens kept", budget=900), "keeps the whole"),
-    ("both", ev(unit="bytes"), "bytes"),
+    ("both", ev(budget_unit="tokens kept", budget=2.5), "Budget (tokens kept) must be a whole number"),
+    ("both", ev(budget_unit="tokens kept", budget=100000), "Budget (tokens kept) must be between 1 and 1024"),
+    ("both", ev(budget_unit="tokens kept", budget=900), "keeps the whole"),
+    ("both", ev(budget_unit="bytes"), "bytes"),
     ("both", ev(model="both"), "both"),
-    ("both", ev(aware="maybe"), "Question-aware must be true or false"),
+    ("both", ev(question_aware="maybe"), "Question-aware must be true or false"),
     ("both", ev(method="CUR"), "Method to inspect: 'CUR' is not among the methods compared"),
     ("both", ev(methods=["nope"]), "'nope' (type: <class 'str'>) is not in the list of choices"),
     # ---- calibrate / train tab
     ("nopair", cal(), "load a pair first"),
     ("both", cal(domains=["nope"]), "nope"),
     ("both", cal(domains=[]), "choose at least 1"),
-    ("both", cal(n_fit=1), "is less than minimum value"),
-    ("both", cal(n_fit="abc"), "Expected a `float"),  # a slider, or a fixed number in hosted mode
-    ("both", cal(op_k=9), "is greater than maximum value"),
-    ("both", cal(n_sel=0), "is less than minimum value"),
-    ("hosted", cal(n_fit=16), "is greater than maximum value 4"),  # hosted caps: the slider's maximum there
-    ("hosted", cal(n_sel=2), "is greater than maximum value 1"),
-    ("hosted", cal(n_rate=4), "is greater than maximum value 0"),
+    ("both", cal(fit_windows=1), "is less than minimum value"),
+    ("both", cal(fit_windows="abc"), "Expected a `float"),  # a slider, or a fixed number in hosted mode
+    ("both", cal(patch_layers=9), "is greater than maximum value"),
+    ("both", cal(select_windows=0), "is less than minimum value"),
+    ("hosted", cal(fit_windows=16), "is greater than maximum value 4"),  # hosted caps: the slider's maximum there
+    ("hosted", cal(select_windows=2), "is greater than maximum value 1"),
+    ("hosted", cal(rate_windows=4), "is greater than maximum value 0"),
     ("hosted", tr(contexts=4), "is greater than maximum value 2"),
     ("hosted", di(epochs=6), "is greater than maximum value 2"),
     ("hosted", ("/fit", (6, 6, 32, "bad-input-scorer")), "this hosted demo runs on a CPU, where fitting"),
@@ -168,6 +177,8 @@ ROWS = [
     ("nopair", tr(), "load a pair first"),
     ("nopair", di(), "load a pair first"),
     ("both", di(train_windows=0), "is less than minimum value"),
+    ("both", di(val_every=-10), "is less than minimum value"),
+    ("hosted", di(val_every=10), "is greater than maximum value 0"),
     ("both", di(epochs=60), "is greater than maximum value"),
     ("both", di(rank=1000), "is greater than maximum value"),
     ("both", di(budgets="x"), "must be true or false"),
@@ -314,6 +325,14 @@ def _ask(client, endpoint, args) -> tuple[str, float]:
         return f"(no error: {str(result)[:200]})", time.perf_counter() - t0
     except Exception as err:  # noqa: BLE001 - the message is what we check
         return str(err), time.perf_counter() - t0
+
+
+def test_the_arguments_follow_the_request_fields():
+    from scdviz.app import requests
+
+    for args, request in ((SCD, requests.ScdRequest), (EV, requests.EvictRequest), (CAL, requests.CalibrateRequest),
+                          (TR, requests.TrainRequest), (DI, requests.DistilRequest)):
+        assert list(args) == list(request.controls())[:len(args)], request.__name__
 
 
 def test_the_catalogue_is_large_and_covers_every_tab():
