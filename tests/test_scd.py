@@ -751,9 +751,9 @@ def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_witho
     assert trained.corrections and bench.distil_recipe(trained) == recipe and bench.distil_recipe(base) is None
     seen, real = [], distil.distil
 
-    def spy(pair, calib, cfg, progress=True, at=None):
+    def spy(pair, calib, cfg, progress=True, at=None, folder=None, spool=None):
         seen.append((calib.stats["domains"], calib.corrections, cfg))
-        return real(pair, calib, cfg, progress, at)
+        return real(pair, calib, cfg, progress, at, folder, spool)
 
     monkeypatch.setattr(distil, "distil", spy)
     run = bench.ScdBenchConfig(lodo=True, domains=["bible"], limit=2, prompt_len=40, cont_len=8, gen_tokens=0,
@@ -778,6 +778,55 @@ def test_leave_one_domain_out_trains_a_trained_stage_again_with_its_recipe_witho
     older = dataclasses.replace(trained, stats={**trained.stats, "distil": {
         **log, "config": {k: v for k, v in log["config"].items() if k != "val_every"}}})
     assert bench.distil_recipe(older) == recipe and distil.DistilConfig().val_every != 0
+
+
+def test_leave_one_domain_out_with_a_work_folder_resumes_a_stopped_fold_and_measures_the_same(tiny_pair, tmp_path,
+                                                                                               monkeypatch):
+    """--lodo --work: each fold's closed form and trained stage are saved in the work folder and measured as read
+    back; a run stopped inside a fold's fit and run again resumes it (its checkpoint) and measures exactly what an
+    uninterrupted run does; a finished fold is read, not made again; its spool is gone once its stage is saved;
+    a fold folder made with other settings is refused."""
+    import dataclasses
+
+    from scdviz.scd import bench, distil
+
+    base = cal.calibrate(small_cfg(None, domains=["jargon", "bible"], n_fit=4, n_select=2), tiny_pair, progress=False)
+    recipe = distil.DistilConfig(val_every=3, rank=2, epochs=2, train_windows=4, val_windows=1, prompt_len=40,
+                                 cont_len=8, lr=1e-2, budgets=[], recall=0.0, seed=3)
+    trained, _ = distil.distil(tiny_pair, base, recipe, progress=False)
+    run = bench.ScdBenchConfig(lodo=True, domains=["bible"], limit=2, prompt_len=40, cont_len=8, gen_tokens=0,
+                               sent_rows=False, qa_answer_len=0)
+
+    def kls(reports):
+        return {r.method: r.kl_per_prompt for rep in reports for r in rep.methods}
+
+    whole = kls(bench.reports(dataclasses.replace(run, work=str(tmp_path / "a")), tiny_pair, trained, progress=False))
+    assert not (tmp_path / "a" / "without-bible" / "distil").exists()  # the spool went once the stage was saved
+    assert kls(bench.reports(run, tiny_pair, trained, progress=False)) == whole  # no folder: a temporary one
+
+    real, calls = distil.step, []
+
+    def stopping(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # a stop in the middle of the fold's fit
+        return real(*args)
+
+    monkeypatch.setattr(distil, "step", stopping)
+    again = dataclasses.replace(run, work=str(tmp_path / "b"))
+    with pytest.raises(KeyboardInterrupt):
+        bench.reports(again, tiny_pair, trained, progress=False)
+    assert (tmp_path / "b" / "without-bible" / "distil" / "checkpoint.json").is_file()
+    assert kls(bench.reports(again, tiny_pair, trained, progress=False)) == whole  # resumed, not begun again
+    made = []
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: made.append(1))
+    monkeypatch.setattr(distil, "distil", lambda *a, **k: made.append(1))
+    assert kls(bench.reports(again, tiny_pair, trained, progress=False)) == whole and made == []  # read back
+    other = dataclasses.replace(trained, config=dataclasses.replace(trained.config, n_select=1))
+    with pytest.raises(ValueError, match="holds a fold made with other settings"):
+        bench.reports(again, tiny_pair, other, progress=False)
+    with pytest.raises(ValueError, match="give it with --lodo"):
+        bench.reports(dataclasses.replace(again, lodo=False), tiny_pair, trained, progress=False)
 
 
 def test_lineup_names_are_unique_even_when_no_patch_survives(tiny_calib):

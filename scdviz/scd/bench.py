@@ -13,8 +13,11 @@ rows of ``python -m scdviz bench scd`` (written as a scdviz.records.BenchRecord)
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -71,6 +74,9 @@ class ScdBenchConfig:
                           "rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
     seed: int = opt(0, "torch seed set before the run")
+    work: str | None = opt(None, "with --lodo: a folder keeping each fold's calibration and its trained stage's fit "
+                           "(spool and checkpoint, the spool removed once the stage is saved), so the same command "
+                           "run again resumes where it stopped; default: a temporary folder")
 
 
 def budget_plan(calib: calibration.Calibration, curves, budget: float, n_tokens: int, sink: str, coder: str,
@@ -261,22 +267,11 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
     name = specialist or calibration.specialist_name(pair.consumer_source)
     seen = list(calib.stats.get("domains") or [])
     domains = (list(cfg.domains) or seen) if cfg.lodo else eval_domains(cfg, name, calib)
-
-    def refit(others: list[str]) -> calibration.Calibration:
-        """The loaded calibration's settings, made again on ``others`` only: its closed form, then, when it
-        carries a trained correction stage, that stage trained again with its own recipe on the same domains
-        (the bench then measures both, the closed form as the "(closed form)" twins)."""
-        torch.manual_seed(cfg.seed)  # seeded before the calibration, as each domain's measurement is
-        recipe = distil_recipe(calib)
-        rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets or (recipe and recipe.budgets) else 0
-        texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
-        fitted = cal.calibrate(dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"],
-                                                   texts=texts, rate_windows=rate_windows), pair, progress)
-        return fitted if recipe is None else distil.distil(pair, fitted, recipe, progress)[0]
+    if cfg.work and not cfg.lodo:
+        raise ValueError("--work keeps the folds of a leave-one-domain-out run: give it with --lodo")
 
     def measure_on(domain: str, used: calibration.Calibration) -> BenchReport:
-        if not cfg.lodo:  # with lodo, refit seeded before calibrating
-            torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # as a resumed run, whose folds' calibrations were read from disk, is
         windows = eval_windows(cfg.texts or calib.config.texts, cfg, pair, domain)
         report = bench(pair, used, [w.ids for w in windows], cfg, name, progress)
         report.domain, report.passages = domain, [w.cluster for w in windows]
@@ -284,8 +279,62 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
             on_report(report)
         return report
 
-    return protocol.by_domain(domains, measure_on, calib, fit=refit if cfg.lodo else None, seen=seen,
-                              what="calibration")
+    if not cfg.lodo:
+        return protocol.by_domain(domains, measure_on, calib)
+    if cfg.work:
+        return protocol.by_domain(domains, measure_on, calib, seen=seen, what="calibration",
+                                  fit=lambda others: refit_fold(cfg, pair, calib, others, Path(cfg.work), progress))
+    with tempfile.TemporaryDirectory(prefix="scdviz-lodo-") as tmp:
+        return protocol.by_domain(domains, measure_on, calib, seen=seen, what="calibration",
+                                  fit=lambda others: refit_fold(cfg, pair, calib, others, Path(tmp), progress))
+
+
+def refit_fold(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, others: list[str], work: Path,
+               progress: bool | Reporter = True) -> calibration.Calibration:
+    """``calib``'s settings made again on ``others`` only, for leave-one-domain-out: its closed form, then, when
+    it carries a trained correction stage, that stage trained again with its own recipe on the same domains (the
+    bench then measures both, the closed form as the "(closed form)" twins).
+
+    The fold lives in ``work``/without-DOMAIN: the closed form is saved there and read back, the stage is fitted
+    in it (its spool and checkpoint: ``distil.distil``), saved and read back, so a fold is always what its files
+    hold and a run stopped anywhere and run again with the same ``work`` resumes (a finished part is read, not
+    made again) and measures what an uninterrupted run does. A fold folder made with other settings is refused."""
+    left = [d for d in calib.stats.get("domains") or [] if d not in others]
+    fold = work / f"without-{'-'.join(left)}"
+    recipe = distil_recipe(calib)
+    rate_windows = calib.config.rate_windows if cfg.budget or cfg.budgets or (recipe and recipe.budgets) else 0
+    texts = calib.config.texts if "texts" in others else None  # the user's text stays a domain of its own
+    wanted = dataclasses.replace(calib.config, domains=[d for d in others if d != "texts"], texts=texts,
+                                 rate_windows=rate_windows)
+    closed = _fold_part(fold / "closed-form", pair, wanted, None)
+    if closed is None:
+        torch.manual_seed(cfg.seed)  # seeded before the calibration, as each domain's measurement is
+        cal.calibrate(wanted, pair, progress).save(fold / "closed-form")
+        closed = _fold_part(fold / "closed-form", pair, wanted, None)
+    if recipe is None:
+        return closed
+    trained = _fold_part(fold / "trained", pair, wanted, recipe)
+    if trained is None:
+        out, _ = distil.distil(pair, closed, recipe, progress, folder=fold / "distil")
+        out.save(fold / "trained")
+        shutil.rmtree(fold / "distil")  # the spool: ~5 MB a window, and the stage is saved
+        trained = _fold_part(fold / "trained", pair, wanted, recipe)
+    return trained
+
+
+def _fold_part(folder: Path, pair: Pair, wanted: calibration.CalibConfig,
+               recipe: distil.DistilConfig | None) -> calibration.Calibration | None:
+    """The calibration saved in ``folder`` (None when there is none yet); ValueError when it was made with
+    other settings than ``wanted`` (and, for a trained stage, ``recipe``: a fit whose validation never beat the
+    closed form saved the closed form, which carries none)."""
+    if not (folder / calibration.FILE).is_file():
+        return None
+    got = calibration.Calibration.load(folder, pair)
+    if config.to_dict(got.config) != config.to_dict(wanted) or (recipe and got.corrections
+                                                                 and distil_recipe(got) != recipe):
+        raise ValueError(f"{folder} holds a fold made with other settings than this run's; give --work a new folder "
+                         "(or remove that one)")
+    return got
 
 
 def distil_recipe(calib: calibration.Calibration) -> distil.DistilConfig | None:
