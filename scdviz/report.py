@@ -396,30 +396,38 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line([record])
 
 
-def scd_distil_scale(rel: str = "scd/distil_scale_dev.json") -> str:
-    """The correction stage trained on more windows (dev slice): each arm at each trained plan beside raw KV and
-    the closed form on the same prompts, per scope of text, with paired passage-bootstrap intervals
-    (``research.distil_scale``)."""
-    rows = shipped_record(rel).rows
-    arms = list(dict.fromkeys(r["arm"] for r in rows if r["arm"] not in ("raw KV", "closed form")))
+DISTIL_SCALE = ("scd/distil_scale_dev.json", "scd/jargon/distil_scale_dev.json")  # austen-qkv, jargon
+
+
+def scd_distil_scale(rels: tuple[str, ...] = DISTIL_SCALE) -> str:
+    """The correction stage trained on more windows (dev slice): each specialist's arms at each trained plan beside
+    raw KV and the closed form on the same prompts, per scope of text, with paired passage-bootstrap intervals
+    (``research.distil_scale``; its first trained arm, 1x, is the one the others are compared with)."""
     out = []
-    for scope in dict.fromkeys(r["scope"] for r in rows):
-        mine = [r for r in rows if r["scope"] == scope]
-        raw = next(r for r in mine if r["arm"] == "raw KV")
-        closed = {r["method"]: r for r in mine if r["arm"] == "closed form"}
-        first = {r["method"]: r for r in mine if r["arm"] == arms[0]}
-        for r in mine:
-            t = r.get("training") or {}
-            windows = f"{t['train_windows']:,} / {t['val_windows']}" if t.get("train_windows") else ""
-            kept = f"{t['best_step']:,} of {t['val_steps'][-1]:,}" if t.get("val_steps") else ""
-            trained = r["arm"] not in ("raw KV", "closed form")
-            out.append([f"{scope} ({len(r['kl_per_prompt'])})", r["arm"], windows, kept, r["method"], _f(r["kl"], 5),
-                        _ratio(raw, r) if r is not raw else "1", _ratio(closed[r["method"]], r) if trained else "",
-                        _ratio(first[r["method"]], r) if r["arm"] in arms[1:] else "", _f(r["top1"], 3),
-                        _f(r["qa_f1_mean"], 3)])
-    head = ["text (prompts)", "arm", "training / validation windows", "kept at step", "plan", "KL", "× raw KV",
-            "× closed form", f"× {arms[0]}", "top-1", "QA F1"]
-    return _table(head, out) + "\n\n" + _source_line([rel])
+    for rel in rels:
+        record = shipped_record(rel)
+        rows, who = record.rows, record.settings["consumer"].removeprefix("builtin:")
+        arms = list(dict.fromkeys(r["arm"] for r in rows if r["arm"] not in ("raw KV", "closed form")))
+        if arms[0] != "1x":
+            raise ValueError(f"{rel}: its first trained arm is {arms[0]!r}; this table compares with 1x")
+        for scope in dict.fromkeys(r["scope"] for r in rows):
+            mine = [r for r in rows if r["scope"] == scope]
+            raw = next(r for r in mine if r["arm"] == "raw KV")
+            closed = {r["method"]: r for r in mine if r["arm"] == "closed form"}
+            first = {r["method"]: r for r in mine if r["arm"] == arms[0]}
+            for r in mine:
+                t = r.get("training") or {}
+                windows = f"{t['train_windows']:,} / {t['val_windows']}" if t.get("train_windows") else ""
+                kept = f"{t['best_step']:,} of {t['val_steps'][-1]:,}" if t.get("val_steps") else ""
+                trained = r["arm"] not in ("raw KV", "closed form")
+                out.append([f"{who}: {scope} ({len(r['kl_per_prompt'])})", r["arm"], windows, kept,
+                            r["method"], _f(r["kl"], 5), _ratio(raw, r) if r is not raw else "1",
+                            _ratio(closed[r["method"]], r) if trained else "",
+                            _ratio(first[r["method"]], r) if r["arm"] in arms[1:] else "", _f(r["top1"], 3),
+                            _f(r["qa_f1_mean"], 3)])
+    head = ["specialist: text (prompts)", "arm", "training / validation windows", "kept at step", "plan", "KL",
+            "× raw KV", "× closed form", "× 1x", "top-1", "QA F1"]
+    return _table(head, out) + "\n\n" + _source_line(list(rels))
 
 
 def scd_ttft() -> str:
