@@ -396,7 +396,7 @@ def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line([record])
 
 
-DISTIL_SCALE = ("scd/distil_scale_dev.json", "scd/jargon/distil_scale_dev.json")  # austen-qkv, jargon
+DISTIL_SCALE = ("scd/distil_scale_dev.json", "scd/distil_scale_dev_jargon.json")  # austen-qkv, jargon
 
 
 def scd_distil_scale(rels: tuple[str, ...] = DISTIL_SCALE) -> str:
