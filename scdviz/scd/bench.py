@@ -12,6 +12,7 @@ rows of ``python -m scdviz bench scd`` (written as a scdviz.records.BenchRecord)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
@@ -281,12 +282,9 @@ def reports(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, spe
 
     if not cfg.lodo:
         return protocol.by_domain(domains, measure_on, calib)
-    if cfg.work:
+    with contextlib.nullcontext(cfg.work) if cfg.work else tempfile.TemporaryDirectory(prefix="scdviz-lodo-") as work:
         return protocol.by_domain(domains, measure_on, calib, seen=seen, what="calibration",
-                                  fit=lambda others: refit_fold(cfg, pair, calib, others, Path(cfg.work), progress))
-    with tempfile.TemporaryDirectory(prefix="scdviz-lodo-") as tmp:
-        return protocol.by_domain(domains, measure_on, calib, seen=seen, what="calibration",
-                                  fit=lambda others: refit_fold(cfg, pair, calib, others, Path(tmp), progress))
+                                  fit=lambda others: refit_fold(cfg, pair, calib, others, Path(work), progress))
 
 
 def refit_fold(cfg: ScdBenchConfig, pair: Pair, calib: calibration.Calibration, others: list[str], work: Path,
