@@ -54,7 +54,8 @@ def test_a_visitor_walks_every_tab_under_zerogpu(zerogpu_app):
     from gradio_client import Client
 
     assert "ZeroGPU: preloaded" in zerogpu_app["log"].read_text()  # the fixed models load at start
-    client = Client(zerogpu_app["url"], verbose=False)
+    # a browser waits for Stop's answer until the running step ends; the client's default 5 s would not
+    client = Client(zerogpu_app["url"], verbose=False, httpx_kwargs={"timeout": 120})
     summary, _facts = client.predict(P, J, api_name="/load_pair")[:2]
     assert "Compatible" in summary
     assert not _calls(zerogpu_app["calls"])  # loading a pair is no GPU call

@@ -1,18 +1,19 @@
 """A stand-in for Hugging Face's ``spaces`` package that does to a GPU call what ZeroGPU does (``spaces`` 0.51.3,
 ``spaces/zero/decorator.py`` and ``wrappers.py``), on a machine without ZeroGPU, for tests.
 
-``GPU(duration=...)`` returns the function unchanged unless ``SPACES_ZERO_GPU`` is true. When it is, every call
-runs in a *forked* worker process: its arguments are pickled there (a ``PicklingError`` in the caller, as
-ZeroGPU's queue raises) and what it returns, or each value a generator function yields, is pickled back. A
-``gr.Error`` raised in the worker reaches the caller as itself; any other exception as
-``gr.Error(<its class name>, title="ZeroGPU worker error")``: its message is lost, as on a Space. Closing a
-generator call's generator sets the worker's stop event, which the worker checks after each value it yields
-and then closes the function's generator. Coroutine functions are refused. Each call forks afresh (ZeroGPU may
-reuse an idle worker; a fresh one is the stricter test: nothing a call leaves in its worker reaches the next),
-and nothing it changes in memory reaches the caller's process.
+``GPU(duration=...)`` returns the function unchanged unless ``SPACES_ZERO_GPU`` is true. When it is, every call runs
+in a *forked* worker process: its arguments are pickled there (a ``PicklingError`` in the caller, as ZeroGPU's queue
+raises) and what it returns, or each value a generator function yields, is pickled back. A ``gr.Error`` raised in
+the worker reaches the caller as itself; any other exception as ``gr.Error(<its class name>, title="ZeroGPU worker
+error")``: its message is lost, as on a Space. Closing a generator call's generator sets the worker's stop event,
+which the worker checks after each value it yields and then closes the function's generator; the closing caller does
+not wait for that (Gradio closes a cancelled generator on its event loop, where a wait would stall every visitor).
+Coroutine functions are refused. Each call forks afresh (ZeroGPU may reuse an idle worker; a fresh one is the
+stricter test: nothing a call leaves in its worker reaches the next), and nothing it changes in memory reaches the
+caller's process.
 
-Each call's duration (a number, or a callable given the call's arguments) is appended with the function's
-name to the JSON-lines file ``SPACES_STANDIN_LOG`` names, when set.
+Each call's duration (a number, or a callable given the call's arguments) is appended with the function's name to
+the JSON-lines file ``SPACES_STANDIN_LOG`` names, when set.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import threading
 import traceback
 
 __version__ = "0.51.3+standin"
@@ -99,7 +101,10 @@ def _call(task, duration, args, kwargs, generator: bool):
                 return
     finally:
         results.close()
-        worker.join(timeout=60 if not stop.is_set() else 5)
+        if stop.is_set():  # closed by a Stop: the caller (Gradio's event loop) does not wait for the worker to end
+            threading.Thread(target=worker.join, daemon=True).start()
+        else:
+            worker.join(timeout=60)
 
 
 def _worker(task, payload, results, stop, generator: bool) -> None:
