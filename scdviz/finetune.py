@@ -3,8 +3,10 @@
     python -m scdviz finetune --texts my.txt --name mine      # -> <runs>/specialists/mine
     python -m scdviz finetune --corpus jargon --maintainer     # -> assets/adapters/jargon
 
-Plain next-token training on non-overlapping windows of the text's *train* split
-(AdamW, linear warm-up then cosine decay, fp32 on CPU, bf16 autocast on CUDA);
+Plain next-token training on non-overlapping windows of the text's *train* split (``--task text``), or the
+context-QA tasks of scdviz.qa (``--task quote`` or ``before``: each window is a context followed by a question
+about it, the loss on the answer tokens only), with AdamW, linear warm-up then cosine decay, fp32 on CPU, bf16
+autocast on CUDA;
 the adapter (fp16 safetensors) and ``train_log.json`` (loss per step and settings) go to
 ``--out``. The model card numbers come from ``python -m scdviz pair-info --eval``.
 What it does not do: evaluate, or fine-tune anything but LoRA adapters.
@@ -22,11 +24,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from scdviz import data
+from scdviz import data, qa
 from scdviz.config import opt
 from scdviz.models import hf
 from scdviz.models import pair as pairmod
 
+TASKS = ("text", *qa.KINDS)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -45,6 +48,13 @@ class FinetuneConfig:
     lr: float = opt(1e-3, 'peak learning rate')
     warmup: int = opt(5, 'linear warm-up steps')
     seed: int = opt(0, 'data order and LoRA init')
+    task: str = opt("text", "what it learns: text (next-token prediction on each window), or a context-QA task of "
+                    "scdviz.qa, each window the context and then a question about it, the loss on the answer only: "
+                    "quote (continue a quote of it) or before (the words before a quote, nearest first)",
+                    choices=TASKS)
+    answer_len: int = opt(8, "quote / before: answer tokens per question (the SCD bench asks 8)")
+    layers: list[int] = opt([], "decoder layers whose targets get an adapter, counted from 0 (default: every layer; "
+                            "early layers move the cache of every layer above them)")
     targets: list[str] = opt(list(TARGETS),
                              "linear layers that get an adapter (adapters on k_proj/v_proj move the KV cache most)",
                              choices=tuple(TARGETS))
@@ -61,14 +71,22 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
+    n_layers = hf.n_layers(model)
+    if any(not 0 <= i < n_layers for i in cfg.layers):
+        raise ValueError(f"--layers are 0 to {n_layers - 1} on this model; got {list(cfg.layers)}")
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank,
                       target_modules=hf.lora_targets(model, list(cfg.targets)),
-                      lora_dropout=0.0)
+                      layers_to_transform=sorted(set(cfg.layers)) or None, lora_dropout=0.0)
     model = get_peft_model(model, lora)
     windows = data.token_windows(tokenizer, data.passages(cfg.corpus or data.USER, "train", cfg.texts), cfg.seq_len)
     if not windows:
         raise ValueError(f"the training text has no window of {cfg.seq_len} tokens; give more text or lower --seq-len")
     random.Random(cfg.seed).shuffle(windows)
+    if cfg.task not in TASKS:
+        raise ValueError(f"unknown task {cfg.task!r}; use one of {TASKS}")
+    if cfg.task != "text" and not 1 <= cfg.answer_len <= cfg.seq_len // 3:
+        raise ValueError(f"answer_len must be 1..{cfg.seq_len // 3} (a third of --seq-len), got {cfg.answer_len}")
+    asked = random.Random(cfg.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
 
@@ -82,18 +100,21 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     device = next(model.parameters()).device
     # bf16 autocast only on CUDA: on CPUs without native bf16 it measured ~20x slower here.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    for step in tqdm(range(cfg.steps), desc=f"finetune {cfg.corpus or Path(cfg.texts).name}"):
+    bar = tqdm(range(cfg.steps), desc=f"finetune {cfg.corpus or Path(cfg.texts).name}")
+    for step in bar:
         idx = [(step * cfg.batch + i) % len(windows) for i in range(cfg.batch)]
-        batch = torch.tensor([windows[i] for i in idx], device=device)
+        ids, labels = zip(*(example(tokenizer, windows[i], cfg, asked) for i in idx), strict=True)
+        batch = torch.tensor(ids, device=device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         with autocast:
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=batch, labels=torch.tensor(labels, device=device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 4))
+        bar.set_postfix(loss=losses[-1], refresh=False)
         if progress:
             progress((step + 1) / cfg.steps, f"step {step + 1}/{cfg.steps} loss {losses[-1]:.3f}")
     out = Path(cfg.out)
@@ -103,10 +124,21 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     log = {
         "config": asdict(cfg),
         "train_windows_available": len(windows),
-        "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
+        "tokens_seen": cfg.steps * cfg.batch * len(ids[0]),
         "seconds": round(time.perf_counter() - t0, 1),
         "torch_threads": torch.get_num_threads(),
         "loss": losses,
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     return log
+
+
+def example(tokenizer, window: list[int], cfg: FinetuneConfig, rng: random.Random) -> tuple[list[int], list[int]]:
+    """One training sequence and its labels (-100: no loss). text: the window, every token a target. quote / before:
+    the window, then the question ``qa.make_item`` asks about it at a random position (the benches' format),
+    labelled on the answer tokens only."""
+    if cfg.task == "text":
+        return list(window), list(window)
+    item = qa.make_item(tokenizer, window, rng.randrange(len(window)), cfg.answer_len, kind=cfg.task)
+    ids = list(window) + item.question + item.answer
+    return ids, [-100] * (len(ids) - len(item.answer)) + list(item.answer)

@@ -7,6 +7,12 @@ eviction (DistillCache) or a cache transfer (SCD) it can only if the cache still
 it needs. Accuracy = the first greedy token equals the first answer token; ``qa_f1`` is
 token-F1 over ``answer_len`` greedy tokens. Positions are spread over the middle third of
 the context. Shared by both methods' benches; no models are loaded here.
+
+Two kinds of question (``KINDS``): ``quote`` (above: continue the quote, which a model's
+induction heads already do) and ``before`` (backward recall: ``<context> \n\nIn the text
+above, the words before "<12 context tokens>", nearest first:`` and the answer is the
+``answer_len`` context tokens before the quote, last one first), which the built-in producer
+cannot do and a specialist can be trained to (``finetune --task before``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from scdviz.models import hf
 
 CUE = 12  # context tokens quoted in the question
 LEAD = '\n\nFrom the text above: "'  # what the question says before the quote
+BEFORE = ('\n\nIn the text above, the words before "', '", nearest first:')  # backward recall: around the quote
+KINDS = ("quote", "before")
 
 
 @dataclass
@@ -28,15 +36,24 @@ class QAItem:
     answer: list[int]  # reference continuation (context tokens)
 
 
-def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3, pending: list[int] = ()) -> QAItem:
-    """The question for the ``index``-th context: quote CUE tokens, answer the next answer_len.
+def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3, pending: list[int] = (),
+              kind: str = "quote") -> QAItem:
+    """The question for the ``index``-th context: quote CUE tokens, answer the next answer_len (``quote``) or the
+    answer_len before the quote, nearest first (``before``).
 
     pending: context tokens not yet in the cache the question is asked from (SCD's caches
     hold the prompt but its last token); they are fed first, as part of the question.
     """
+    if kind not in KINDS:
+        raise ValueError(f"unknown question kind {kind!r}; use one of {KINDS}")
     t = len(context)
     third = max(1, t // 3)
     p = third + (index * 37) % third
+    if kind == "before":
+        p = max(CUE + answer_len, min(p, t))
+        head, tail = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in BEFORE)
+        return QAItem(question=list(pending) + head + context[p - CUE : p] + tail,
+                      answer=context[p - CUE - answer_len : p - CUE][::-1])
     p = max(CUE, min(p, t - answer_len))
     lead = tokenizer(LEAD, add_special_tokens=False)["input_ids"]
     return QAItem(question=list(pending) + lead + context[p - CUE : p], answer=context[p : p + answer_len])

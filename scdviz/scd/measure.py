@@ -76,15 +76,15 @@ class MethodResult:
 
 
 def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress: bool | Reporter = True,
-                  qa_answer_len: int = 0) -> list[transfer.Case]:
+                  qa_answer_len: int = 0, qa_kind: str = "quote") -> list[transfer.Case]:
     """Producer prefill and oracle continuation of every window; with ``qa_answer_len`` > 0 a
-    context-QA item about each prompt (scdviz.qa), asked after the transferred cache."""
+    context-QA item about each prompt (scdviz.qa, a question of ``qa_kind``), asked after the transferred cache."""
     cases = []
     for i, w in enumerate(steps(windows, "prefill producer + oracle", progress)):
         case = transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
         if qa_answer_len:
             prompt = w[: len(w) - cont_len]
-            case.qa_item = qa.make_item(pair.tokenizer, prompt, i, qa_answer_len, pending=prompt[-1:])
+            case.qa_item = qa.make_item(pair.tokenizer, prompt, i, qa_answer_len, pending=prompt[-1:], kind=qa_kind)
         cases.append(case)
     return cases
 

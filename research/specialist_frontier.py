@@ -1,0 +1,128 @@
+"""Specialist recipes on the frontier of (raw reuse's damage) × (the specialist's gain over the producer) (issue 62).
+
+Each candidate consumer (``--consumers LABEL=SOURCE ...``: adapter folders ``finetune`` wrote, or built-in
+specialists) is measured on the same eval windows of its task's text (``--domain``, default each one's training
+corpus), each prompt followed by the context-QA question of the SCD bench (scdviz.qa, ``--qa-answer-len`` answer
+tokens; a recall specialist's questions are the ones it was trained to answer). Per prompt:
+
+- the task score (token F1 of the greedy answer against the reference) of the **producer** alone (its own cache),
+  of the **specialist** (the oracle: its own cache) and of **raw reuse** (the specialist answering from the
+  producer's cache, sent as is);
+- raw reuse's KL(oracle ‖ raw reuse) and top-1 agreement over the teacher-forced continuation.
+
+Printed per candidate: the specialist's gain over the producer (its F1 ÷ the producer's) and raw reuse's share of the
+oracle's F1, each with a paired passage-bootstrap interval, raw reuse's top-1 and KL, the adapter's size and its
+recipe. ``--out`` writes the record (every per-prompt value), from which docs/results.md's frontier table is made.
+Recipes are chosen on ``--slice dev``; ``test`` runs only from a clean committed tree.
+
+    python -m research.specialist_frontier --domain austen --limit 64 \\
+        --consumers kv16=runs/r62/kv16 all8=runs/r62/all8 --out runs/r62/frontier_dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from scdviz import data, metrics, protocol, qa, records
+from scdviz.models import builtin, hf
+from scdviz.models.pair import choose_threads, load_pair, resolve_source
+from scdviz.scd import measure
+from scdviz.scd import plan as plans
+
+
+def recipe(source: str) -> dict:
+    """The consumer's training settings and adapter size: its train_log.json beside the adapter, {} if none."""
+    _kind, _where, adapter = resolve_source(source)
+    if adapter is None:
+        return {}
+    folder = Path(adapter)
+    log = json.loads((folder / "train_log.json").read_text()) if (folder / "train_log.json").exists() else {}
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return {"config": log.get("config", {}), "seconds": log.get("seconds"), "tokens_seen": log.get("tokens_seen"),
+            "adapter_bytes": size}
+
+
+def producer_f1(pair, case) -> float:
+    """The producer's own answer to the case's question, from its own cache of the prompt."""
+    cache = hf.decoder_cache(pair.producer, case.state.ids.to(hf.device_of(pair.producer)))
+    return qa.answer(pair.producer, cache, case.qa_item, case.state.ids.shape[1])["qa_f1"]
+
+
+def measure_one(label: str, producer: str, source: str, domain: str | None, args) -> dict:
+    """Every per-prompt value of one candidate on its task's eval windows."""
+    pair = load_pair(producer, source)
+    info = recipe(source)
+    domain = domain or info.get("config", {}).get("corpus") or builtin.training_corpus(source.removeprefix("builtin:"))
+    if not domain:
+        raise SystemExit(f"{source}: no training corpus known; give --domain")
+    windows = data.eval_windows(pair.tokenizer, domain, args.slice, args.prompt_len + args.cont_len, args.limit)
+    torch.manual_seed(0)
+    kind = info.get("config", {}).get("task", "text")
+    kind = kind if kind in qa.KINDS else "quote"  # a text specialist is asked the bench's question
+    cases = measure.prepare_cases(pair, [w.ids for w in windows], args.cont_len, True, args.qa_answer_len, kind)
+    oracle, _ = measure.oracle_result(pair, cases, 0)
+    raw = measure.run_plan_on_cases(pair, cases, plans.raw_plan(pair.consumer_facts.layers), None)
+    return {"label": label, "consumer": source, "domain": domain, "question": kind,
+            "passages": [w.cluster for w in windows],
+            "qa_f1_producer": [producer_f1(pair, c) for c in cases], "qa_f1_oracle": oracle.qa_f1,
+            "qa_f1_raw": raw.qa_f1, "kl_raw": raw.kl_per_prompt, "kl_raw_mean": raw.kl, "top1_raw": raw.top1,
+            "recipe": info}
+
+
+def summary(row: dict) -> dict:
+    """The printed line of one candidate: gain and raw reuse's share, with paired passage-bootstrap intervals."""
+    clusters = row["passages"]
+
+    def ratio(base: str, mine: str) -> str:
+        got = metrics.paired_bootstrap(row[base], row[mine], clusters=clusters)
+        return f"{got['ratio']:.2f} [{got['ratio_ci'][0]:.2f}, {got['ratio_ci'][1]:.2f}]"
+
+    def mean(key: str) -> float:
+        return round(sum(row[key]) / len(row[key]), 3)
+
+    cfg = row["recipe"].get("config", {})
+    return {"candidate": row["label"], "task": cfg.get("task", "text"), "asked": row["question"],
+            "targets": " ".join(cfg.get("targets", [])), "rank": cfg.get("rank"), "lr": cfg.get("lr"),
+            "steps": cfg.get("steps"), "MB": round(row["recipe"].get("adapter_bytes", 0) / 1e6, 1),
+            "F1 producer": mean("qa_f1_producer"), "F1 specialist": mean("qa_f1_oracle"),
+            "F1 raw reuse": mean("qa_f1_raw"), "gain (specialist ÷ producer)": ratio("qa_f1_producer", "qa_f1_oracle"),
+            "raw ÷ specialist": ratio("qa_f1_oracle", "qa_f1_raw"), "raw top-1": round(row["top1_raw"], 3),
+            "raw KL": round(row["kl_raw_mean"], 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--producer", default="builtin:smollm2-135m")
+    ap.add_argument("--consumers", nargs="+", required=True, help="LABEL=SOURCE, one per candidate")
+    ap.add_argument("--domain", default=None, help="the text measured (default: each candidate's training corpus)")
+    ap.add_argument("--slice", default="dev", choices=data.SLICES)
+    ap.add_argument("--limit", type=int, default=64, help="eval windows")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--cont-len", type=int, default=32)
+    ap.add_argument("--qa-answer-len", type=int, default=8)
+    ap.add_argument("--out", default="", help="write the record here (every per-prompt value)")
+    args = ap.parse_args()
+    protocol.check_slice(args.slice)
+    print(f"torch threads: {choose_threads()}")
+    t0, rows = time.perf_counter(), []
+    for spec in args.consumers:
+        label, _, source = spec.partition("=")
+        if not source:
+            raise SystemExit(f"--consumers takes LABEL=SOURCE, got {spec!r}")
+        rows.append(measure_one(label, args.producer, source, args.domain, args))
+        print(protocol.show(__import__("pandas").DataFrame([summary(r) for r in rows])), flush=True)
+    if args.out:
+        settings = {"research": "specialist_frontier", "producer": args.producer, "consumers": args.consumers,
+                    "domain": args.domain, "slice": args.slice, "limit": args.limit, "prompt_len": args.prompt_len,
+                    "cont_len": args.cont_len, "qa_answer_len": args.qa_answer_len}
+        records.write(records.make("scd", settings, 0, rows, "cpu", time.perf_counter() - t0), Path(args.out))
+        print(f"record: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The context-QA tasks a specialist can be fine-tuned on (issue 62): the questions ``qa.make_item`` asks and the
+training sequences ``finetune`` builds from them, on a tokenizer that maps each character to one id."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from scdviz import qa
+from scdviz.finetune import FinetuneConfig, example, finetune
+
+
+class Tok:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1000 + ord(c) for c in text]}
+
+
+def _ids(text: str) -> list[int]:
+    return Tok()(text)["input_ids"]
+
+
+def test_a_backward_question_quotes_the_context_and_answers_with_the_tokens_before_nearest_first():
+    context = list(range(300))
+    head, tail = (_ids(x) for x in qa.BEFORE)
+    for index in range(7):
+        item = qa.make_item(Tok(), context, index, answer_len=5, pending=[299], kind="before")
+        assert item.question[0] == 299 and item.question[1 : 1 + len(head)] == head
+        assert item.question[-len(tail) :] == tail
+        cue = item.question[1 + len(head) : -len(tail)]
+        start = cue[0]
+        assert len(cue) == qa.CUE and cue == context[start : start + qa.CUE]
+        assert item.answer == [start - 1 - i for i in range(5)]  # the five before the quote, the nearest first
+        assert 100 <= start + qa.CUE < 200  # the quote ends where a forward question's would (the middle third)
+
+
+def test_a_backward_question_near_the_start_still_has_its_whole_answer_in_the_context():
+    context = list(range(30))  # a third is 10 tokens: the quote must move right to leave 8 before it
+    item = qa.make_item(Tok(), context, 0, answer_len=8, kind="before")
+    assert item.answer == list(range(7, -1, -1))
+    with pytest.raises(ValueError, match="unknown question kind"):
+        qa.make_item(Tok(), context, 0, kind="after")
+
+
+@pytest.mark.parametrize("task", qa.KINDS)
+def test_a_task_example_is_the_window_then_the_question_and_only_the_answer_is_a_target(task):
+    window = list(range(64))
+    cfg = FinetuneConfig(task=task, answer_len=4, seq_len=64)
+    ids, labels = example(Tok(), window, cfg, random.Random(3))
+    item = qa.make_item(Tok(), window, random.Random(3).randrange(64), 4, kind=task)  # the same draw
+    assert ids == window + item.question + item.answer and len(labels) == len(ids)
+    assert labels[-4:] == item.answer and set(labels[:-4]) == {-100}
+
+
+def test_text_examples_are_the_window_with_every_token_a_target():
+    window = list(range(50))
+    assert example(Tok(), window, FinetuneConfig(), random.Random(0)) == (window, window)
+
+
+def test_a_task_finetune_trains_on_the_question_format_and_logs_it(tmp_path, texts):
+    from conftest import tiny_folder, user_text
+
+    base = tiny_folder(tmp_path / "base", user_text())
+    cfg = FinetuneConfig(texts=str(texts), base=str(base), out=str(tmp_path / "spec"), task="before", answer_len=4,
+                         steps=2, batch=2, seq_len=48, rank=2)
+    log = finetune(cfg)
+    saved = json.loads((tmp_path / "spec" / "train_log.json").read_text())
+    assert saved["config"]["task"] == "before" and saved["config"]["answer_len"] == 4
+    assert len(log["loss"]) == 2
+    with pytest.raises(ValueError, match="answer_len must be 1..16"):
+        finetune(FinetuneConfig(**{**cfg.__dict__, "answer_len": 17}))
+
+
+def test_adapters_on_chosen_layers_leave_the_other_layers_as_the_base_model(tmp_path, texts):
+    from conftest import tiny_folder, user_text
+    from safetensors.torch import load_file
+
+    base = tiny_folder(tmp_path / "base", user_text())
+    cfg = FinetuneConfig(texts=str(texts), base=str(base), out=str(tmp_path / "spec"), steps=1, batch=2, seq_len=32,
+                         rank=2, layers=[0], targets=["k_proj", "v_proj"])
+    finetune(cfg)
+    names = load_file(str(tmp_path / "spec" / "adapter_model.safetensors"))
+    assert names and all(".layers.0." in n and ("k_proj" in n or "v_proj" in n) for n in names)
+    with pytest.raises(ValueError, match="--layers are 0 to"):
+        finetune(FinetuneConfig(**{**cfg.__dict__, "layers": [99]}))
