@@ -84,3 +84,23 @@ def test_adapters_on_chosen_layers_leave_the_other_layers_as_the_base_model(tmp_
     assert names and all(".layers.0." in n and ("k_proj" in n or "v_proj" in n) for n in names)
     with pytest.raises(ValueError, match="--layers are 0 to"):
         finetune(FinetuneConfig(**{**cfg.__dict__, "layers": [99]}))
+
+
+def test_the_scd_bench_asks_a_specialist_the_question_it_was_trained_for(tmp_path):
+    from types import SimpleNamespace
+
+    from scdviz.scd.bench import ScdBenchConfig, qa_kind
+
+    def consumer(task: str | None) -> SimpleNamespace:
+        folder = tmp_path / str(task)
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        if task:
+            (folder / "train_log.json").write_text(json.dumps({"config": {"task": task}}))
+        return SimpleNamespace(consumer_source=str(folder))
+
+    before, text, unlogged = consumer("before"), consumer("text"), consumer(None)
+    assert qa_kind(ScdBenchConfig(), before) == "before"
+    assert qa_kind(ScdBenchConfig(), text) == qa_kind(ScdBenchConfig(), unlogged) == "quote"
+    assert qa_kind(ScdBenchConfig(qa_kind="quote"), before) == "quote"  # asked for, it wins
+    assert qa_kind(ScdBenchConfig(), SimpleNamespace(consumer_source="builtin:jargon")) == "quote"

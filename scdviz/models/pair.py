@@ -15,6 +15,7 @@ tensors (scdviz.models.hf) or evaluate anything.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -230,6 +231,16 @@ def resolve_source(source: str) -> tuple[str, Path | str, Path | None]:
     if (path / "config.json").is_file():
         return "local", path, None
     raise PairError(f"{source.strip()}: not a model folder (no config.json) nor a LoRA folder (no adapter_config.json)")
+
+
+def training_config(source: str) -> dict:
+    """The settings a LoRA consumer was fine-tuned with (``finetune``'s train_log.json beside its adapter: corpus,
+    task, targets, ...), {} for a full model or an adapter without that log."""
+    try:
+        adapter = resolve_source(source)[2]
+        return json.loads((Path(adapter) / "train_log.json").read_text())["config"] if adapter else {}
+    except (PairError, ValueError, OSError, KeyError, TypeError):
+        return {}
 
 
 def load_model(source: str, base: str | None = None, progress=None):

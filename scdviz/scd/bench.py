@@ -23,10 +23,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from scdviz import config, data, metrics, protocol
+from scdviz import config, data, metrics, protocol, qa
 from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin
+from scdviz.models import pair as pairmod
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
 from scdviz.records import BenchRecord
@@ -74,6 +75,9 @@ class ScdBenchConfig:
     sent_rows: bool = opt(True, "also every method with the producer's token 0 sent instead of recomputed (extra "
                           "rows)")
     qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
+    qa_kind: str | None = opt(None, "context-QA: the question asked (scdviz.qa): quote (continue a quote of the "
+                              "prompt) or before (the words before a quote, nearest first); default: the task the "
+                              "consumer was fine-tuned on when it is one of these, else quote", choices=qa.KINDS)
     seed: int = opt(0, "torch seed set before the run")
     work: str | None = opt(None, "with --lodo: a folder keeping each fold's calibration and its trained stage's fit "
                            "(spool and checkpoint, the spool removed once the stage is saved), so the same command "
@@ -176,7 +180,7 @@ def bench(
     cont_len, gen_tokens, budget, budgets, sink = cfg.cont_len, cfg.gen_tokens, cfg.budget, cfg.budgets, "recompute"
     if any(not 0 <= layer < calib.n_layers for layer in cfg.raw_layers):
         raise ValueError(f"--raw-layers are 0 to {calib.n_layers - 1} on this pair; got {list(cfg.raw_layers)}")
-    cases = measure.prepare_cases(pair, windows, cont_len, progress, cfg.qa_answer_len)
+    cases = measure.prepare_cases(pair, windows, cont_len, progress, cfg.qa_answer_len, qa_kind(cfg, pair))
     n_tokens = cases[0].state.ids.shape[1]
     if any(t < 1 or t > n_tokens - 1 for t in cfg.tails):  # a tail leaves token 0
         raise ValueError(f"a recomputed tail is 1 to {n_tokens - 1} prompt tokens for a {n_tokens + 1}-token prompt "
@@ -218,6 +222,13 @@ def bench(
     d_kv = pair.consumer_facts.kv_heads * pair.consumer_facts.head_dim
     report.projection = projection(report, calib, d_kv, pair_shape(pair))
     return report
+
+
+def qa_kind(cfg: ScdBenchConfig, pair: Pair) -> str:
+    """The context-QA question the bench asks: ``cfg.qa_kind``, else the consumer's fine-tuning task when it is a
+    question kind (a specialist is measured on the task it was trained for), else quote."""
+    task = cfg.qa_kind or pairmod.training_config(pair.consumer_source).get("task")
+    return task if task in qa.KINDS else "quote"
 
 
 def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: calibration.Calibration) -> list[str]:
