@@ -26,6 +26,7 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from scdviz import data, metrics, protocol, qa, records
@@ -109,19 +110,33 @@ def main() -> None:
     args = ap.parse_args()
     protocol.check_slice(args.slice)
     print(f"torch threads: {choose_threads()}")
+    settings = {"research": "specialist_frontier", "producer": args.producer, "consumers": args.consumers,
+                "domain": args.domain, "slice": args.slice, "limit": args.limit, "prompt_len": args.prompt_len,
+                "cont_len": args.cont_len, "qa_answer_len": args.qa_answer_len}
+    done = measured(Path(args.out), settings) if args.out else {}
     t0, rows = time.perf_counter(), []
     for spec in args.consumers:
         label, _, source = spec.partition("=")
         if not source:
             raise SystemExit(f"--consumers takes LABEL=SOURCE, got {spec!r}")
-        rows.append(measure_one(label, args.producer, source, args.domain, args))
-        print(protocol.show(__import__("pandas").DataFrame([summary(r) for r in rows])), flush=True)
+        rows.append(done.get(spec) or measure_one(label, args.producer, source, args.domain, args))
+        print(protocol.show(pd.DataFrame([summary(r) for r in rows])), flush=True)
+        if args.out:  # after each candidate: a stopped run started again measures only the ones left
+            records.write(records.make("scd", settings, 0, rows, "cpu", time.perf_counter() - t0), Path(args.out))
     if args.out:
-        settings = {"research": "specialist_frontier", "producer": args.producer, "consumers": args.consumers,
-                    "domain": args.domain, "slice": args.slice, "limit": args.limit, "prompt_len": args.prompt_len,
-                    "cont_len": args.cont_len, "qa_answer_len": args.qa_answer_len}
-        records.write(records.make("scd", settings, 0, rows, "cpu", time.perf_counter() - t0), Path(args.out))
         print(f"record: {args.out}")
+
+
+def measured(path: Path, settings: dict) -> dict[str, dict]:
+    """The rows a record at ``path`` already holds, by LABEL=SOURCE, when it was made with these settings (its
+    candidates aside); {} when there is none. Another record there is refused, not overwritten."""
+    if not path.exists():
+        return {}
+    old = records.read(path)
+    if {k: v for k, v in old.settings.items() if k != "consumers"} != {k: v for k, v in settings.items()
+                                                                        if k != "consumers"}:
+        raise SystemExit(f"{path} holds a record made with other settings; give another --out")
+    return {f"{r['label']}={r['consumer']}": r for r in old.rows}
 
 
 if __name__ == "__main__":
