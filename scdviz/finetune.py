@@ -53,6 +53,8 @@ class FinetuneConfig:
                     "quote (continue a quote of it) or before (the words before a quote, nearest first)",
                     choices=TASKS)
     answer_len: int = opt(8, "quote / before: answer tokens per question (the SCD bench asks 8)")
+    text_loss: bool = opt(False, "quote / before: also next-token loss on the window, the mean over its tokens added "
+                          "to the answer's mean (the specialist stays a language model of its text)")
     layers: list[int] = opt([], "decoder layers whose targets get an adapter, counted from 0 (default: every layer; "
                             "early layers move the cache of every layer above them)")
     targets: list[str] = opt(list(TARGETS),
@@ -108,7 +110,8 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         with autocast:
-            loss = model(input_ids=batch, labels=torch.tensor(labels, device=device)).loss
+            loss = batch_loss(model, batch, torch.tensor(labels, device=device),
+                              cfg.seq_len if cfg.task != "text" and cfg.text_loss else 0)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -131,6 +134,18 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     return log
+
+
+def batch_loss(model, batch: torch.Tensor, labels: torch.Tensor, text_len: int = 0) -> torch.Tensor:
+    """The mean next-token loss over ``labels`` (-100: none); with ``text_len`` > 0, plus the mean over the first
+    text_len tokens of each sequence (the window before a task's question), each mean taken on its own."""
+    if not text_len:
+        return model(input_ids=batch, labels=labels).loss
+    logits = model(input_ids=batch).logits[:, :-1].float().flatten(0, 1)
+    text = torch.full_like(batch, -100)
+    text[:, :text_len] = batch[:, :text_len]
+    return sum(torch.nn.functional.cross_entropy(logits, y[:, 1:].flatten(), ignore_index=-100)
+               for y in (labels, text))
 
 
 def example(tokenizer, window: list[int], cfg: FinetuneConfig, rng: random.Random) -> tuple[list[int], list[int]]:

@@ -104,3 +104,22 @@ def test_the_scd_bench_asks_a_specialist_the_question_it_was_trained_for(tmp_pat
     assert qa_kind(ScdBenchConfig(), text) == qa_kind(ScdBenchConfig(), unlogged) == "quote"
     assert qa_kind(ScdBenchConfig(qa_kind="quote"), before) == "quote"  # asked for, it wins
     assert qa_kind(ScdBenchConfig(), SimpleNamespace(consumer_source="builtin:jargon")) == "quote"
+
+
+def test_the_text_loss_adds_the_windows_mean_loss_to_the_answers():
+    import torch
+    from conftest import tiny_model
+
+    from scdviz.finetune import batch_loss
+
+    model = tiny_model()
+    batch = torch.randint(0, 97, (2, 20))
+    answer = torch.full_like(batch, -100)
+    answer[:, -3:] = batch[:, -3:]
+    window = torch.full_like(batch, -100)
+    window[:, :12] = batch[:, :12]
+    with torch.no_grad():
+        alone = batch_loss(model, batch, answer)
+        both = batch_loss(model, batch, answer, text_len=12)
+        expected = model(input_ids=batch, labels=answer).loss + model(input_ids=batch, labels=window).loss
+    assert torch.allclose(both, expected, atol=1e-5) and not torch.allclose(both, alone)
