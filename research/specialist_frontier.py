@@ -8,7 +8,9 @@ tokens; a recall specialist's questions are the ones it was trained to answer). 
 - the task score (token F1 of the greedy answer against the reference) of the **producer** alone (its own cache),
   of the **specialist** (the oracle: its own cache) and of **raw reuse** (the specialist answering from the
   producer's cache, sent as is);
-- raw reuse's KL(oracle ‖ raw reuse) and top-1 agreement over the teacher-forced continuation.
+- raw reuse's KL(oracle ‖ raw reuse) and top-1 agreement over the teacher-forced continuation, and the
+  continuation's perplexity for the producer, the specialist and raw reuse (is the specialist still a language
+  model of the text?).
 
 Printed per candidate: the specialist's gain over the producer (its F1 ÷ the producer's) and raw reuse's share of the
 oracle's F1, each with a paired passage-bootstrap interval, raw reuse's top-1 and KL, the adapter's size and its
@@ -32,7 +34,7 @@ import torch
 from scdviz import data, metrics, protocol, qa, records
 from scdviz.models import builtin, hf
 from scdviz.models.pair import choose_threads, load_pair, resolve_source
-from scdviz.scd import measure
+from scdviz.scd import measure, transfer
 from scdviz.scd import plan as plans
 
 
@@ -48,10 +50,14 @@ def recipe(source: str) -> dict:
             "adapter_bytes": size}
 
 
-def producer_f1(pair, case) -> float:
-    """The producer's own answer to the case's question, from its own cache of the prompt."""
+def producer_alone(pair, case) -> tuple[float, list[float]]:
+    """The producer's own answer to the case's question (its token F1) and its own teacher-forced continuation
+    (negative log-likelihood per token), each from its own cache of the prompt."""
+    start = case.state.ids.shape[1]
     cache = hf.decoder_cache(pair.producer, case.state.ids.to(hf.device_of(pair.producer)))
-    return qa.answer(pair.producer, cache, case.qa_item, case.state.ids.shape[1])["qa_f1"]
+    logits, _ = transfer.continuation(pair.producer, cache, case.fed, start)
+    nll = metrics.nll_per_token(logits, case.targets[0].to(logits.device)).tolist()
+    return qa.answer(pair.producer, cache, case.qa_item, start)["qa_f1"], nll
 
 
 def measure_one(label: str, producer: str, source: str, domain: str | None, args) -> dict:
@@ -68,9 +74,11 @@ def measure_one(label: str, producer: str, source: str, domain: str | None, args
     cases = measure.prepare_cases(pair, [w.ids for w in windows], args.cont_len, True, args.qa_answer_len, kind)
     oracle, _ = measure.oracle_result(pair, cases, 0)
     raw = measure.run_plan_on_cases(pair, cases, plans.raw_plan(pair.consumer_facts.layers), None)
+    alone = [producer_alone(pair, c) for c in cases]
     return {"label": label, "consumer": source, "domain": domain, "question": kind,
-            "passages": [w.cluster for w in windows],
-            "qa_f1_producer": [producer_f1(pair, c) for c in cases], "qa_f1_oracle": oracle.qa_f1,
+            "passages": [w.cluster for w in windows], "ppl_oracle": oracle.ppl, "ppl_raw": raw.ppl,
+            "ppl_producer": metrics.perplexity([x for a in alone for x in a[1]]),
+            "qa_f1_producer": [a[0] for a in alone], "qa_f1_oracle": oracle.qa_f1,
             "qa_f1_raw": raw.qa_f1, "kl_raw": raw.kl_per_prompt, "kl_raw_mean": raw.kl, "top1_raw": raw.top1,
             "recipe": info}
 
@@ -93,6 +101,8 @@ def summary(row: dict) -> dict:
             "F1 producer": mean("qa_f1_producer"), "F1 specialist": mean("qa_f1_oracle"),
             "F1 raw reuse": mean("qa_f1_raw"), "gain (specialist ÷ producer)": ratio("qa_f1_producer", "qa_f1_oracle"),
             "raw ÷ specialist": ratio("qa_f1_oracle", "qa_f1_raw"), "raw top-1": round(row["top1_raw"], 3),
+            "PPL producer / specialist / raw": " / ".join(f"{row[k]:.1f}" for k in ("ppl_producer", "ppl_oracle",
+                                                                                   "ppl_raw")),
             "raw KL": round(row["kl_raw_mean"], 4)}
 
 

@@ -36,7 +36,8 @@ SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the do
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
 
 # the settings of a research probe's record that are its flags
-RESEARCH_FLAGS = ("per_domain", "seeds", "consumer", "calibs", "limit", "other_limit", "budgets")
+RESEARCH_FLAGS = ("per_domain", "seeds", "consumer", "calibs", "consumers", "domain", "limit", "other_limit",
+                  "budgets")
 BLOCK = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
@@ -115,7 +116,7 @@ def command(path: Path, record: records.BenchRecord) -> str:
     exactly its settings, else ``bench KIND`` with the flags whose values differ from the CLI's defaults."""
     if "research" in record.settings:  # a probe's record: its module and flags
         flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(_flag_value, v)) if isinstance(v, list) else v}"
-                         for k, v in record.settings.items() if k in RESEARCH_FLAGS)
+                         for k, v in record.settings.items() if k in RESEARCH_FLAGS and v is not None)
         return f"python -m research.{record.settings['research']} {flags} --out {Path(path).name}"
     mine = _flat(_live(record.settings))
     for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != records.stem(path)):
@@ -428,6 +429,40 @@ def scd_distil_scale(rels: tuple[str, ...] = DISTIL_SCALE) -> str:
     head = ["specialist: text (prompts)", "arm", "training / validation windows", "kept at step", "plan", "KL",
             "× raw KV", "× closed form", "× 1x", "top-1", "QA F1"]
     return _table(head, out) + "\n\n" + _source_line(list(rels))
+
+
+FRONTIER = "scd/specialist_frontier_dev.json"  # issue 62's candidate specialists, dev slice
+RAW_LINE = {"share": 0.6, "top1": 0.6, "gain": 1.2}  # issue 62: raw reuse's F1 ≤ 60 % of the oracle's, etc.
+
+
+def scd_frontier(rel: str = FRONTIER) -> str:
+    """Candidate specialists on the frontier of raw reuse's damage × the specialist's gain over the producer, on
+    their task's eval windows (``research.specialist_frontier``): each one's task F1 for the producer, the specialist
+    (its own cache) and raw reuse (the producer's cache), the gain and raw reuse's share with paired
+    passage-bootstrap intervals, raw reuse's top-1 and KL on the continuation, and whether it reaches the raw-reuse
+    line (share ≤ 0.6, top-1 ≤ 0.6, gain ≥ 1.2)."""
+    out = []
+    for r in shipped_record(rel).rows:
+        cfg, clusters = r["recipe"].get("config", {}), r["passages"]
+        gain = paired_bootstrap(r["qa_f1_producer"], r["qa_f1_oracle"], clusters)
+        share = paired_bootstrap(r["qa_f1_oracle"], r["qa_f1_raw"], clusters)
+        reaches = (share["ratio"] <= RAW_LINE["share"] and r["top1_raw"] <= RAW_LINE["top1"]
+                   and gain["ratio"] >= RAW_LINE["gain"])
+        targets = cfg.get("targets") or ["every linear"]  # jargon's log predates --targets: its default, all seven
+        adapter = (f"{' '.join(t.removesuffix('_proj') for t in targets)}, rank {cfg.get('rank')}, "
+                   f"lr {cfg.get('lr')}, {cfg.get('steps')} steps; {r['recipe'].get('adapter_bytes', 0) / 1e6:.1f} MB")
+        mean = {k: sum(r[k]) / len(r[k]) for k in ("qa_f1_producer", "qa_f1_oracle", "qa_f1_raw")}
+        out.append([f"{r['label']} ({len(clusters)})", f"{cfg.get('task', 'text')} on {cfg.get('corpus')}",
+                    adapter, r["question"], " / ".join(_f(mean[k], 3) for k in mean),
+                    f"{gain['ratio']:.2f}× {_ci(*gain['ratio_ci'])}",
+                    f"{share['ratio']:.2f}× {_ci(*share['ratio_ci'])}",
+                    _f(r["top1_raw"], 3), _f(r["kl_raw_mean"], 4),
+                    " / ".join(f"{r[k]:.1f}" for k in ("ppl_producer", "ppl_oracle", "ppl_raw")),
+                    "yes" if reaches else "no"])
+    head = ["candidate (prompts)", "trained on", "adapter", "question asked", "task F1: producer / specialist / raw",
+            "specialist ÷ producer", "raw ÷ specialist", "raw top-1", "raw KL",
+            "continuation PPL: producer / specialist / raw", "reaches the raw-reuse line"]
+    return _table(head, out) + "\n\n" + _source_line([rel])
 
 
 def scd_ttft() -> str:
@@ -801,6 +836,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-tail": scd_tail,
     "scd-recall": scd_recall,
     "scd-distil-scale": scd_distil_scale,
+    "scd-frontier": scd_frontier,
     "scd-engine": lambda: serving_table.scd_engine(shipped_record),
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
