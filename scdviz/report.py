@@ -439,8 +439,9 @@ def scd_frontier(rel: str = FRONTIER) -> str:
     """Candidate specialists on the frontier of raw reuse's damage × the specialist's gain over the producer, on
     their task's eval windows (``research.specialist_frontier``): each one's task F1 for the producer, the specialist
     (its own cache) and raw reuse (the producer's cache), the gain and raw reuse's share with paired
-    passage-bootstrap intervals, raw reuse's top-1 and KL on the continuation, and whether it reaches the raw-reuse
-    line (share ≤ 0.6, top-1 ≤ 0.6, gain ≥ 1.2)."""
+    passage-bootstrap intervals, raw reuse's top-1 and KL on the continuation, the continuation's perplexity, and
+    whether it reaches the raw-reuse line (share ≤ 0.6, top-1 ≤ 0.6, gain ≥ 1.2), flagged when the specialist's
+    perplexity is over twice the producer's (it no longer models the text the continuation lines are measured on)."""
     out = []
     for r in shipped_record(rel).rows:
         cfg, clusters = r["recipe"].get("config", {}), r["passages"]
@@ -452,13 +453,15 @@ def scd_frontier(rel: str = FRONTIER) -> str:
         adapter = (f"{' '.join(t.removesuffix('_proj') for t in targets)}, rank {cfg.get('rank')}, "
                    f"lr {cfg.get('lr')}, {cfg.get('steps')} steps; {r['recipe'].get('adapter_bytes', 0) / 1e6:.1f} MB")
         mean = {k: sum(r[k]) / len(r[k]) for k in ("qa_f1_producer", "qa_f1_oracle", "qa_f1_raw")}
-        out.append([f"{r['label']} ({len(clusters)})", f"{cfg.get('task', 'text')} on {cfg.get('corpus')}",
+        task = cfg.get("task", "text") + (" + its text" if cfg.get("text_loss") else "")
+        out.append([f"{r['label']} ({len(clusters)})", f"{task} on {cfg.get('corpus')}",
                     adapter, r["question"], " / ".join(_f(mean[k], 3) for k in mean),
                     f"{gain['ratio']:.2f}× {_ci(*gain['ratio_ci'])}",
                     f"{share['ratio']:.2f}× {_ci(*share['ratio_ci'])}",
                     _f(r["top1_raw"], 3), _f(r["kl_raw_mean"], 4),
                     " / ".join(f"{r[k]:.1f}" for k in ("ppl_producer", "ppl_oracle", "ppl_raw")),
-                    "yes" if reaches else "no"])
+                    ("no" if not reaches else "yes" if r["ppl_oracle"] <= 2 * r["ppl_producer"]
+                     else "yes, but the specialist no longer models the text")])
     head = ["candidate (prompts)", "trained on", "adapter", "question asked", "task F1: producer / specialist / raw",
             "specialist ÷ producer", "raw ÷ specialist", "raw top-1", "raw KL",
             "continuation PPL: producer / specialist / raw", "reaches the raw-reuse line"]
