@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ class FinetuneConfig:
     targets: list[str] = opt(list(TARGETS),
                              "linear layers that get an adapter (adapters on k_proj/v_proj move the KV cache most)",
                              choices=tuple(TARGETS))
+    checkpoint_every: int = opt(50, "steps between checkpoints in <out>/checkpoint: the same command run again "
+                                "resumes a stopped run from the last one (0: none); removed once the adapter is saved")
 
 
 def finetune(cfg: FinetuneConfig, progress=None) -> dict:
@@ -98,11 +101,15 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
         frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
         return cfg.lr * 0.5 * (1 + math.cos(math.pi * frac))
 
-    losses, t0 = [], time.perf_counter()
+    ckpt, start, losses, before = Path(cfg.out) / "checkpoint", 0, [], 0.0
+    if cfg.checkpoint_every and (ckpt / "state.json").is_file():
+        start, losses, before = _resume(ckpt, cfg, params, opt, asked)
+    t0 = time.perf_counter()
     device = next(model.parameters()).device
     # bf16 autocast only on CUDA: on CPUs without native bf16 it measured ~20x slower here.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    bar = tqdm(range(cfg.steps), desc=f"finetune {cfg.corpus or Path(cfg.texts).name}")
+    bar = tqdm(range(start, cfg.steps), desc=f"finetune {cfg.corpus or Path(cfg.texts).name}", initial=start,
+               total=cfg.steps)
     for step in bar:
         idx = [(step * cfg.batch + i) % len(windows) for i in range(cfg.batch)]
         ids, labels = zip(*(example(tokenizer, windows[i], cfg, asked) for i in idx), strict=True)
@@ -118,6 +125,8 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 4))
         bar.set_postfix(loss=losses[-1], refresh=False)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            _checkpoint(ckpt, cfg, step + 1, losses, before + time.perf_counter() - t0, params, opt, asked)
         if progress:
             progress((step + 1) / cfg.steps, f"step {step + 1}/{cfg.steps} loss {losses[-1]:.3f}")
     out = Path(cfg.out)
@@ -127,13 +136,59 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     log = {
         "config": asdict(cfg),
         "train_windows_available": len(windows),
-        "tokens_seen": cfg.steps * cfg.batch * len(ids[0]),
-        "seconds": round(time.perf_counter() - t0, 1),
+        "tokens_seen": cfg.steps * cfg.batch * len(example(tokenizer, windows[0], cfg, random.Random(0))[0]),
+        "seconds": round(before + time.perf_counter() - t0, 1),
         "torch_threads": torch.get_num_threads(),
         "loss": losses,
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    shutil.rmtree(ckpt, ignore_errors=True)
     return log
+
+
+def _settings(cfg: FinetuneConfig) -> dict:
+    """What a checkpoint must share with the run resuming it (how often it is written aside)."""
+    return {k: v for k, v in asdict(cfg).items() if k != "checkpoint_every"}
+
+
+def _checkpoint(folder: Path, cfg, step: int, losses: list[float], seconds: float, params, opt, asked) -> None:
+    """The adapter's trainable tensors, AdamW's moments and the question sampler's state after ``step`` steps
+    (safetensors and JSON, no pickle), written whole before the old one is replaced."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, p in enumerate(params):
+        state = opt.state[p]
+        tensors |= {f"p{i}": p.detach().contiguous(), f"m{i}": state["exp_avg"].contiguous(),
+                    f"v{i}": state["exp_avg_sq"].contiguous(), f"s{i}": torch.as_tensor(state["step"]).reshape(1)}
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "state.safetensors"))
+    version, internal, gauss = asked.getstate()
+    (tmp / "state.json").write_text(json.dumps({"settings": _settings(cfg), "step": step, "losses": losses,
+                                                "seconds": seconds, "asked": [version, list(internal), gauss]}))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def _resume(folder: Path, cfg, params, opt, asked) -> tuple[int, list[float], float]:
+    """Load a checkpoint into the run: (its step, its losses, its seconds). ValueError for other settings."""
+    from safetensors.torch import load_file
+
+    state = json.loads((folder / "state.json").read_text())
+    if state["settings"] != json.loads(json.dumps(_settings(cfg))):
+        raise ValueError(f"{folder} holds a checkpoint of a run with other settings: remove it, or give another "
+                         "--out / --name")
+    tensors = load_file(str(folder / "state.safetensors"))
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(tensors[f"p{i}"].to(p.device))
+            opt.state[p] = {"step": tensors[f"s{i}"].reshape(()), "exp_avg": tensors[f"m{i}"].to(p.device),
+                            "exp_avg_sq": tensors[f"v{i}"].to(p.device)}  # AdamW keeps its step count on the CPU
+    version, internal, gauss = state["asked"]
+    asked.setstate((version, tuple(internal), gauss))
+    return state["step"], state["losses"], state["seconds"]
 
 
 def batch_loss(model, batch: torch.Tensor, labels: torch.Tensor, text_len: int = 0) -> torch.Tensor:

@@ -123,3 +123,33 @@ def test_the_text_loss_adds_the_windows_mean_loss_to_the_answers():
         both = batch_loss(model, batch, answer, text_len=12)
         expected = model(input_ids=batch, labels=answer).loss + model(input_ids=batch, labels=window).loss
     assert torch.allclose(both, expected, atol=1e-5) and not torch.allclose(both, alone)
+
+
+def test_a_stopped_finetune_resumes_from_its_checkpoint_and_ends_as_an_unstopped_one(tmp_path, texts):
+    import torch
+    from conftest import tiny_folder, user_text
+    from safetensors.torch import load_file
+
+    base = tiny_folder(tmp_path / "base", user_text())
+    cfg = FinetuneConfig(texts=str(texts), base=str(base), task="before", answer_len=3, steps=5, batch=2, seq_len=40,
+                         rank=2, lr=0.05, checkpoint_every=2)
+    whole = finetune(FinetuneConfig(**{**cfg.__dict__, "out": str(tmp_path / "whole")}))
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_four(frac, _desc):
+        if frac >= 0.8:
+            raise Stop
+
+    stopped = FinetuneConfig(**{**cfg.__dict__, "out": str(tmp_path / "stopped")})
+    with pytest.raises(Stop):
+        finetune(stopped, progress=stop_at_four)
+    assert json.loads((tmp_path / "stopped" / "checkpoint" / "state.json").read_text())["step"] == 4
+    with pytest.raises(ValueError, match="other settings"):
+        finetune(FinetuneConfig(**{**stopped.__dict__, "lr": 0.01}))
+    again = finetune(stopped)
+    assert again["loss"] == whole["loss"] and len(again["loss"]) == 5
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("whole", "stopped"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "stopped" / "checkpoint").exists()
