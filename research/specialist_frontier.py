@@ -24,7 +24,6 @@ Recipes are chosen on ``--slice dev``; ``test`` runs only from a clean committed
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -32,20 +31,22 @@ import pandas as pd
 import torch
 
 from scdviz import data, metrics, protocol, qa, records
-from scdviz.models import builtin, hf
+from scdviz.models import hf
+from scdviz.models import pair as pairmod
 from scdviz.models.pair import choose_threads, load_pair, resolve_source
+from scdviz.scd import bench as scd_bench
 from scdviz.scd import measure, transfer
 from scdviz.scd import plan as plans
 
 
 def recipe(source: str) -> dict:
-    """The consumer's training settings and adapter size: its train_log.json beside the adapter, {} if none."""
-    _kind, _where, adapter = resolve_source(source)
+    """The consumer's training settings, time and tokens (its train_log.json) and its adapter's size; {} for a
+    full model."""
+    adapter = resolve_source(source)[2]
     if adapter is None:
         return {}
-    folder = Path(adapter)
-    log = json.loads((folder / "train_log.json").read_text()) if (folder / "train_log.json").exists() else {}
-    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    log = pairmod.training_log(source)
+    size = sum(f.stat().st_size for f in Path(adapter).glob("*.safetensors"))
     return {"config": log.get("config", {}), "seconds": log.get("seconds"), "tokens_seen": log.get("tokens_seen"),
             "adapter_bytes": size}
 
@@ -64,13 +65,12 @@ def measure_one(label: str, producer: str, source: str, domain: str | None, args
     """Every per-prompt value of one candidate on its task's eval windows."""
     pair = load_pair(producer, source)
     info = recipe(source)
-    domain = domain or info.get("config", {}).get("corpus") or builtin.training_corpus(source.removeprefix("builtin:"))
+    domain = domain or info.get("config", {}).get("corpus")
     if not domain:
         raise SystemExit(f"{source}: no training corpus known; give --domain")
     windows = data.eval_windows(pair.tokenizer, domain, args.slice, args.prompt_len + args.cont_len, args.limit)
     torch.manual_seed(0)
-    kind = info.get("config", {}).get("task", "text")
-    kind = kind if kind in qa.KINDS else "quote"  # a text specialist is asked the bench's question
+    kind = scd_bench.qa_kind(scd_bench.ScdBenchConfig(), pair)  # the question bench scd asks this consumer
     cases = measure.prepare_cases(pair, [w.ids for w in windows], args.cont_len, True, args.qa_answer_len, kind)
     oracle, _ = measure.oracle_result(pair, cases, 0)
     raw = measure.run_plan_on_cases(pair, cases, plans.raw_plan(pair.consumer_facts.layers), None)

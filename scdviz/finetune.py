@@ -73,6 +73,10 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
         raise ValueError("give either --texts (your text) or --corpus (a shipped one), not both or neither")
     if not cfg.out:
         raise ValueError("give the adapter folder to write (out)")
+    if cfg.task not in TASKS:
+        raise ValueError(f"unknown task {cfg.task!r}; use one of {TASKS}")
+    if cfg.task != "text" and not 1 <= cfg.answer_len <= cfg.seq_len // 3:
+        raise ValueError(f"answer_len must be 1..{cfg.seq_len // 3} (a third of --seq-len), got {cfg.answer_len}")
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
@@ -87,10 +91,6 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
     if not windows:
         raise ValueError(f"the training text has no window of {cfg.seq_len} tokens; give more text or lower --seq-len")
     random.Random(cfg.seed).shuffle(windows)
-    if cfg.task not in TASKS:
-        raise ValueError(f"unknown task {cfg.task!r}; use one of {TASKS}")
-    if cfg.task != "text" and not 1 <= cfg.answer_len <= cfg.seq_len // 3:
-        raise ValueError(f"answer_len must be 1..{cfg.seq_len // 3} (a third of --seq-len), got {cfg.answer_len}")
     asked = random.Random(cfg.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)

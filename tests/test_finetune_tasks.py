@@ -68,6 +68,11 @@ def test_a_task_finetune_trains_on_the_question_format_and_logs_it(tmp_path, tex
     saved = json.loads((tmp_path / "spec" / "train_log.json").read_text())
     assert saved["config"]["task"] == "before" and saved["config"]["answer_len"] == 4
     assert len(log["loss"]) == 2
+    from scdviz.models.pair import load_model
+
+    tokenizer = load_model(str(base))[1]
+    n = len(example(tokenizer, list(range(48)), cfg, random.Random(0))[0])  # window, question and answer
+    assert n > 48 + 4 and log["tokens_seen"] == 2 * 2 * n  # steps × batch × the tokens of each sequence
     with pytest.raises(ValueError, match="answer_len must be 1..16"):
         finetune(FinetuneConfig(**{**cfg.__dict__, "answer_len": 17}))
 

@@ -233,14 +233,15 @@ def resolve_source(source: str) -> tuple[str, Path | str, Path | None]:
     raise PairError(f"{source.strip()}: not a model folder (no config.json) nor a LoRA folder (no adapter_config.json)")
 
 
-def training_config(source: str) -> dict:
-    """The settings a LoRA consumer was fine-tuned with (``finetune``'s train_log.json beside its adapter: corpus,
-    task, targets, ...), {} for a full model or an adapter without that log."""
+def training_log(source: str) -> dict:
+    """How a LoRA consumer was fine-tuned: ``finetune``'s train_log.json beside its adapter (its "config": corpus,
+    task, targets, ...; "seconds", "loss", ...), {} for a full model or an adapter without that log."""
     try:
         adapter = resolve_source(source)[2]
-        return json.loads((Path(adapter) / "train_log.json").read_text())["config"] if adapter else {}
-    except (PairError, ValueError, OSError, KeyError, TypeError):
+        log = json.loads((Path(adapter) / "train_log.json").read_text()) if adapter else {}
+    except (PairError, ValueError, OSError):
         return {}
+    return log if isinstance(log, dict) else {}
 
 
 def load_model(source: str, base: str | None = None, progress=None):

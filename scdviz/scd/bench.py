@@ -227,7 +227,7 @@ def bench(
 def qa_kind(cfg: ScdBenchConfig, pair: Pair) -> str:
     """The context-QA question the bench asks: ``cfg.qa_kind``, else the consumer's fine-tuning task when it is a
     question kind (a specialist is measured on the task it was trained for), else quote."""
-    task = cfg.qa_kind or pairmod.training_config(pair.consumer_source).get("task")
+    task = cfg.qa_kind or pairmod.training_log(pair.consumer_source).get("config", {}).get("task")
     return task if task in qa.KINDS else "quote"
 
 
