@@ -54,8 +54,9 @@ class FinetuneConfig:
                     "quote (continue a quote of it) or before (the words before a quote, nearest first)",
                     choices=TASKS)
     answer_len: int = opt(8, "quote / before: answer tokens per question (the SCD bench asks 8)")
-    text_loss: bool = opt(False, "quote / before: also next-token loss on the window, the mean over its tokens added "
-                          "to the answer's mean (the specialist stays a language model of its text)")
+    text_loss: float = opt(0.0, "quote / before: also next-token loss on the window, the mean over its tokens times "
+                           "this weight added to the answer's mean (the specialist stays a language model of its "
+                           "text; 0: none)")
     layers: list[int] = opt([], "decoder layers whose targets get an adapter, counted from 0 (default: every layer; "
                             "early layers move the cache of every layer above them)")
     targets: list[str] = opt(list(TARGETS),
@@ -77,6 +78,8 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
         raise ValueError(f"unknown task {cfg.task!r}; use one of {TASKS}")
     if cfg.task != "text" and not 1 <= cfg.answer_len <= cfg.seq_len // 3:
         raise ValueError(f"answer_len must be 1..{cfg.seq_len // 3} (a third of --seq-len), got {cfg.answer_len}")
+    if not 0 <= cfg.text_loss <= 100:
+        raise ValueError(f"--text-loss is a weight from 0 to 100, got {cfg.text_loss}")
     torch.manual_seed(cfg.seed)
     model, tokenizer = pairmod.load_model(cfg.base)
     model.train()
@@ -118,7 +121,7 @@ def finetune(cfg: FinetuneConfig, progress=None) -> dict:
             group["lr"] = lr_at(step)
         with autocast:
             loss = batch_loss(model, batch, torch.tensor(labels, device=device),
-                              cfg.seq_len if cfg.task != "text" and cfg.text_loss else 0)
+                              cfg.seq_len if cfg.task != "text" else 0, float(cfg.text_loss))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -191,16 +194,19 @@ def _resume(folder: Path, cfg, params, opt, asked) -> tuple[int, list[float], fl
     return state["step"], state["losses"], state["seconds"]
 
 
-def batch_loss(model, batch: torch.Tensor, labels: torch.Tensor, text_len: int = 0) -> torch.Tensor:
-    """The mean next-token loss over ``labels`` (-100: none); with ``text_len`` > 0, plus the mean over the first
-    text_len tokens of each sequence (the window before a task's question), each mean taken on its own."""
-    if not text_len:
+def batch_loss(model, batch: torch.Tensor, labels: torch.Tensor, text_len: int = 0,
+               text_weight: float = 1.0) -> torch.Tensor:
+    """The mean next-token loss over ``labels`` (-100: none); with ``text_len`` > 0 and ``text_weight`` > 0, plus
+    text_weight times the mean over the first text_len tokens of each sequence (the window before a task's question),
+    each mean taken on its own."""
+    if not text_len or not text_weight:
         return model(input_ids=batch, labels=labels).loss
     logits = model(input_ids=batch).logits[:, :-1].float().flatten(0, 1)
     text = torch.full_like(batch, -100)
     text[:, :text_len] = batch[:, :text_len]
-    return sum(torch.nn.functional.cross_entropy(logits, y[:, 1:].flatten(), ignore_index=-100)
-               for y in (labels, text))
+    answer, window = (torch.nn.functional.cross_entropy(logits, y[:, 1:].flatten(), ignore_index=-100)
+                      for y in (labels, text))
+    return answer + text_weight * window
 
 
 def example(tokenizer, window: list[int], cfg: FinetuneConfig, rng: random.Random) -> tuple[list[int], list[int]]:

@@ -453,7 +453,9 @@ def scd_frontier(rel: str = FRONTIER) -> str:
         adapter = (f"{' '.join(t.removesuffix('_proj') for t in targets)}, rank {cfg.get('rank')}, "
                    f"lr {cfg.get('lr')}, {cfg.get('steps')} steps; {r['recipe'].get('adapter_bytes', 0) / 1e6:.1f} MB")
         mean = {k: sum(r[k]) / len(r[k]) for k in ("qa_f1_producer", "qa_f1_oracle", "qa_f1_raw")}
-        task = cfg.get("task", "text") + (" + its text" if cfg.get("text_loss") else "")
+        weight = float(cfg.get("text_loss") or 0)  # older logs say true: a weight of 1
+        task = cfg.get("task", "text") + (" + its text" if weight == 1 else f" + its text × {weight:g}" if weight
+                                          else "")
         out.append([f"{r['label']} ({len(clusters)})", f"{task} on {cfg.get('corpus')}",
                     adapter, r["question"], " / ".join(_f(mean[k], 3) for k in mean),
                     f"{gain['ratio']:.2f}× {_ci(*gain['ratio_ci'])}",

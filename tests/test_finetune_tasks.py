@@ -126,8 +126,12 @@ def test_the_text_loss_adds_the_windows_mean_loss_to_the_answers():
     with torch.no_grad():
         alone = batch_loss(model, batch, answer)
         both = batch_loss(model, batch, answer, text_len=12)
+        weighted = batch_loss(model, batch, answer, text_len=12, text_weight=0.2)
+        off = batch_loss(model, batch, answer, text_len=12, text_weight=0.0)
         expected = model(input_ids=batch, labels=answer).loss + model(input_ids=batch, labels=window).loss
+        expected_w = model(input_ids=batch, labels=answer).loss + 0.2 * model(input_ids=batch, labels=window).loss
     assert torch.allclose(both, expected, atol=1e-5) and not torch.allclose(both, alone)
+    assert torch.allclose(weighted, expected_w, atol=1e-5) and torch.equal(off, alone)
 
 
 def test_a_stopped_finetune_resumes_from_its_checkpoint_and_ends_as_an_unstopped_one(tmp_path, texts):
