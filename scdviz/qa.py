@@ -21,11 +21,27 @@ from dataclasses import dataclass
 
 from scdviz import metrics
 from scdviz.models import hf
+from scdviz.models import pair as pairmod
 
 CUE = 12  # context tokens quoted in the question
 LEAD = '\n\nFrom the text above: "'  # what the question says before the quote
 BEFORE = ('\n\nIn the text above, the words before "', '", nearest first:')  # backward recall: around the quote
 KINDS = ("quote", "before")
+
+
+def kind_for(consumer_source: str, asked: str | None = None) -> str:
+    """The question a consumer is asked: ``asked``, else the task it was fine-tuned on when that is one of ``KINDS``
+    (a specialist is measured and calibrated on the task it was trained for), else quote."""
+    task = asked or pairmod.training_log(consumer_source).get("config", {}).get("task")
+    return task if task in KINDS else "quote"
+
+
+def question_tokens(tokenizer, kind: str, cue: list[int]) -> list[int]:
+    """The question of ``kind`` about the quoted ``cue`` tokens, as ``make_item`` asks it (the answer follows it)."""
+    if kind == "before":
+        head, tail = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in BEFORE)
+        return head + list(cue) + tail
+    return tokenizer(LEAD, add_special_tokens=False)["input_ids"] + list(cue)
 
 
 @dataclass
@@ -51,12 +67,11 @@ def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3, pe
     p = third + (index * 37) % third
     if kind == "before":
         p = max(CUE + answer_len, min(p, t))
-        head, tail = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in BEFORE)
-        return QAItem(question=list(pending) + head + context[p - CUE : p] + tail,
+        return QAItem(question=list(pending) + question_tokens(tokenizer, kind, context[p - CUE : p]),
                       answer=context[p - CUE - answer_len : p - CUE][::-1])
     p = max(CUE, min(p, t - answer_len))
-    lead = tokenizer(LEAD, add_special_tokens=False)["input_ids"]
-    return QAItem(question=list(pending) + lead + context[p - CUE : p], answer=context[p : p + answer_len])
+    return QAItem(question=list(pending) + question_tokens(tokenizer, kind, context[p - CUE : p]),
+                  answer=context[p : p + answer_len])
 
 
 def answer(model, cache, item: QAItem, start: int) -> dict:

@@ -1310,6 +1310,39 @@ def test_recall_windows_continue_with_a_quote_of_their_own_prompt(tiny_pair, tin
         distil.DistilConfig(recall=1.5)
 
 
+def test_a_backward_recall_window_asks_the_words_before_its_cue_and_answers_them_nearest_first(tiny_pair, tiny_calib):
+    """With ``recall_kind='before'`` a recall window's continuation is ``qa.make_item``'s backward question about CUE
+    of its own prompt's tokens, then exactly the prompt tokens before them, last one first, filling ``cont_len``;
+    ``quote_from`` points at that answer; the other windows are the plain ones, unchanged."""
+    from scdviz import qa
+    from scdviz.scd import distil
+
+    tok = tiny_pair.tokenizer
+    head, tail = (tok(x, add_special_tokens=False)["input_ids"] for x in qa.BEFORE)
+    base = dict(train_windows=4, val_windows=2, prompt_len=40, cont_len=len(head) + qa.CUE + len(tail) + 6,
+                recall=0.5)
+    before = distil.named_windows(tiny_pair, tiny_calib, distil.DistilConfig(**base, recall_kind="before"))
+    plain = distil.named_windows(tiny_pair, tiny_calib, distil.DistilConfig(**{**base, "recall": 0.0}))
+    q = distil.quote_from(tok, "before")
+    assert q == len(head) + qa.CUE + len(tail) and distil.quote_from(tok) == distil.quote_from(tok, "quote")
+    asked = 0
+    for (name, w, recall), (name_p, w_p, _) in zip(before[0] + before[1], plain[0] + plain[1], strict=True):
+        assert (name, len(w)) == (name_p, 40 + base["cont_len"]) and w[:40] == w_p[:40]
+        if not recall:
+            assert w == w_p
+            continue
+        prompt, cont = w[:40], w[40:]
+        assert cont[: len(head)] == head and cont[len(head) + qa.CUE : q] == tail
+        cue, answer = cont[len(head) : len(head) + qa.CUE], cont[q:]
+        assert len(answer) == 6
+        at = [s for s in range(6, 40 - qa.CUE + 1) if prompt[s : s + qa.CUE] == cue]
+        assert any(prompt[s - 6 : s][::-1] == answer for s in at)
+        asked += 1
+    assert asked == 3 * len(distil.domains_of(tiny_calib.config))  # half of the 4 + 2 windows of each domain
+    with pytest.raises(ValueError, match="recall-kind"):
+        distil.DistilConfig(recall_kind="after")
+
+
 def test_a_recall_window_scored_against_its_quote_counts_quoted_tokens_by_excess_nll(tiny_pair, tiny_calib):
     """With ``recall_target='quote'`` a recall window's objective is, hand-computed, the mean over its
     continuation of KL(oracle ‖ method) before the quoted answer and NLL(method) − NLL(oracle) of the true

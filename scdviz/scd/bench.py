@@ -27,7 +27,6 @@ from scdviz import config, data, metrics, protocol, qa
 from scdviz import link as links
 from scdviz.config import opt
 from scdviz.models import builtin
-from scdviz.models import pair as pairmod
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
 from scdviz.records import BenchRecord
@@ -227,8 +226,7 @@ def bench(
 def qa_kind(cfg: ScdBenchConfig, pair: Pair) -> str:
     """The context-QA question the bench asks: ``cfg.qa_kind``, else the consumer's fine-tuning task when it is a
     question kind (a specialist is measured on the task it was trained for), else quote."""
-    task = cfg.qa_kind or pairmod.training_log(pair.consumer_source).get("config", {}).get("task")
-    return task if task in qa.KINDS else "quote"
+    return qa.kind_for(pair.consumer_source, cfg.qa_kind)
 
 
 def eval_domains(cfg: ScdBenchConfig, specialist: str, calib: calibration.Calibration) -> list[str]:

@@ -68,9 +68,13 @@ class DistilConfig:
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.05, "AdamW weight decay")
     clip: float = opt(1.0, "gradient norm clip")
-    recall: float = opt(0.1, "share of the training and validation windows whose continuation quotes their own "
-                        "prompt, in the context-QA form (scdviz.qa: a lead, CUE prompt tokens, the tokens after "
-                        "them): a quote-recall term of the objective")
+    recall: float = opt(0.1, "share of the training and validation windows whose continuation asks a context-QA "
+                        "question about their own prompt and answers it (scdviz.qa: a question quoting CUE prompt "
+                        "tokens, then its answer): a recall term of the objective")
+    recall_kind: str | None = opt(None, "the question a recall window asks (scdviz.qa): quote (continue a quote of "
+                                  "the prompt) or before (the words before a quote, nearest first); default: the "
+                                  "task the consumer was fine-tuned on when it is one of these, else quote (as "
+                                  "bench scd asks)")
     recall_target: str = opt("quote", "what a recall window's quoted tokens are scored against: 'oracle' (KL to "
                              "the consumer with its own cache, as every other token) or 'quote' (their negative "
                              "log-likelihood, less the oracle's: the quote itself is the truth, and the oracle's "
@@ -88,6 +92,8 @@ class DistilConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.recall <= 1:
             raise ValueError(f"--recall is a share of the windows, from 0 to 1; got {self.recall}")
+        if self.recall_kind is not None and self.recall_kind not in qa.KINDS:
+            raise ValueError(f"--recall-kind is one of {qa.KINDS}, got {self.recall_kind!r}")
         if self.recall_target not in RECALL_TARGETS:
             raise ValueError(f"--recall-target is 'oracle' or 'quote', got {self.recall_target!r}")
         if any(not b > 0 for b in self.budgets):
@@ -130,6 +136,7 @@ def named_windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[li
     """``windows``, each as (its name in a spool: split, domain and place in ``spread_order``, the window,
     whether it is a quote-recall one)."""
     length, train, val = cfg.prompt_len + cfg.cont_len, [], []
+    kind = qa.kind_for(pair.consumer_source, cfg.recall_kind)
     for name in domains_of(calib.config):
         for split, n, out in (("train", cfg.train_windows, train), ("calib", cfg.val_windows, val)):
             got = data.token_windows(pair.tokenizer, data.passages(name, split, calib.config.texts), length)
@@ -138,14 +145,14 @@ def named_windows(pair: Pair, calib: Calibration, cfg: DistilConfig) -> tuple[li
                                  f"need {n}")
             for i, at in enumerate(spread_order(len(got), n)):
                 recall = is_recall(i, cfg.recall)
-                w = quoted(pair.tokenizer, got[at][: cfg.prompt_len], cfg.cont_len, i) if recall else got[at]
+                w = quoted(pair.tokenizer, got[at][: cfg.prompt_len], cfg.cont_len, i, kind) if recall else got[at]
                 out.append((f"{split}-{name}-{i:05d}", w, recall))
     return train, val
 
 
-def quote_from(tokenizer) -> int:
-    """Where a recall window's quoted answer starts in its continuation: after the lead and the CUE tokens."""
-    return len(tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]) + qa.CUE
+def quote_from(tokenizer, kind: str = "quote") -> int:
+    """Where a recall window's answer starts in its continuation: after its question (``qa.question_tokens``)."""
+    return len(qa.question_tokens(tokenizer, kind, [0] * qa.CUE))
 
 
 def is_recall(i: int, share: float) -> bool:
@@ -154,18 +161,23 @@ def is_recall(i: int, share: float) -> bool:
     return int((i + 1) * share + 0.5) > int(i * share + 0.5)
 
 
-def quoted(tokenizer, prompt: list[int], cont_len: int, index: int) -> list[int]:
-    """``prompt`` then a continuation of ``cont_len`` tokens that quotes it, as a context-QA question and its
-    answer do (``qa.make_item``'s lead, CUE prompt tokens, then the prompt tokens after them), from a
-    position that moves with ``index`` through the prompt's middle."""
-    lead = tokenizer(qa.LEAD, add_special_tokens=False)["input_ids"]
-    copied = cont_len - len(lead)  # the cue and its answer
+def quoted(tokenizer, prompt: list[int], cont_len: int, index: int, kind: str = "quote") -> list[int]:
+    """``prompt`` then a continuation of ``cont_len`` tokens that asks a context-QA question of ``kind`` about it and
+    answers it (``qa.question_tokens``, then the answer): from a span of the prompt at a position that moves with
+    ``index`` through its middle, quote continues the span's first CUE tokens with the rest of it, before quotes its
+    last CUE tokens and answers with the ones before them, nearest first (as ``qa.make_item``)."""
+    asked = len(qa.question_tokens(tokenizer, kind, [0] * qa.CUE)) - qa.CUE
+    copied = cont_len - asked  # the span: the cue and its answer
     if copied < qa.CUE + 1 or copied > len(prompt) // 2:
         raise ValueError(f"--cont-len {cont_len} leaves {copied} quoted tokens; a recall window needs "
                          f"{qa.CUE + 1} to {len(prompt) // 2}")
     span = len(prompt) - copied
     start = span // 4 + (index * 37) % max(1, span // 2)
-    return prompt + lead + prompt[start : start + copied]
+    got = prompt[start : start + copied]
+    if kind == "before":
+        n = copied - qa.CUE
+        return prompt + qa.question_tokens(tokenizer, kind, got[n:]) + got[:n][::-1]
+    return prompt + qa.question_tokens(tokenizer, kind, got[: qa.CUE]) + got[qa.CUE :]
 
 
 def initial(spread: dict[int, torch.Tensor], rank: int, seed: int) -> dict:
@@ -305,11 +317,13 @@ SPOOL_FORMAT = 1  # a spool's layout (``prepare``); a spool of another format is
 CHECKPOINT_S = 60.0  # a fit writes its checkpoint at every validation, when stopped, and at least this often
 
 
-def spool_meta(calib: Calibration, cfg: DistilConfig, at: list[plans.Plan]) -> dict:
-    """What a spool's prepared windows depend on, beside their names: a spool made for other values is refused."""
+def spool_meta(calib: Calibration, cfg: DistilConfig, at: list[plans.Plan], kind: str = "quote") -> dict:
+    """What a spool's prepared windows depend on, beside their names (``kind``: the question its recall windows
+    ask): a spool made for other values is refused."""
     return {"format": SPOOL_FORMAT, "calibration": f"{calib.tag:016x}", "plans": [p.name for p in at],
             "prompt_len": cfg.prompt_len, "cont_len": cfg.cont_len, "recall": cfg.recall,
-            "recall_target": cfg.recall_target, "texts": str(calib.config.texts)}
+            "recall_target": cfg.recall_target, "texts": str(calib.config.texts),
+            **({"recall_kind": kind} if kind != "quote" else {})}
 
 
 def _blob_key(j: int) -> str:
@@ -365,12 +379,13 @@ def prepare(pair: Pair, calib: Calibration, cfg: DistilConfig, at: list[plans.Pl
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part {part[0]} of {part[1]}: the first number counts from 0 to the second less one")
     spool.mkdir(parents=True, exist_ok=True)
-    meta, meta_path = spool_meta(calib, cfg, at), spool / "meta.json"
+    kind = qa.kind_for(pair.consumer_source, cfg.recall_kind)
+    meta, meta_path = spool_meta(calib, cfg, at, kind), spool / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"the spool {spool} was prepared for {json.loads(meta_path.read_text())}, not for {meta}: "
                          "give another spool folder")
     meta_path.write_text(json.dumps(meta, indent=1))
-    answer = quote_from(pair.tokenizer) if cfg.recall_target == "quote" else None
+    answer = quote_from(pair.tokenizer, kind) if cfg.recall_target == "quote" else None
     train_w, val_w = named_windows(pair, calib, cfg)
     todo = [(name, w, recall, split == 0) for split, ws in enumerate((train_w, val_w)) for name, w, recall in ws]
     missing = [not (spool / f"{t[0]}.safetensors").exists() for t in todo]
