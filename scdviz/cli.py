@@ -262,7 +262,8 @@ def _bench_scd(cmd: BenchScd) -> None:
         print(protocol.show(bench.budget_table(reports)))
     qa_rows = bench.qa_table(reports)
     if len(qa_rows):
-        print(f"\n== context-QA token-F1, {qa_rows['items'].iloc[0]} items pooled over the reports (95% bootstrap) ==")
+        print(f"\n== context-QA token-F1, {qa_rows['items'].iloc[0]} items pooled over the reports (95% bootstrap; "
+              "of_oracle: the share of the oracle's F1 kept, paired) ==")
         print(protocol.show(qa_rows))
     _write(cmd, protocol.merge(parts, seconds=time.perf_counter() - t0))
 

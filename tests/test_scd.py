@@ -703,6 +703,31 @@ def test_context_qa_items_quote_the_prompt_and_raw_reuse_of_the_same_model_answe
     assert "qa_f1" in measure.table([oracle, raw]).columns
 
 
+def test_the_qa_table_gives_each_methods_share_of_the_oracles_f1_paired_over_passages():
+    """``of_oracle`` is the ratio of pooled means, method over oracle, with a paired passage-bootstrap interval;
+    the oracle keeps 1; with an oracle that answers nothing the share is left empty, not divided by 0."""
+    from types import SimpleNamespace as NS
+
+    from scdviz import metrics, protocol
+    from scdviz.scd import bench
+
+    def report(f1: dict, passages: list[str]):
+        return NS(methods=[NS(method=m, qa_f1=v, group="method") for m, v in f1.items()], sweeps=[], passages=passages)
+
+    one = {"oracle": [0.5, 1.0, 0.25, 0.75], "raw KV": [0.0, 0.5, 0.25, 0.25], "SCD full": [0.5, 0.75, 0.0, 0.5]}
+    two = {"oracle": [1.0, 0.5], "raw KV": [0.5, 0.0], "SCD full": [1.0, 0.25]}
+    reports = [report(one, ["a", "a", "b", "c"]), report(two, ["d", "d"])]
+    got = bench.qa_table(reports).set_index("method")
+    pooled = {m: one[m] + two[m] for m in one}
+    assert got.loc["oracle", "of_oracle"] == 1.0
+    for m in ("raw KV", "SCD full"):
+        assert got.loc[m, "of_oracle"] == pytest.approx(sum(pooled[m]) / sum(pooled["oracle"]), abs=1e-3)
+        boot = metrics.paired_bootstrap(pooled["oracle"], pooled[m], clusters=["a", "a", "b", "c", "d", "d"])
+        assert got.loc[m, "of_oracle_ci95"] == protocol.interval(boot["ratio_ci"])
+    none = bench.qa_table([report({m: [0.0, 0.0] if m == "oracle" else v[:2] for m, v in two.items()}, ["d", "d"])])
+    assert none["of_oracle"].isna().all() and (none["items"] == 2).all()
+
+
 def test_leave_one_domain_out_bench_measures_each_domain_with_a_calibration_that_never_saw_it(tiny_pair):
     import dataclasses
 

@@ -370,8 +370,8 @@ def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult, clusters:
 
 
 def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
-    """Context-QA token-F1 per method, items pooled over every report, with 95% bootstrap intervals,
-    and the paired difference to raw reuse (same items)."""
+    """Context-QA token-F1 per method, items pooled over every report, with 95% bootstrap intervals, the paired
+    difference to raw reuse and the share of the oracle's F1 it keeps (ratio of means; same items)."""
     by: dict[str, list[float]] = {}
     clusters: list[str] = []
     for rep in reports:
@@ -387,9 +387,13 @@ def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
             continue
         own = metrics.bootstrap_mean(items, clusters=groups)
         vs = metrics.paired_bootstrap(by["raw KV"], items, clusters=groups)
+        share = (metrics.paired_bootstrap(by["oracle"], items, clusters=groups)
+                 if len(by.get("oracle", [])) == len(items) and sum(by["oracle"]) else None)
         out.append({"method": method, "qa_f1": round(own["mean"], 3),
                     "ci95": protocol.interval(own["ci"]),
                     "minus_raw": round(vs["diff"], 3), "minus_raw_ci95": protocol.interval(vs["diff_ci"]),
+                    "of_oracle": None if share is None else round(share["ratio"], 3),
+                    "of_oracle_ci95": None if share is None else protocol.interval(share["ratio_ci"]),
                     "items": len(items)})
     return pd.DataFrame(out)
 
