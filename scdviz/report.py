@@ -36,7 +36,7 @@ SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the do
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
 
 # the settings of a research probe's record that are its flags
-RESEARCH_FLAGS = ("per_domain", "seeds", "consumer", "calibs", "consumers", "domain", "limit", "other_limit",
+RESEARCH_FLAGS = ("per_domain", "seeds", "consumer", "calib", "calibs", "consumers", "domain", "limit", "other_limit",
                   "budgets")
 BLOCK = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
@@ -116,7 +116,7 @@ def command(path: Path, record: records.BenchRecord) -> str:
     exactly its settings, else ``bench KIND`` with the flags whose values differ from the CLI's defaults."""
     if "research" in record.settings:  # a probe's record: its module and flags
         flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(_flag_value, v)) if isinstance(v, list) else v}"
-                         for k, v in record.settings.items() if k in RESEARCH_FLAGS and v is not None)
+                         for k, v in record.settings.items() if k in RESEARCH_FLAGS and v not in (None, ""))
         return f"python -m research.{record.settings['research']} {flags} --out {Path(path).name}"
     mine = _flat(_live(record.settings))
     for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != records.stem(path)):
@@ -468,6 +468,31 @@ def scd_frontier(rel: str = FRONTIER) -> str:
             "specialist ÷ producer", "raw ÷ specialist", "raw top-1", "raw KL",
             "continuation PPL: producer / specialist / raw", "reaches the raw-reuse line"]
     return _table(head, out) + "\n\n" + _source_line([rel])
+
+
+TASK_LAYERS = ("scd/task_layers_dev.json", "scd/task_layers_scd_dev.json")  # issue 62: raw and SCD bases, dev
+
+
+def scd_task_layers(rels: tuple[str, ...] = TASK_LAYERS) -> str:
+    """Where a specialist's task reads the cache (``research.task_layers``): its task F1 from a base cache (raw reuse,
+    SCD's operating plan) with its own K, V swapped into each layer set, and the share of the oracle's F1 that keeps
+    (paired passage-bootstrap interval), one column pair per base."""
+    rows = [shipped_record(rel).rows[0] for rel in rels]
+    sets = list(rows[0]["qa_f1"])
+    out = []
+    for label in sets:
+        line = [label]
+        for r in rows:
+            items = r["qa_f1"][label]
+            share = paired_bootstrap(r["qa_f1"]["oracle"], items, r["passages"])
+            line += [_f(sum(items) / len(items), 3),
+                     f"{share['ratio']:.2f}× {_ci(*share['ratio_ci'])}" if label != "oracle" else "1"]
+        out.append(line)
+    head = ["its own K, V in layers"]
+    for r in rows:
+        head += [f"task F1, base {r['base']} ({r['consumer'].split('/')[-1]}, {len(r['passages'])})",
+                 "of the oracle's"]
+    return _table(head, out) + "\n\n" + _source_line(list(rels))
 
 
 def scd_ttft() -> str:
@@ -842,6 +867,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-recall": scd_recall,
     "scd-distil-scale": scd_distil_scale,
     "scd-frontier": scd_frontier,
+    "scd-task-layers": scd_task_layers,
     "scd-engine": lambda: serving_table.scd_engine(shipped_record),
     "evict-headline": evict_headline,
     "evict-protocol": evict_protocol,
