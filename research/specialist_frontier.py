@@ -34,7 +34,6 @@ from scdviz import data, metrics, protocol, qa, records
 from scdviz.models import hf
 from scdviz.models import pair as pairmod
 from scdviz.models.pair import choose_threads, load_pair, resolve_source
-from scdviz.scd import bench as scd_bench
 from scdviz.scd import measure, transfer
 from scdviz.scd import plan as plans
 
@@ -70,7 +69,7 @@ def measure_one(label: str, producer: str, source: str, domain: str | None, args
         raise SystemExit(f"{source}: no training corpus known; give --domain")
     windows = data.eval_windows(pair.tokenizer, domain, args.slice, args.prompt_len + args.cont_len, args.limit)
     torch.manual_seed(0)
-    kind = scd_bench.qa_kind(scd_bench.ScdBenchConfig(), pair)  # the question bench scd asks this consumer
+    kind = qa.kind_for(source)  # the question bench scd asks this consumer
     cases = measure.prepare_cases(pair, [w.ids for w in windows], args.cont_len, True, args.qa_answer_len, kind)
     oracle, _ = measure.oracle_result(pair, cases, 0)
     raw = measure.run_plan_on_cases(pair, cases, plans.raw_plan(pair.consumer_facts.layers), None)

@@ -323,7 +323,7 @@ def spool_meta(calib: Calibration, cfg: DistilConfig, at: list[plans.Plan], kind
     return {"format": SPOOL_FORMAT, "calibration": f"{calib.tag:016x}", "plans": [p.name for p in at],
             "prompt_len": cfg.prompt_len, "cont_len": cfg.cont_len, "recall": cfg.recall,
             "recall_target": cfg.recall_target, "texts": str(calib.config.texts),
-            **({"recall_kind": kind} if kind != "quote" else {})}
+            **({"recall_kind": kind} if kind != "quote" else {})}  # quote: as spools made before the kinds
 
 
 def _blob_key(j: int) -> str:
