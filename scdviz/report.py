@@ -450,7 +450,8 @@ def scd_frontier(rel: str = FRONTIER) -> str:
         reaches = (share["ratio"] <= RAW_LINE["share"] and r["top1_raw"] <= RAW_LINE["top1"]
                    and gain["ratio"] >= RAW_LINE["gain"])
         targets = cfg.get("targets") or ["every linear"]  # jargon's log predates --targets: its default, all seven
-        adapter = (f"{' '.join(t.removesuffix('_proj') for t in targets)}, rank {cfg.get('rank')}, "
+        where = _layer_span(cfg.get("layers") or [])
+        adapter = (f"{' '.join(t.removesuffix('_proj') for t in targets)}{where}, rank {cfg.get('rank')}, "
                    f"lr {cfg.get('lr')}, {cfg.get('steps')} steps; {r['recipe'].get('adapter_bytes', 0) / 1e6:.1f} MB")
         mean = {k: sum(r[k]) / len(r[k]) for k in ("qa_f1_producer", "qa_f1_oracle", "qa_f1_raw")}
         weight = float(cfg.get("text_loss") or 0)  # older logs say true: a weight of 1
@@ -468,6 +469,15 @@ def scd_frontier(rel: str = FRONTIER) -> str:
             "specialist ÷ producer", "raw ÷ specialist", "raw top-1", "raw KL",
             "continuation PPL: producer / specialist / raw", "reaches the raw-reuse line"]
     return _table(head, out) + "\n\n" + _source_line([rel])
+
+
+def _layer_span(layers: list[int]) -> str:
+    """" in layers 15–29" for a run of layers, " in layers 3 7" otherwise; "" for every layer (an empty list)."""
+    if not layers:
+        return ""
+    if layers == list(range(min(layers), max(layers) + 1)):
+        return f" in layers {min(layers)}–{max(layers)}"
+    return " in layers " + " ".join(map(str, layers))
 
 
 TASK_LAYERS = ("scd/task_layers_dev.json", "scd/task_layers_scd_dev.json")  # issue 62: raw and SCD bases, dev
