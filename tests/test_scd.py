@@ -711,16 +711,22 @@ def test_the_qa_table_gives_each_methods_share_of_the_oracles_f1_paired_over_pas
     from scdviz import metrics, protocol
     from scdviz.scd import bench
 
-    def report(f1: dict, passages: list[str]):
-        return NS(methods=[NS(method=m, qa_f1=v, group="method") for m, v in f1.items()], sweeps=[], passages=passages)
+    budget = "SCD transform-coded @3840 B/token"  # a budget row: the "SCD at <= 3,840 B/token" reads it
 
-    one = {"oracle": [0.5, 1.0, 0.25, 0.75], "raw KV": [0.0, 0.5, 0.25, 0.25], "SCD full": [0.5, 0.75, 0.0, 0.5]}
-    two = {"oracle": [1.0, 0.5], "raw KV": [0.5, 0.0], "SCD full": [1.0, 0.25]}
+    def report(f1: dict, passages: list[str]):
+        rows = [NS(method=m, qa_f1=v, group="budget sweep" if m == budget else "method") for m, v in f1.items()]
+        return NS(methods=[r for r in rows if r.group == "method"], passages=passages,
+                  sweeps=[r for r in rows if r.group != "method"] + [NS(method="SCD k=1", qa_f1=[0.0], group="patch")])
+
+    one = {"oracle": [0.5, 1.0, 0.25, 0.75], "raw KV": [0.0, 0.5, 0.25, 0.25], "SCD full": [0.5, 0.75, 0.0, 0.5],
+           budget: [0.25, 1.0, 0.25, 0.5]}
+    two = {"oracle": [1.0, 0.5], "raw KV": [0.5, 0.0], "SCD full": [1.0, 0.25], budget: [0.5, 0.5]}
     reports = [report(one, ["a", "a", "b", "c"]), report(two, ["d", "d"])]
     got = bench.qa_table(reports).set_index("method")
     pooled = {m: one[m] + two[m] for m in one}
+    assert list(got.index) == ["oracle", "raw KV", "SCD full", budget]  # other sweep groups are not QA rows
     assert got.loc["oracle", "of_oracle"] == 1.0
-    for m in ("raw KV", "SCD full"):
+    for m in ("raw KV", "SCD full", budget):
         assert got.loc[m, "of_oracle"] == pytest.approx(sum(pooled[m]) / sum(pooled["oracle"]), abs=1e-3)
         boot = metrics.paired_bootstrap(pooled["oracle"], pooled[m], clusters=["a", "a", "b", "c", "d", "d"])
         assert got.loc[m, "of_oracle_ci95"] == protocol.interval(boot["ratio_ci"])

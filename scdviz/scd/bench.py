@@ -371,11 +371,12 @@ def _ratio_ci(base: measure.MethodResult, other: measure.MethodResult, clusters:
 
 def qa_table(reports: list[BenchReport]) -> pd.DataFrame:
     """Context-QA token-F1 per method, items pooled over every report, with 95% bootstrap intervals, the paired
-    difference to raw reuse and the share of the oracle's F1 it keeps (ratio of means; same items)."""
+    difference to raw reuse and the share of the oracle's F1 it keeps (ratio of means; same items). The methods,
+    the token-0 rows and the budget rows (SCD under a byte limit per token) each get one."""
     by: dict[str, list[float]] = {}
     clusters: list[str] = []
     for rep in reports:
-        for r in rep.methods + [s for s in rep.sweeps if s.group == "token 0"]:
+        for r in rep.methods + [s for s in rep.sweeps if s.group in ("token 0", "budget sweep")]:
             by.setdefault(r.method, []).extend(r.qa_f1)
         clusters += rep.passages if len(rep.passages) == len(rep.methods[0].qa_f1) else []
     if not by.get("raw KV"):
