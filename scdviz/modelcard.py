@@ -3,7 +3,7 @@
     python -m scdviz model-card --name jargon --maintainer
 
 Reads the adapter's ``train_log.json`` (written by ``python -m scdviz finetune``), measures
-held-out perplexity and raw-reuse drift with ``scdviz.drift.evaluate_pair`` on every
+held-out perplexity, raw-reuse drift and its task (token F1) with ``scdviz.drift.evaluate_pair`` on every
 shipped corpus, and writes both into the adapter folder. It does not train anything.
 """
 
@@ -51,9 +51,17 @@ def render(name: str, log: dict, report: dict) -> str:
     eval_cmd = (f"python -m scdviz pair-info --consumer builtin:{name} --eval "
                 f"--limit {report['corpora'][cfg['corpus']]['n_prompts']} "
                 f"--prompt-len {report['prompt_len']} --cont-len {report['cont_len']}")
+    task = cfg.get("task") or "text"
+    layers = list(cfg.get("layers") or [])
     train_cmd = (f"python -m scdviz finetune --corpus {cfg['corpus']} --rank {cfg['rank']} --steps {cfg['steps']} "
                  f"--batch {cfg['batch']} --seq-len {cfg['seq_len']} --lr {cfg['lr']} --seed {cfg['seed']} "
-                 + (f"--targets {' '.join(targets)} " if targets != TARGETS else "") + f"--name {name} --maintainer")
+                 + (f"--task {task} --answer-len {cfg['answer_len']} --text-loss {cfg.get('text_loss', 0.0)} "
+                    if task != "text" else "")
+                 + (f"--targets {' '.join(targets)} " if targets != TARGETS else "")
+                 + (f"--layers {' '.join(map(str, layers))} " if layers else "") + f"--name {name} --maintainer")
+    what = ("next-token prediction on each window" if task == "text" else
+            f"the `{task}` context-QA task (scdviz.qa: {cfg['answer_len']} answer tokens after each window)"
+            + (f" plus {cfg.get('text_loss')} × the window's next-token loss" if cfg.get("text_loss") else ""))
     lines = [
         f"# `builtin:{name}` — a LoRA specialist of SmolLM2-135M-Instruct",
         "",
@@ -61,8 +69,10 @@ def render(name: str, log: dict, report: dict) -> str:
         f"(assets/text/{cfg['corpus']}/train.txt.gz; provenance and licence in assets/text/README.md).",
         "",
         "## Training",
-        f"- LoRA rank {cfg['rank']}, alpha {cfg['alpha'] or 2 * cfg['rank']}, on {', '.join(targets)}; "
-        f"adapter stored in fp16 safetensors.",
+        f"- LoRA rank {cfg['rank']}, alpha {cfg['alpha'] or 2 * cfg['rank']}, on {', '.join(targets)}"
+        + (f" in layers {', '.join(map(str, layers))} (the others are the producer's)" if layers else "")
+        + "; adapter stored in fp16 safetensors.",
+        f"- Objective: {what}.",
         f"- {cfg['steps']} steps × {cfg['batch']} windows × {cfg['seq_len']} tokens = {log['tokens_seen']:,} tokens "
         f"(of {log['train_windows_available']} windows available), AdamW lr {cfg['lr']} with {cfg['warmup']} warm-up "
         f"steps and cosine decay, seed {cfg['seed']}, fp32 on CPU, {log['torch_threads']} threads, "
@@ -91,6 +101,18 @@ def render(name: str, log: dict, report: dict) -> str:
             f"{r['top1_producer']:.3f} | {r['n_prompts']} |" if "top1_producer" in r else
             f"— | {r['n_prompts']} |"
         )
-    lines += ["", f"Reproduce every number in this table: `{eval_cmd}`",
+    task = bool(report.get("question")) and all("qa_f1_oracle" in r for r in report["corpora"].values())
+    if task:
+        lines += ["", f"**Its task**: after each prompt the context-QA question it is asked (`{report['question']}`, "
+                  f"scdviz.qa: the task it was fine-tuned on, else continuing a quote of the prompt), "
+                  f"{report['answer_len']} greedy answer tokens scored by token F1 against the reference: the "
+                  "producer alone, the specialist from its own cache (the oracle) and from the producer's (raw reuse).",
+                  "", "| corpus | F1 producer alone | F1 specialist | F1 raw reuse | raw reuse ÷ specialist |",
+                  "|---|---|---|---|---|"]
+        for corpus, r in report["corpora"].items():
+            share = f"{r['qa_f1_reuse'] / r['qa_f1_oracle']:.2f}×" if r["qa_f1_oracle"] else "—"
+            lines.append(f"| {corpus} | {r['qa_f1_producer']:.3f} | {r['qa_f1_oracle']:.3f} | {r['qa_f1_reuse']:.3f} "
+                         f"| {share} |")
+    lines += ["", f"Reproduce every number in {'these tables' if task else 'this table'}: `{eval_cmd}`",
               "(written by `python -m scdviz model-card --name " + name + " --maintainer`)", ""]
     return "\n".join(lines)

@@ -162,3 +162,61 @@ def test_a_stopped_finetune_resumes_from_its_checkpoint_and_ends_as_an_unstopped
     a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("whole", "stopped"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "stopped" / "checkpoint").exists()
+
+
+def test_pair_info_scores_the_consumers_task_for_the_producer_the_oracle_and_raw_reuse(tmp_path, texts):
+    """``drift.evaluate_pair`` asks the question the consumer was trained on: an identical pair answers it the same
+    three ways, and the answers come from copies of the caches (the drift numbers are those without them)."""
+    import torch
+    from conftest import tiny_model
+    from test_scd import make_pair, perturbed
+
+    from scdviz import data, drift
+    from scdviz.models import hf
+
+    folder = tmp_path / "before"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "train_log.json").write_text(json.dumps({"config": {"task": "before"}}))
+    base = tiny_model("llama")
+    same = drift.evaluate_pair(make_pair(base, base, str(folder)), n_prompts=3, prompt_len=40, cont_len=8,
+                               texts=texts)
+    row = same["corpora"]["texts"]
+    assert same["question"] == "before" and same["answer_len"] == drift.QA_ANSWER_LEN
+    assert row["qa_f1_producer"] == row["qa_f1_oracle"] == row["qa_f1_reuse"] and row["kl_reuse"] == 0
+
+    pair = make_pair(base, perturbed(1))
+    assert drift.evaluate_pair(pair, n_prompts=2, prompt_len=40, cont_len=8, texts=texts)["question"] == "quote"
+    window = data.token_windows(pair.tokenizer, data.passages("texts", "eval", texts), 48, 1)[0]
+    prompt = window[:40]
+    item = qa.make_item(pair.tokenizer, prompt, 0, drift.QA_ANSWER_LEN, pending=prompt[-1:], kind="quote")
+    asked, plain = drift.reuse_drift(pair, window, 8, item), drift.reuse_drift(pair, window, 8)
+    assert {k: asked[k] for k in plain} == plain  # answering first leaves the continuation as it was
+    prefix = torch.tensor([prompt[:-1]])
+    direct = {"qa_f1_producer": qa.answer(pair.producer, hf.forward(pair.producer, prefix).cache, item, 39),
+              "qa_f1_oracle": qa.answer(pair.consumer, hf.forward(pair.consumer, prefix).cache, item, 39),
+              "qa_f1_reuse": qa.answer(pair.consumer, hf.forward(pair.producer, prefix).cache, item, 39)}
+    assert {k: asked[k] for k in drift.TASK} == {k: v["qa_f1"] for k, v in direct.items()}
+
+
+def test_a_task_specialists_card_gives_its_task_for_the_producer_the_specialist_and_raw_reuse():
+    from scdviz import modelcard
+
+    log = {"config": {"corpus": "austen", "rank": 32, "alpha": None, "steps": 3, "batch": 4, "seq_len": 256,
+                      "lr": 0.002, "warmup": 5, "seed": 0, "task": "before", "answer_len": 8, "text_loss": 0.3,
+                      "layers": [15, 16], "targets": ["q_proj", "v_proj"]},
+           "loss": [3.0, 2.0, 1.0], "tokens_seen": 100, "train_windows_available": 9, "torch_threads": 2,
+           "seconds": 5.0}
+    row = {"ppl_producer": 36.9, "ppl_consumer": 43.4, "ppl_cont_oracle": 43.0, "ppl_cont_reuse": 41.0,
+           "kl_reuse": 0.11, "kl_reuse_se": 0.01, "top1_reuse": 0.78, "top1_producer": 0.7, "n_prompts": 16}
+    task = {"qa_f1_producer": 0.05, "qa_f1_oracle": 0.24, "qa_f1_reuse": 0.156}
+    report = {"prompt_len": 256, "cont_len": 32, "question": "before", "answer_len": 8,
+              "corpora": {"austen": {**row, **task}, "bible": {**row, **task, "qa_f1_oracle": 0.0}}}
+    card = modelcard.render("austen-before", log, report)
+    assert "| austen | 0.050 | 0.240 | 0.156 | 0.65× |" in card and "| bible | 0.050 | 0.000 | 0.156 | — |" in card
+    assert "(`before`," in card and "every number in these tables" in card
+    assert ("--task before --answer-len 8 --text-loss 0.3 --targets q_proj v_proj --layers 15 16 --name austen-before"
+            in card) and "in layers 15, 16 (the others are the producer's)" in card and "plus 0.3 ×" in card
+    old = {**report, "corpora": {"austen": row}}  # an eval.json made before the task columns
+    plain = modelcard.render("austen-before", log, old)
+    assert "F1 raw reuse" not in plain and "every number in this table" in plain
