@@ -223,6 +223,13 @@ def _pct(keep: str) -> str:
 SCD_NAMES = {"SCD full": "**SCD**", "DroidSpeak recompute": "DroidSpeak (2 layers)"}
 
 
+def _with_record(name: str) -> tuple[list[str], list[str]]:
+    """The shipped specialists that have the record ``scd/<specialist>/<name>`` and those records' paths (a
+    specialist shipped later than a run was made appears in that run's tables once its own record is)."""
+    specs = [s for s in SPECIALISTS if (settings.ASSETS_DIR / "scd" / s / name).is_file()]
+    return specs, [f"scd/{s}/{name}" for s in specs]
+
+
 def _scd_rows(rel: str, group: str, domain: str | None = None) -> list[dict]:
     return [r for r in shipped_record(rel).rows if r.get("row") == "measured" and r.get("group") == group
             and (domain is None or r["domain"] == domain)]
@@ -230,9 +237,9 @@ def _scd_rows(rel: str, group: str, domain: str | None = None) -> list[dict]:
 
 def scd_own() -> str:
     """Each specialist's own domain, test slice: every method and baseline, with continuation perplexity."""
-    rels = [f"scd/{s}/test.json" for s in SPECIALISTS]
+    specs, rels = _with_record("test.json")
     out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+    for rel, spec in zip(rels, specs, strict=True):
         for group in ("method", "token 0"):
             rows = _scd_rows(rel, group)
             if not rows:  # a run without the other token-0 handling (--no-sent-rows)
@@ -253,9 +260,9 @@ def scd_own() -> str:
 
 def scd_budget() -> str:
     """The budget sweep: each way of meeting a byte budget, real bytes, KL relative to raw reuse."""
-    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS]
+    specs, rels = _with_record("bench.json")
     out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+    for rel, spec in zip(rels, specs, strict=True):
         raw = next(r for r in _scd_rows(rel, "method") if r["method"] == "raw KV")
         for r in _scd_rows(rel, "budget sweep"):
             name, budget = r["method"].rsplit(" @", 1)
@@ -272,9 +279,9 @@ def scd_budget() -> str:
 
 def scd_patch() -> str:
     """PATCH: KL at k patch layers relative to k = 0 (reuse-only), greedy placement and by drift."""
-    rels = [f"scd/{s}/bench.json" for s in SPECIALISTS]
+    specs, rels = _with_record("bench.json")
     out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+    for rel, spec in zip(rels, specs, strict=True):
         sweep = _scd_rows(rel, "patch sweep")
         for placement in ("greedy", "drift"):
             rows = [r for r in sweep if r["method"].endswith(f"({placement})")]
@@ -293,9 +300,9 @@ def scd_patch() -> str:
 def scd_lodo(record: str = "lodo_test.json.gz") -> str:
     """Leave-one-domain-out (test slice): per held-out domain, raw reuse vs SCD (int4 operating point and
     transform coded)."""
-    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
+    specs, rels = _with_record(record)
     out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+    for rel, spec in zip(rels, specs, strict=True):
         rows = _scd_rows(rel, "method")
         for dom in dict.fromkeys(r["domain"] for r in rows):
             by = {r["method"]: r for r in rows if r["domain"] == dom}
@@ -321,9 +328,9 @@ def _own_domain(spec: str) -> str:
 
 def scd_qa(record: str = "lodo_test.json.gz") -> str:
     """Context-QA token-F1 pooled over the six held-out domains of the leave-one-domain-out runs (test slice)."""
-    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
+    specs, rels = _with_record(record)
     out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+    for rel, spec in zip(rels, specs, strict=True):
         items: dict[str, list[float]] = {}
         groups: dict[str, list[str]] = {}
         for r in _scd_rows(rel, "method"):
@@ -355,9 +362,9 @@ def scd_tail(record: str = "tail_test.json.gz") -> str:
     against raw reuse and against the same method without the tail, the consumer's compute, QA."""
     from scdviz.scd.plan import base_name  # lazily, as the commands: plans import torch
 
-    rels = [f"scd/{s}/{record}" for s in SPECIALISTS]
+    specs, rels = _with_record(record)
     out = []
-    for rel, spec in zip(rels, SPECIALISTS, strict=True):
+    for rel, spec in zip(rels, specs, strict=True):
         plain = {r["method"]: r for r in _scd_rows(rel, "method") + _scd_rows(rel, "budget sweep")}
         raw = plain["raw KV"]
         tc = next(m for m in plain if m.startswith("SCD transform-coded") and not m.endswith(")"))
@@ -508,8 +515,8 @@ def scd_task_layers(rels: tuple[str, ...] = TASK_LAYERS) -> str:
 def scd_ttft() -> str:
     """Time to first token, measured (medians of interleaved rounds), each specialist's trained stage with its
     closed form in the same rounds."""
-    rels = [f"scd/{s}/ttft_receive.json" for s in SPECIALISTS]
-    return "\n\n".join(_ttft_one(rel, spec) for rel, spec in zip(rels, SPECIALISTS, strict=True)) + "\n\n" + \
+    specs, rels = _with_record("ttft_receive.json")
+    return "\n\n".join(_ttft_one(rel, spec) for rel, spec in zip(rels, specs, strict=True)) + "\n\n" + \
         _source_line(rels)
 
 
@@ -830,8 +837,8 @@ def _headline(scd_record: str, protocol: list[str]) -> str:
     """One table: SCD against raw KV reuse on each specialist's own eval text (``scd/<specialist>/<scd_record>``),
     and DistillCache against the best of kvpress's presses on the eviction records ``protocol``."""
     out = []
-    for spec in SPECIALISTS:
-        rel = f"scd/{spec}/{scd_record}"
+    specs, rels = _with_record(scd_record)
+    for rel, spec in zip(rels, specs, strict=True):
         by = {r["method"]: r for r in _scd_rows(rel, "method")}
         raw = by["raw KV"]
         tc = next(r for r in _scd_rows(rel, "budget sweep") if r["method"] == "SCD transform-coded @3840 B/token")
@@ -855,7 +862,7 @@ def _headline(scd_record: str, protocol: list[str]) -> str:
                         f"{at[method]['ppl']:.2f} vs {base[best]['ppl']:.2f}"])
     head = ["method", "measured on", "against", "KL / theirs [95% CI]", "top-1 agreement, method vs theirs",
             "continuation perplexity, method vs theirs"]
-    rels = [f"scd/{s}/{scd_record}" for s in SPECIALISTS] + protocol
+    rels = rels + protocol
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 

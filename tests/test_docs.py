@@ -97,3 +97,17 @@ def test_check_passes_on_the_docs_and_fails_on_a_doctored_block(tmp_path, capsys
 def test_an_unknown_table_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown table 'nope'"):
         report.render("nope")
+
+
+def test_a_specialist_without_a_tables_record_is_left_out_of_that_table_only(rendered, monkeypatch):
+    """A specialist shipped after a run was made (no ``scd/<name>/<record>`` yet) is not in that run's tables; the
+    others' rows and sources are as before, and a specialist left out of SPECIALISTS leaves every table it was in."""
+    first, others = report.SPECIALISTS[0], report.SPECIALISTS[1:]
+    monkeypatch.setattr(report, "SPECIALISTS", (*report.SPECIALISTS, "not-shipped"))
+    for name in ("scd-own", "scd-budget", "scd-patch", "scd-lodo", "scd-qa", "scd-tail", "scd-ttft", "headline"):
+        assert report.render(name) == rendered[name], name
+    monkeypatch.setattr(report, "SPECIALISTS", (first,))
+    own = report.render("scd-own")
+    assert own != rendered["scd-own"] and all(line.startswith(f"| {first} |") for line in own.splitlines()[2:]
+                                              if line.startswith("| ") and not line.startswith("| specialist"))
+    assert others and f"scd/{first}/" in own and all(f"scd/{s}/" not in own for s in others)
