@@ -41,7 +41,6 @@ def facts_table(pair: Pair) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows)
 
 
-QA_ANSWER_LEN = 8  # answer tokens of the task question (as bench scd asks it)
 TASK = ("qa_f1_producer", "qa_f1_oracle", "qa_f1_reuse")  # evaluate_pair's task columns (token F1)
 
 
@@ -94,7 +93,7 @@ def evaluate_pair(
         "prompt_len": prompt_len,
         "cont_len": cont_len,
         "question": kind,
-        "answer_len": QA_ANSWER_LEN,
+        "answer_len": qa.ANSWER_LEN,
         "corpora": {},
     }
     for corpus in ["texts"] if texts else corpora or data.corpora():
@@ -107,8 +106,7 @@ def evaluate_pair(
                                                   "kl_producer", "top1_producer", *TASK)}
         per_prompt_kl = []
         for i, window in enumerate(tqdm(windows, desc=f"eval {corpus}")):
-            prompt = window[: len(window) - cont_len]
-            item = qa.make_item(pair.tokenizer, prompt, i, QA_ANSWER_LEN, pending=prompt[-1:], kind=kind)
+            item = qa.prompt_item(pair.tokenizer, window[: len(window) - cont_len], i, kind=kind)
             drift = reuse_drift(pair, window, cont_len, item)
             for key in TASK:
                 acc[key].append(drift[key])

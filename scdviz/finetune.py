@@ -53,7 +53,7 @@ class FinetuneConfig:
                     "scdviz.qa, each window the context and then a question about it, the loss on the answer only: "
                     "quote (continue a quote of it) or before (the words before a quote, nearest first)",
                     choices=TASKS)
-    answer_len: int = opt(8, "quote / before: answer tokens per question (the SCD bench asks 8)")
+    answer_len: int = opt(qa.ANSWER_LEN, "quote / before: answer tokens per question (as the SCD bench asks)")
     text_loss: float = opt(0.0, "quote / before: also next-token loss on the window, the mean over its tokens times "
                            "this weight added to the answer's mean (the specialist stays a language model of its "
                            "text; 0: none)")

@@ -101,8 +101,8 @@ def render(name: str, log: dict, report: dict) -> str:
             f"{r['top1_producer']:.3f} | {r['n_prompts']} |" if "top1_producer" in r else
             f"— | {r['n_prompts']} |"
         )
-    task = bool(report.get("question")) and all("qa_f1_oracle" in r for r in report["corpora"].values())
-    if task:
+    scored = bool(report.get("question")) and all("qa_f1_oracle" in r for r in report["corpora"].values())
+    if scored:
         lines += ["", f"**Its task**: after each prompt the context-QA question it is asked (`{report['question']}`, "
                   f"scdviz.qa: the task it was fine-tuned on, else continuing a quote of the prompt), "
                   f"{report['answer_len']} greedy answer tokens scored by token F1 against the reference: the "
@@ -113,6 +113,6 @@ def render(name: str, log: dict, report: dict) -> str:
             share = f"{r['qa_f1_reuse'] / r['qa_f1_oracle']:.2f}×" if r["qa_f1_oracle"] else "—"
             lines.append(f"| {corpus} | {r['qa_f1_producer']:.3f} | {r['qa_f1_oracle']:.3f} | {r['qa_f1_reuse']:.3f} "
                          f"| {share} |")
-    lines += ["", f"Reproduce every number in {'these tables' if task else 'this table'}: `{eval_cmd}`",
+    lines += ["", f"Reproduce every number in {'these tables' if scored else 'this table'}: `{eval_cmd}`",
               "(written by `python -m scdviz model-card --name " + name + " --maintainer`)", ""]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ CUE = 12  # context tokens quoted in the question
 LEAD = '\n\nFrom the text above: "'  # what the question says before the quote
 BEFORE = ('\n\nIn the text above, the words before "', '", nearest first:')  # backward recall: around the quote
 KINDS = ("quote", "before")
+ANSWER_LEN = 8  # answer tokens the benches, pair-info and finetune ask for by default
 
 
 def kind_for(consumer_source: str, asked: str | None = None) -> str:
@@ -72,6 +73,12 @@ def make_item(tokenizer, context: list[int], index: int, answer_len: int = 3, pe
     p = max(CUE, min(p, t - answer_len))
     return QAItem(question=list(pending) + question_tokens(tokenizer, kind, context[p - CUE : p]),
                   answer=context[p : p + answer_len])
+
+
+def prompt_item(tokenizer, prompt: list[int], index: int, answer_len: int = ANSWER_LEN, kind: str = "quote") -> QAItem:
+    """``make_item`` about a prompt whose cache holds all but its last token (the convention of every transfer
+    here): that token is fed first, as part of the question, and the answer starts after ``len(prompt) - 1``."""
+    return make_item(tokenizer, prompt, index, answer_len, pending=prompt[-1:], kind=kind)
 
 
 def answer(model, cache, item: QAItem, start: int) -> dict:

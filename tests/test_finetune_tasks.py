@@ -182,14 +182,14 @@ def test_pair_info_scores_the_consumers_task_for_the_producer_the_oracle_and_raw
     same = drift.evaluate_pair(make_pair(base, base, str(folder)), n_prompts=3, prompt_len=40, cont_len=8,
                                texts=texts)
     row = same["corpora"]["texts"]
-    assert same["question"] == "before" and same["answer_len"] == drift.QA_ANSWER_LEN
+    assert same["question"] == "before" and same["answer_len"] == qa.ANSWER_LEN
     assert row["qa_f1_producer"] == row["qa_f1_oracle"] == row["qa_f1_reuse"] and row["kl_reuse"] == 0
 
     pair = make_pair(base, perturbed(1))
     assert drift.evaluate_pair(pair, n_prompts=2, prompt_len=40, cont_len=8, texts=texts)["question"] == "quote"
     window = data.token_windows(pair.tokenizer, data.passages("texts", "eval", texts), 48, 1)[0]
     prompt = window[:40]
-    item = qa.make_item(pair.tokenizer, prompt, 0, drift.QA_ANSWER_LEN, pending=prompt[-1:], kind="quote")
+    item = qa.make_item(pair.tokenizer, prompt, 0, qa.ANSWER_LEN, pending=prompt[-1:], kind="quote")
     asked, plain = drift.reuse_drift(pair, window, 8, item), drift.reuse_drift(pair, window, 8)
     assert {k: asked[k] for k in plain} == plain  # answering first leaves the continuation as it was
     prefix = torch.tensor([prompt[:-1]])

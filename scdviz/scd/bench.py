@@ -73,7 +73,8 @@ class ScdBenchConfig:
                      "(ranks, bits and patches chosen on the rate-distortion curves)", choices=CODERS)
     sent_rows: bool = opt(True, "also every method with the producer's token 0 sent instead of recomputed (extra "
                           "rows)")
-    qa_answer_len: int = opt(8, "context-QA: answer tokens of the question asked about each prompt (0: no QA)")
+    qa_answer_len: int = opt(qa.ANSWER_LEN, "context-QA: answer tokens of the question asked about each prompt "
+                             "(0: no QA)")
     qa_kind: str | None = opt(None, "context-QA: the question asked (scdviz.qa): quote (continue a quote of the "
                               "prompt) or before (the words before a quote, nearest first); default: the task the "
                               "consumer was fine-tuned on when it is one of these, else quote", choices=qa.KINDS)

@@ -84,7 +84,7 @@ def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress:
         case = transfer.prepare_case(pair.producer, pair.consumer, w, cont_len)
         if qa_answer_len:
             prompt = w[: len(w) - cont_len]
-            case.qa_item = qa.make_item(pair.tokenizer, prompt, i, qa_answer_len, pending=prompt[-1:], kind=qa_kind)
+            case.qa_item = qa.prompt_item(pair.tokenizer, prompt, i, qa_answer_len, qa_kind)
         cases.append(case)
     return cases
 
