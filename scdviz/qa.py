@@ -82,7 +82,8 @@ def prompt_item(tokenizer, prompt: list[int], index: int, answer_len: int = ANSW
 
 
 def answer(model, cache, item: QAItem, start: int) -> dict:
-    """Greedy answer from a (possibly pruned) cache of ``start`` context tokens: correct and F1."""
+    """Greedy answer from a (possibly pruned) cache of ``start`` context tokens: its tokens (``answer``), correct
+    and F1."""
     ids = hf.ids_tensor(item.question)
     got = hf.generate(model, cache, ids, start, len(item.answer))
-    return {"qa_correct": float(got[:1] == item.answer[:1]), "qa_f1": metrics.token_f1(got, item.answer)}
+    return {"answer": got, "qa_correct": float(got[:1] == item.answer[:1]), "qa_f1": metrics.token_f1(got, item.answer)}

@@ -96,13 +96,18 @@ def test_each_tab_works_on_a_family_pair(demo, folders, name):
 
     scd_values = {n: getattr(ScdRequest(CONTEXT), n) for n in ScdRequest.controls()}
     scd_values |= {"continuation_tokens": 8, "generated_tokens": 4}
-    info, table, texts, *plots = endpoint(demo, "scd_transfer")(key, sess, **scd_values, **NO_PROGRESS)
+    info, table, texts, answers, *plots = endpoint(demo, "scd_transfer")(key, sess, **scd_values, **NO_PROGRESS)
     assert "prompt tokens" in info and "your calibration" in info, info
     shown = list(table["method"])
     for method in ("oracle", "raw KV", "4-bit KV", "SCD reuse-only", "SCD full"):
         assert method in shown, (method, shown)
     labels = {text for text, tag in texts if tag is None and text.startswith("\n")}  # each method's text
     assert {"\noracle: ", "\nSCD full: "} <= labels, labels
+    # the question is asked by default: each method's answer with its F1, the table's QA F1 column the same numbers
+    asked = [text for text, tag in answers if tag is None and text.startswith("\n") and "(F1 " in text]
+    assert len(asked) == len(shown) and asked[0].startswith("\noracle (F1 "), asked
+    f1 = {t.split(" (F1 ")[0].strip(): float(t.split(" (F1 ")[1].split(")")[0]) for t in asked}
+    assert all(abs(f1[m] - q) < 0.006 for m, q in zip(table["method"], table["QA F1"], strict=True)), (f1, table)
     figs = [p for p in plots if hasattr(p, "to_dict")]
     assert len(figs) == len(scd_tab.FIGURES) and all(f.data for f in figs), name
 

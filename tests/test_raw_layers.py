@@ -57,14 +57,14 @@ def test_raw_layers_are_refused_outside_the_model_and_swept_by_the_bench(tiny_pa
 
 
 def test_the_view_adds_the_raw_layer_rows_and_refuses_an_unknown_sweep(tiny_pair, tiny_calib):
-    """``transfer_view(..., sweeps={"raw_layers": [...]})``: the one text's table gains the raw-layer group,
+    """``transfer_view(..., extra={"raw_layers": [...]})``: the one text's table gains the raw-layer group,
     equal to the bench's rows on the same window; a sweep the view does not run is refused by name."""
     from scdviz.scd import view
 
     text = " ".join(["the cat sat on the mat and looked at the dog"] * 6)
     table = view.transfer_view(tiny_pair, tiny_calib, text, cont_len=8, gen_tokens=0,
-                               sweeps={"raw_layers": [1]}).table().set_index("method")
+                               extra={"raw_layers": [1]}).table().set_index("method")
     assert list(table[table["group"] == "raw layers"].index) == [
         "SCD reuse-only + raw layers 1 (4-bit)", "SCD full + raw layers 1 (4-bit)"]
     with pytest.raises(ValueError, match="not \\['budgets'\\]"):
-        view.transfer_view(tiny_pair, tiny_calib, text, cont_len=8, gen_tokens=0, sweeps={"budgets": [30.0]})
+        view.transfer_view(tiny_pair, tiny_calib, text, cont_len=8, gen_tokens=0, extra={"budgets": [30.0]})

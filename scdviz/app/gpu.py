@@ -46,7 +46,9 @@ def seconds(kind: str, request=None, fan_out: int = 1) -> int:
     if kind == "generate":
         extra = request.new_tokens // 4
     elif kind == "scd":
-        extra = (request.continuation_tokens + request.generated_tokens) // 2
+        from scdviz import qa
+
+        extra = (request.continuation_tokens + request.generated_tokens + (qa.ANSWER_LEN if request.ask else 0)) // 2
     elif kind == "evict":
         from scdviz.evict import bench
 

@@ -6,6 +6,7 @@ import os
 import threading
 from pathlib import Path
 
+from scdviz import qa, settings
 from scdviz.app import inputs
 from scdviz.app.inputs import UserError
 from scdviz.app.pairs import builtin_choices
@@ -110,9 +111,10 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
         raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: "
                         "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
+    extra = {"tails": [req.recompute_tail] if req.recompute_tail else [], "raw_layers": raw_layers,
+             "qa_answer_len": qa.ANSWER_LEN if req.ask else 0}
     report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, budget=budget or None, coder=coder,
-                                progress=progress, sweeps={"tails": [req.recompute_tail] if req.recompute_tail else [],
-                                                           "raw_layers": raw_layers})
+                                progress=progress, extra=extra)
     plan = report.plans["SCD full"]
     full = next(r for r in report.methods if r.method == "SCD full")
     table = report.table()
@@ -124,6 +126,8 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
         for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (spans, tail, raw)
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
+    window = view.window_of(pair, text, cont_len, settings.max_prompt_tokens())
+    answers = question_answers(pair, report, window, cont_len) if req.ask else None
     res = report.methods
     spectra = measure.spectra(calib)
     if plan.rate_target:  # transform coded: the ranks the payload really carried
@@ -146,7 +150,20 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
            f"SCD full patches layers {plan.layers_in('patch') or 'none'}{fewer} with {bits}-bit codes")
     info = (f"{int(res[0].prompt_tokens)} prompt tokens, {cont_len} scored. {how}. Consumer {pair.consumer_source}; "
             f"{'your calibration' if mine else 'the shipped calibration'}. {calibration_summary(calib)}")
-    return {"info": info, "table": table, "texts": texts, "figures": drawn}
+    return {"info": info, "table": table, "texts": texts, "answers": answers, "figures": drawn}
+
+
+def question_answers(pair: Pair, report, window: list[int], cont_len: int) -> dict:
+    """What the tab shows of the consumer's question (``view.question_of``, as the bench asked it): its kind, the
+    question and the reference answer as text, and per method its answer's tokens as text and its token-F1."""
+    from scdviz.scd import view
+
+    kind, item = view.question_of(pair, window, cont_len)
+    tok = pair.tokenizer
+    return {"kind": kind, "question": tok.decode(item.question[1:]),  # the first is the prompt's pending last token
+            "reference": [tok.decode([t]) for t in item.answer],
+            "methods": [(r.method, [tok.decode([t]) for t in r.qa_answers[0]], r.qa_f1[0])
+                        for r in report.methods if r.qa_answers]}
 
 
 def plots_best_other(kls: dict[str, float]) -> str:

@@ -53,6 +53,7 @@ class MethodResult:
     prompt_tokens: float = 0.0  # mean prompt tokens carried by the payload
     generations: list[list[int]] = field(default_factory=list)  # greedy token ids per prompt (when generated)
     qa_f1: list[float] = field(default_factory=list)  # per prompt: token-F1 of the context-QA answer (when asked)
+    qa_answers: list[list[int]] = field(default_factory=list)  # per prompt: that answer's greedy token ids
     kl_per_prompt: list[float] = field(default_factory=list)  # mean KL of each prompt (for paired comparisons)
     # what the payloads carried per layer (``sent_per_layer``)
     sent: dict[str, list[float]] = field(default_factory=dict)
@@ -89,9 +90,9 @@ def prepare_cases(pair: Pair, windows: list[list[int]], cont_len: int, progress:
     return cases
 
 
-def _qa_f1(model, cache, case: transfer.Case) -> float:
-    """Token-F1 of the greedy answer to the case's QA item from ``cache``."""
-    return qa.answer(model, cache, case.qa_item, case.state.ids.shape[1])["qa_f1"]
+def _qa(model, cache, case: transfer.Case) -> dict:
+    """The greedy answer to the case's QA item from ``cache`` (``qa.answer``: its tokens and token-F1)."""
+    return qa.answer(model, cache, case.qa_item, case.state.ids.shape[1])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,7 +133,7 @@ def _measure(pair, case: transfer.Case, plan, calib) -> dict:
         "bytes": run.payload_bytes / n_tokens, "sent": sent_per_layer(run.spans, len(plan.modes), n_tokens),
         "ttft": {lk.label: links.ttft(run.payload_bytes, run.consumer_seconds + run.encode_seconds, lk)
                  for lk in links.PRESETS},
-        "qa_f1": [] if case.qa_item is None else [_qa_f1(pair.consumer, run.cache, case)],
+        "qa": [] if case.qa_item is None else [_qa(pair.consumer, run.cache, case)],
         "prompt_tokens": n_tokens, "cache": run.cache,
     }
 
@@ -157,7 +158,8 @@ def _aggregate(plan, group: str, rows: list[dict], fp16: float) -> MethodResult:
         n_prompts=len(rows), n_tokens=len(top1), modes=list(plan.modes), drift_k=_mean([r["dk"] for r in rows]),
         drift_v=_mean([r["dv"] for r in rows]), divergence=_mean([r["div"] for r in rows]),
         prompt_tokens=mean("prompt_tokens"), generations=[r["gen"] for r in rows if "gen" in r],
-        kl_per_prompt=[r["kl"] for r in rows], qa_f1=[x for r in rows for x in r["qa_f1"]],
+        kl_per_prompt=[r["kl"] for r in rows], qa_f1=[a["qa_f1"] for r in rows for a in r["qa"]],
+        qa_answers=[a["answer"] for r in rows for a in r["qa"]],
         sent={key: _mean([r["sent"][key] for r in rows]) for key in rows[0]["sent"]}, tail=plan.tail,
     )
 
@@ -206,7 +208,8 @@ def oracle_result(pair: Pair, cases: list[transfer.Case], gen_tokens: int) -> tu
         _mean(div), sum(c.state.ids.shape[1] for c in cases) / len(cases), gens,
     )
     res.kl_per_prompt = kls
-    res.qa_f1 = [_qa_f1(pair.consumer, c.oracle_cache, c) for c in cases if c.qa_item is not None]
+    answers = [_qa(pair.consumer, c.oracle_cache, c) for c in cases if c.qa_item is not None]
+    res.qa_f1, res.qa_answers = [a["qa_f1"] for a in answers], [a["answer"] for a in answers]
     return res, gens
 
 

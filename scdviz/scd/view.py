@@ -9,7 +9,7 @@ held-out text here (``bench.run``), except the tail and raw-layer sweeps asked f
 
 from __future__ import annotations
 
-from scdviz import settings
+from scdviz import qa, settings
 from scdviz.models.pair import Pair
 from scdviz.progress import Reporter
 from scdviz.scd import bench, calibration
@@ -30,30 +30,50 @@ def window_of(pair: Pair, text: str, cont_len: int, max_tokens: int) -> list[int
     return list(ids)
 
 
-SWEEPS = ("tails", "raw_layers")  # the bench sweeps transfer_view can add (ScdBenchConfig fields)
+def question_of(pair: Pair, window: list[int], cont_len: int, answer_len: int = qa.ANSWER_LEN) -> tuple[str, qa.QAItem]:
+    """The consumer's question about a window's prompt as ``transfer_view`` asks it with ``qa_answer_len`` (the
+    bench's first context-QA item, ``qa.prompt_item``; ``bench.qa_kind``: its fine-tuning task, else continuing a
+    quote): (its kind, the item). ValueError for a prompt too short to quote from (the quote is taken from its
+    middle third)."""
+    prompt = window[: len(window) - cont_len]
+    need = 3 * (qa.CUE + answer_len)
+    if len(prompt) < need:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; asking the consumer's question needs at least {need} "
+                         f"(a longer text, or do not ask it)")
+    kind = bench.qa_kind(bench.ScdBenchConfig(), pair)
+    return kind, qa.prompt_item(pair.tokenizer, prompt, 0, answer_len, kind)
+
+
+EXTRA = ("tails", "raw_layers", "qa_answer_len")  # the ScdBenchConfig fields transfer_view's ``extra`` sets
 
 
 def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
                cont_len: int = 32, gen_tokens: int = 24, budget: float | None = None, coder: str = "transform",
-               progress: bool | Reporter = False, sweeps: dict | None = None) -> bench.BenchReport:
+               progress: bool | Reporter = False, extra: dict | None = None) -> bench.BenchReport:
     """The SCD tab's view of one text: ``bench`` on the one window made from it.
 
     Its last ``cont_len`` tokens are the teacher-forced continuation, so the numbers equal
     ``python -m scdviz bench scd`` on the same window and settings; ``plan`` is SCD full
     (e.g. from ``plan.user_plan``), or with ``budget`` the ``coder`` plan for this text's length (``budget_plan``).
     ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full. ``progress``: a reporter
-    (``scdviz.progress``) told each method as it runs. ``sweeps``: the bench's sweeps to add, by their
-    ``ScdBenchConfig`` field: ``{"tails": [32]}`` (raw KV and SCD reuse-only with the consumer recomputing the
-    last 32 prompt tokens itself), ``{"raw_layers": [20, 26]}`` (SCD reuse-only and full with those layers sent
-    as the producer's 4-bit K, V). A text of
-    more tokens than ``SCDVIZ_MAX_PROMPT_TOKENS`` (default 1024) is refused before any work.
+    (``scdviz.progress``) told each method as it runs. ``extra``: the ``ScdBenchConfig`` fields set beyond
+    these (``EXTRA``): the bench's sweeps ``{"tails": [32]}`` (raw KV and SCD reuse-only with the consumer
+    recomputing the last 32 prompt tokens itself) and ``{"raw_layers": [20, 26]}`` (SCD reuse-only and full with
+    those layers sent as the producer's 4-bit K, V), and ``{"qa_answer_len": 8}``: each method also answers the
+    consumer's question about the prompt (``question_of``: the bench's first context-QA item), its tokens in
+    ``qa_answers`` and its token-F1 in ``qa_f1``. A text of more tokens than ``SCDVIZ_MAX_PROMPT_TOKENS``
+    (default 1024) is refused before any work.
     """
     if isinstance(calib, Codec):
         calib, plan = calib.calibration, calib.plan
-    unknown = sorted(set(sweeps or {}) - set(SWEEPS))
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA))
     if unknown:
-        raise ValueError(f"transfer_view adds the sweeps {list(SWEEPS)}; not {unknown}")
+        raise ValueError(f"transfer_view sets {list(EXTRA)}; not {unknown}")
     window = window_of(pair, text, cont_len, settings.max_prompt_tokens())
+    if extra.get("qa_answer_len"):
+        question_of(pair, window, cont_len, extra["qa_answer_len"])  # refuses a prompt too short to quote from
     cfg = bench.ScdBenchConfig(cont_len=cont_len, gen_tokens=gen_tokens, sweeps=False, budget=budget, coder=coder,
-                               sent_rows=False, qa_answer_len=0, **{k: list(v) for k, v in (sweeps or {}).items()})
+                               sent_rows=False, qa_answer_len=extra.pop("qa_answer_len", 0),
+                               **{k: list(v) for k, v in extra.items()})
     return bench.bench(pair, calib, [window], cfg, pair.consumer_source, progress=progress, scd_full=plan)

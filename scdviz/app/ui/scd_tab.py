@@ -2,7 +2,7 @@
 
 Widgets and wiring only: the controls are built from ``ScdRequest``'s fields and reach ``run``
 (from the webapp) as one ``ScdRequest``, built by field name; ``run`` returns a dict (info,
-table, texts per method, figures).
+table, texts per method, each method's answer to the consumer's question, figures).
 """
 
 from __future__ import annotations
@@ -23,6 +23,20 @@ GROUPS = {"Quality": ("pareto", "compute"), "Drift and error": ("drift_k", "drif
           "Compression": ("plan", "placement", "spectra_k", "spectra_v"), "Timing": ("ttft",)}
 
 
+def answered(answers: dict | None) -> list[tuple[str, str | None]]:
+    """The question's segments for gr.HighlightedText: the question, the reference answer, then each method's
+    answer with its token-F1, its tokens marked where they differ from the reference's (None: not asked)."""
+    if not answers:
+        return [("Not asked (tick \"Ask its question\").", None)]
+    what = {"before": "the words before a quote, nearest first", "quote": "the words that continue a quote"}
+    segments = [(f"Asked ({what.get(answers['kind'], answers['kind'])}):{answers['question']}", None),
+                ("\nreference: ", None)] + [(t, None) for t in answers["reference"]]
+    for method, tokens, f1 in answers["methods"]:
+        segments.append((f"\n{method} (F1 {f1:.2f}): ", None))
+        segments += diff_tokens(tokens, answers["reference"])
+    return segments
+
+
 def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.State, export: Callable | None = None,
           request_type: type = ScdRequest, first: Callable | None = None, demo: gr.Blocks | None = None) -> None:
     """Add the SCD tab's widgets; ``run(pair_key, session, request)`` checks the request and does the work;
@@ -41,6 +55,9 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
     texts = gr.HighlightedText(label="Generated text per method (marked: differs from the oracle)",
                                combine_adjacent=False, show_inline_category=False, show_legend=True,
                                color_map={"differs": "orange"}, elem_id="scd-texts")
+    answers = gr.HighlightedText(label="The consumer's question about the text: each method's answer (marked: differs "
+                                 "from the reference)", combine_adjacent=False, show_inline_category=False,
+                                 show_legend=True, color_map={"differs": "orange"}, elem_id="scd-answers")
     figs = gr.State({})
     plots = {}
     with gr.Tabs(elem_id="scd-plot-tabs"):
@@ -61,15 +78,16 @@ def build(run: Callable, examples: list[str], pair_state: gr.State, session: gr.
         for method, tokens in out["texts"]:
             segments.append((f"\n{method}: ", None))
             segments += diff_tokens(tokens, oracle)
-        return ([out["info"], rounded(worded(out["table"])), segments] + [out["figures"][n] for n in FIGURES]
-                + [out["figures"]] + [None] * len(downloads))  # a new run: the previous figure files go
+        return ([out["info"], rounded(worded(out["table"])), segments, answered(out.get("answers"))]
+                + [out["figures"][n] for n in FIGURES] + [out["figures"]]
+                + [None] * len(downloads))  # a new run: the previous figure files go
 
     def on_run(pair_key, session, progress=gr.Progress(), **values):  # noqa: B008 - gradio injects progress this way
         if not pair_key:
             raise gr.Error("load a pair first (Pair tab)", print_exception=False)
         return shown(run(pair_key, session, request_type(**values), progress=reporter(progress)))
 
-    outputs = [info, table, texts] + [plots[n] for n in FIGURES] + [figs] + downloads
+    outputs = [info, table, texts, answers] + [plots[n] for n in FIGURES] + [figs] + downloads
     run_button.click(guard(on_run), [pair_state, session], outputs, inputs_kwargs=widgets, concurrency_limit=1,
                      api_name="scd_transfer", show_progress_on=[info])
     if first is not None:  # opening the page shows a finished analysis of the first example (computed once)
