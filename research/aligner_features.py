@@ -1,6 +1,6 @@
 """Can a per-token map from producer features predict the consumer's K and V better than the REUSE code?
 
-    python -m research.aligner_features [CONSUMER] [LAYERS]     # default builtin:austen-qkv 8,14,20,23,26
+    python -m research.aligner_features [CONSUMER] [LAYERS]     # default builtin:austen-before 8,14,20,23,26
 
 Paired prefills of 3 calibration windows per shipped domain (255 tokens, token 0 left out). For
 each layer and feature set, a ridge map (strength 1e-3, 1e-2 or 0.1 of the mean input eigenvalue,
@@ -58,7 +58,7 @@ def ridge(x, y, lam):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m research.aligner_features", description=__doc__.splitlines()[0])
-    ap.add_argument("consumer", nargs="?", default="builtin:austen-qkv", help="the consumer (default: %(default)s)")
+    ap.add_argument("consumer", nargs="?", default="builtin:austen-before", help="the consumer (default: %(default)s)")
     ap.add_argument("layers", nargs="?", default="8,14,20,23,26", help="comma-separated layers (default: %(default)s)")
     args = ap.parse_args(argv)
     consumer, layers = args.consumer, [int(x) for x in args.layers.split(",")]

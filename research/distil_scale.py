@@ -9,7 +9,7 @@ prompt: KL(oracle ‖ method) of the teacher-forced continuation, top-1 agreemen
 intervals; ``--out`` writes the record, every per-prompt value (what docs/results.md's data-size table is made
 from). Choices are made on ``--slice dev``; ``test`` runs only from a clean committed tree.
 
-    python -m research.distil_scale --consumer builtin:austen-qkv --limit 64 \\
+    python -m research.distil_scale --consumer builtin:austen-before --limit 64 \\
         --calibs 1x=runs/ablate/x1/out 3x=runs/ablate/x3/out --out runs/ablate/dev.json
 """
 
@@ -47,7 +47,7 @@ def arms(pair, specs: list[str]) -> list[tuple[str, calibration.Calibration]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--producer", default="builtin:smollm2-135m")
-    ap.add_argument("--consumer", default="builtin:austen-qkv")
+    ap.add_argument("--consumer", default="builtin:austen-before")
     ap.add_argument("--calibs", nargs="+", required=True, help="LABEL=FOLDER, one per arm")
     ap.add_argument("--slice", default="dev", choices=data.SLICES)
     ap.add_argument("--limit", type=int, default=64, help="windows of the consumer's own domain")

@@ -47,7 +47,7 @@ from scdviz.serving import kv, models, setup_engine, table
 from scdviz.settings import ASSETS_DIR, REPO_DIR
 
 PRODUCER = "smollm2-135m"
-SPECIALISTS = ("jargon", "austen-qkv")
+SPECIALISTS = ("jargon", "austen-before")
 BUDGET = 3840.0  # B/token of the transform-coded plan
 BANDWIDTHS = (1.0, 10.0, 100.0)  # Gbit/s
 BLOCK = 128  # the engine's KV block: a prefix it can take is whole blocks

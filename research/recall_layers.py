@@ -1,12 +1,12 @@
 """Where SCD loses quote recall: each layer sent as the producer's raw K, V inside SCD reuse-only.
 
-    python -m research.recall_layers                       # austen-qkv, its dev slice, every layer
+    python -m research.recall_layers                       # austen-before, its dev slice, every layer
     python -m research.recall_layers --consumer jargon --layers 3 4 5
     python -m research.recall_layers --raw 4 9            # one plan: these layers raw together
 
-On austen-qkv the consumer with its own cache (the oracle) recalls a quoted passage worse than with the
-producer's cache (raw reuse), and SCD, which reconstructs the consumer's cache, recalls like the oracle
-(docs/results.md, "Context QA"). If that recall lives in a few layers (induction heads reading
+On austen-qkv (a specialist since retired: docs/history.md) the consumer with its own cache (the oracle)
+recalled a quoted passage worse than with the producer's cache (raw reuse), and SCD, which reconstructs the
+consumer's cache, recalled like the oracle. If that recall lives in a few layers (induction heads reading
 previous-token keys), sending just those layers as the producer's raw K, V should buy it back at a cost in
 bytes (one fp16 layer: 1/30 of raw reuse's payload) and in continuation KL. This probe measures, on the dev
 slice (33 prompts of the specialist's own domain; it chooses, so it never reads test), for each layer l the
@@ -28,7 +28,7 @@ from scdviz.scd import plan as plans
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--consumer", default="austen-qkv", help="built-in specialist")
+    ap.add_argument("--consumer", default="austen-before", help="built-in specialist")
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="layers tried one at a time (default: all)")
     ap.add_argument("--raw", type=int, nargs="*", default=None, help="one plan: these layers raw together")
     ap.add_argument("--bits", type=int, default=16, choices=(4, 8, 16), help="bits of the raw layers' K, V")

@@ -1,7 +1,7 @@
 """Where SCD's KL stops falling: more input for the REUSE maps, and other reconstructions of the coded values.
 
     python -m research.scd_floor_check                 # every built-in specialist
-    python -m research.scd_floor_check austen-qkv      # one
+    python -m research.scd_floor_check austen-before   # one
     python -m research.scd_floor_check --eval          # part 3 only
     python -m research.scd_floor_check --error         # part 2's squared errors only (no KL run)
 

@@ -23,7 +23,7 @@ from scdviz.scd.ttft import TtftConfig
 
 PRODUCER = "builtin:smollm2-135m"  # the built-in producer
 SOURCE_HELP = ("model source: builtin:NAME (builtin:smollm2-135m, builtin:gemma3-270m, or a built-in specialist: "
-               "builtin:jargon, builtin:austen-qkv), a local folder (a transformers model, or a LoRA adapter folder "
+               "builtin:jargon, builtin:austen-before), a local folder (a transformers model, or a LoRA adapter folder "
                "such as `finetune` writes, applied to the producer), or a hub id (needs network)")
 TEXTS_HELP = ("your text: a .txt (passages separated by blank lines) or .jsonl ('text' field) file, split by passage "
               "60/20/20 into train/calib/eval, or a folder of train/calib/eval files; each command reads its own split")
@@ -90,7 +90,7 @@ class Rate:
 @dataclass
 class Distil:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
-    consumer: str = opt("builtin:austen-qkv", f"consumer {SOURCE_HELP}")
+    consumer: str = opt("builtin:austen-before", f"consumer {SOURCE_HELP}")
     calib: str | None = opt(None, "calibration folder to train the correction stage of (default: yours in the runs "
                             "folder, else the shipped one)")
     name: str | None = opt(None, NAME_HELP.format(kind="calibrations") + " (default: <calibration>-distil)")

@@ -70,7 +70,7 @@ def default_producer() -> str:
 
 def default_consumer() -> str:
     """Consumer source the app loads first (SCDVIZ_CONSUMER)."""
-    return os.environ.get("SCDVIZ_CONSUMER", "builtin:jargon")
+    return os.environ.get("SCDVIZ_CONSUMER", "builtin:austen-before")
 
 
 def threads() -> int | None:

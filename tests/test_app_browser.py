@@ -124,7 +124,16 @@ def _downloads_work(page, prefix: str, tab: str, names, static: bool = False) ->
     assert Path(download.value.path()).stat().st_size > 1000
 
 
-def test_pair_tab_loads_pair_and_generates(page, builtin_pair, tmp_path_factory):
+@pytest.fixture(scope="module")
+def default_pair():
+    """The pair the page opens with (the settings' defaults), as the app loads it."""
+    from scdviz import settings
+    from scdviz.app import pairs
+
+    return pairs.get_pair(settings.default_producer(), settings.default_consumer())
+
+
+def test_pair_tab_loads_pair_and_generates(page, default_pair, tmp_path_factory):
     summary = page.locator("#pair-summary")
     summary.get_by_text("Compatible").wait_for(timeout=240_000)
     facts = page.locator("#pair-facts")
@@ -136,7 +145,7 @@ def test_pair_tab_loads_pair_and_generates(page, builtin_pair, tmp_path_factory)
     from scdviz.app import pairs
     from scdviz.app.requests import GenerateRequest
 
-    gen = pairs.generate_both(builtin_pair,
+    gen = pairs.generate_both(default_pair,
                               GenerateRequest(page.locator("#pair-prompt textarea").input_value(), 32))  # page default
     squash = lambda text: "".join(text.split())  # noqa: E731 - tokens are shown as separate chips
     assert squash(gen.producer_text) in squash(page.locator("#producer-text").inner_text())
@@ -174,6 +183,11 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
     assert not LONG_FLOAT.search(table), table
     texts = page.locator("#scd-texts").inner_text()
     assert "oracle:" in texts and "SCD full:" in texts
+    # the default consumer, austen-before, is asked its own question: every method answers it, with its F1
+    answers = page.locator("#scd-answers").inner_text()
+    assert "Asked (the words before a quote, nearest first)" in answers and "reference:" in answers, answers
+    assert all(f"{m} (F1 " in answers for m in ("oracle", "raw KV", "SCD full")), answers
+    assert "QA F1" in table
     assert sorted(n for names in GROUPS.values() for n in names) == sorted(FIGURES)
     for title, names in reversed(GROUPS.items()):  # every sub-tab's plots; the first one stays open
         page.get_by_role("tab", name=title).click()
@@ -246,14 +260,14 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
     from scdviz import records, settings
 
     page.get_by_role("tab", name="Results").click()
-    for name in ("assets/scd/jargon/bench.json", "assets/scd/austen-qkv/bench.json"):
+    for name in ("assets/scd/jargon/bench.json", "assets/scd/austen-before/bench.json"):
         _choose(page, "#res-shipped", name)
     page.keyboard.press("Escape")
     page.locator("#res-info").get_by_text("2 records (scd)").wait_for(timeout=60_000)
     _plots_drawn(page, "res", ("payload_vs_kl",))
-    assert _legend_groups(page, "res-payload_vs_kl") == {"scd/jargon/bench", "scd/austen-qkv/bench"}
+    assert _legend_groups(page, "res-payload_vs_kl") == {"scd/jargon/bench", "scd/austen-before/bench"}
     legend = page.locator("#res-payload_vs_kl .legend").text_content()
-    assert "scd/jargon/bench" in legend and "scd/austen-qkv/bench" in legend
+    assert "scd/jargon/bench" in legend and "scd/austen-before/bench" in legend
     modes = page.evaluate("() => document.querySelector('#res-payload_vs_kl .js-plotly-plot').data.map(t => t.mode)")
     assert modes and not any("text" in m for m in modes)  # no labels on the clustered points
     assert not page.locator("#res-kl_vs_budget").is_visible()  # no eviction record yet: no eviction plot
@@ -261,7 +275,7 @@ def test_results_tab_compares_records_from_every_source(page, tmp_path_factory, 
     assert "scd/jargon/bench" in rows and "SCD full" in rows
     assert "0.08944" in rows and not LONG_FLOAT.search(rows)  # 0.089438647031784, rounded for display
     differ = page.locator("#res-settings").inner_text()  # the settings that differ, a column per record
-    assert "consumers" in differ and "scd/jargon/bench" in differ and "scd/austen-qkv/bench" in differ
+    assert "consumers" in differ and "scd/jargon/bench" in differ and "scd/austen-before/bench" in differ
     assert "KB" in page.locator("#res-export").inner_text()  # the exported CSV is offered
     _downloads_work(page, "res", "res", ("payload_vs_kl",))
 
@@ -313,14 +327,14 @@ def test_train_tab_trains_a_policy_with_a_live_plot(page, tmp_path_factory):
 
 def test_calibrate_tab_trains_the_correction_stage_and_the_scd_tab_shows_it_beside_the_closed_form(
         browser, app_url, tmp_path_factory):
-    # austen-qkv: the default jargon's closed form is near what 12 training windows can reach (on 2 windows
-    # per domain and 2 epochs its validation KL rose, 0.0192 -> 0.0199 -> 0.0212), so nothing would be kept
+    # austen-before (the default pair, chosen again here as a visitor would): 12 training windows lower its
+    # validation KL (jargon's closed form is near what they can reach: 0.0192 -> 0.0199 -> 0.0212, nothing kept)
     page = browser.new_page(viewport={"width": 1400, "height": 1800})
     page.goto(app_url)
     page.locator("#pair-summary").get_by_text("Compatible").wait_for(timeout=240_000)
-    _choose(page, "#consumer", "builtin:austen-qkv")
+    _choose(page, "#consumer", "builtin:austen-before")
     page.locator("#load-pair").click()
-    page.locator("#pair-summary").get_by_text("builtin:smollm2-135m → builtin:austen-qkv").wait_for(timeout=240_000)
+    page.locator("#pair-summary").get_by_text("builtin:smollm2-135m → builtin:austen-before").wait_for(timeout=240_000)
     page.get_by_role("tab", name="Calibrate / train").click()
     page.get_by_label("Also at 1/6 and 1/10 of fp16").uncheck()  # the operating point only: a shorter run
     page.locator("#distil-run").click()
@@ -329,7 +343,7 @@ def test_calibrate_tab_trains_the_correction_stage_and_the_scd_tab_shows_it_besi
     _plots_drawn(page, "distil", ("plot",))
     info = page.locator("#distil-info").inner_text()
     assert "closed form" in info and "MB" in info and not LONG_FLOAT.search(info), info
-    # austen-qkv: 0.0661 -> 0.0605 offline
+    # austen-before: 0.0445 -> 0.0428 -> 0.0425 offline (train.distil_for with these defaults, 64 s on one thread)
     assert "validation 1 of 2 kept" in info or "validation 2 of 2 kept" in info, info
     _shot(page, "distil", tmp_path_factory)
     page.get_by_role("tab", name="SCD transfer").click()
@@ -357,14 +371,14 @@ def test_bad_input_shows_a_message_not_a_traceback(page):
     assert "Traceback" not in page.content()
 
 
-def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, builtin_pair, tmp_path_factory):
+def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, default_pair, tmp_path_factory):
     """One page runs SCD while another generates and then evicts; both show their own, correct results."""
     from scdviz import data
     from scdviz.app import evict, pairs, scd
     from scdviz.app.requests import EvictRequest, GenerateRequest, ScdRequest
     from scdviz.plots import round_sig  # the tables show 4 significant digits
 
-    tok = builtin_pair.tokenizer
+    tok = default_pair.tokenizer
     context = tok.decode(next(iter(data.token_windows(tok, data.load_split("bible", "eval"), 100, 1))))
     prompt = "The hacker's favourite editor is"
     pages = []
@@ -387,15 +401,15 @@ def test_two_visitors_at_once_each_get_their_own_results(browser, app_url, built
     run_result(one, "#scd-info", "prompt tokens", 600_000)
     run_result(two, "#ev-info", "keeps", 600_000)
 
-    gen = pairs.generate_both(builtin_pair, GenerateRequest(prompt, 32))  # the page's default: 32 new tokens
+    gen = pairs.generate_both(default_pair, GenerateRequest(prompt, 32))  # the page's default: 32 new tokens
     assert f"Prompt: {gen.prompt_tokens} tokens" in two.locator("#pair-gen-info").inner_text()
     assert gen.consumer_text.split()[0] in two.locator("#consumer-text").inner_text()
-    alone = scd.scd_run(builtin_pair, ScdRequest(window))  # page defaults
+    alone = scd.scd_run(default_pair, ScdRequest(window))  # page defaults
     assert alone["info"].split(" SCD full")[0] in one.locator("#scd-info").inner_text()
     scd_shown = one.locator("#scd-table").inner_text()
     for row in alone["table"].itertuples():
         assert row.method in scd_shown and f"{round_sig(float(row.kl)):g}" in scd_shown, row.method
-    ev = evict.evict_run(builtin_pair, EvictRequest(context))  # the page's defaults: the focused set
+    ev = evict.evict_run(default_pair, EvictRequest(context))  # the page's defaults: the focused set
     shown = two.locator("#ev-table").inner_text()
     for row in ev["table"].itertuples():
         assert row.method in shown and f"{round_sig(float(row.kl)):g}" in shown, row.method

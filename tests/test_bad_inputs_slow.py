@@ -19,7 +19,7 @@ from apprunner import running_app
 
 pytestmark = pytest.mark.slow
 
-P, J, B = "builtin:smollm2-135m", "builtin:jargon", "builtin:austen-qkv"
+P, J, B = "builtin:smollm2-135m", "builtin:jargon", "builtin:austen-before"
 BIG = "x" * 4_000_000  # a 4 MB prompt: refused on length before any tokenizer sees it
 LONG_TOKENS = "the " * 1100  # ~1,100 tokens in ~4,400 characters: under the character cap, over the token cap
 CTX = ("The quick brown fox jumps over the lazy dog while the farmer watches from the gate and the children "

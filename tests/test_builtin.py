@@ -28,7 +28,7 @@ def test_builtin_pair_facts(builtin_pair):
 def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
     from scdviz.scd import calibration
 
-    assert {"jargon", "austen-qkv"} <= set(builtin.specialists())
+    assert {"jargon", "austen-before"} <= set(builtin.specialists())
     for name in builtin.specialists():
         folder = builtin.adapter_dir(name)
         assert (folder / "README.md").is_file() and (folder / "eval.json").is_file()
@@ -36,20 +36,21 @@ def test_the_specialists_are_shipped_each_with_a_card_and_a_calibration():
         assert sum(f.stat().st_size for f in folder.iterdir()) < 20 * 2**20  # adapters stay small
 
 
-def test_the_qkv_specialist_drifts_where_the_others_do_not():
-    """Their cards, each on its own training corpus: raw reuse breaks for the q/k/v specialist
-    (top-1 at most 0.75, the test of a specialist that breaks raw reuse) and not for the light
-    all-linear jargon adapter, and the producer alone agrees with it less often than raw reuse does
-    (the floor raw reuse tends toward)."""
+def test_the_task_specialist_beats_the_producer_at_its_task_and_raw_reuse_does_not_keep_it():
+    """Their cards, each on its own training corpus: austen-before answers its question (``before``) at least 1.2×
+    as well as the producer alone (issue 62's bar for a specialist), raw reuse answers it worse than the specialist
+    from its own cache, and raw reuse drifts further from austen-before's oracle than from the light all-linear
+    jargon adapter's (higher KL, lower top-1), while staying above the producer alone (the floor it tends toward)."""
     cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text())["corpora"][builtin.training_corpus(n)]
-             for n in ("jargon", "austen-qkv")}
-    strong, light = cards["austen-qkv"], cards["jargon"]
-    assert strong["kl_reuse"] > 2 * light["kl_reuse"] and strong["top1_reuse"] < light["top1_reuse"] - 0.05
-    assert strong["top1_reuse"] <= 0.75 < light["top1_reuse"]
+             for n in ("jargon", "austen-before")}
+    strong, light = cards["austen-before"], cards["jargon"]
+    assert strong["qa_f1_oracle"] >= 1.2 * strong["qa_f1_producer"]
+    assert strong["qa_f1_reuse"] < strong["qa_f1_oracle"]
+    assert strong["kl_reuse"] > light["kl_reuse"] and strong["top1_reuse"] < light["top1_reuse"] - 0.03
     assert strong["top1_producer"] < strong["top1_reuse"]
 
 
-@pytest.mark.parametrize("name", ["jargon", "austen-qkv"])
+@pytest.mark.parametrize("name", ["jargon", "austen-before"])
 def test_specialist_differs_from_producer_as_its_card_says(name):
     card = json.loads((builtin.adapter_dir(name) / "eval.json").read_text())
     pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
@@ -61,24 +62,17 @@ def test_specialist_differs_from_producer_as_its_card_says(name):
     report = drift.evaluate_pair(pair, n_prompts=3, prompt_len=card["prompt_len"], cont_len=card["cont_len"],
                                  corpora=[corpus])
     got, want = report["corpora"][corpus], card["corpora"][corpus]
-    # the specialist is better than the producer on its own domain, in the card and now
-    assert want["ppl_consumer"] < want["ppl_producer"]  # over the card's 16 prompts
+    # the specialist is better than the producer at its job, in the card (over its 16 prompts): a task specialist at
+    # its task (austen-before models Austen's text worse than the producer: 42.07 against 39.38), else at the text
+    if "qa_f1_oracle" in want:
+        assert want["qa_f1_oracle"] >= 1.2 * want["qa_f1_producer"] and got["qa_f1_oracle"] > got["qa_f1_producer"]
+    else:
+        assert want["ppl_consumer"] < want["ppl_producer"]
     # on 3 prompts only that it moved (the retired bible-qkv was worse than the producer on its first 3: 5.16 vs 4.65)
     assert abs(got["ppl_consumer"] / got["ppl_producer"] - 1) > 0.01
     # raw reuse drifts: same order of magnitude as the card's 16-prompt measurement
     assert want["kl_reuse"] / 3 < got["kl_reuse"] < want["kl_reuse"] * 3
     assert got["top1_reuse"] < 1.0
-
-
-def test_the_qkv_specialist_moves_further_from_the_producer_than_jargon():
-    """The stronger specialist (rank 64 on q/k/v, lr 5e-3) also shifts perplexity off its own domain."""
-    cards = {n: json.loads((builtin.adapter_dir(n) / "eval.json").read_text()) for n in ("jargon", "austen-qkv")}
-
-    def off_domain_shift(name, other):
-        row = cards[name]["corpora"][other]
-        return abs(row["ppl_consumer"] / row["ppl_producer"] - 1)
-
-    assert off_domain_shift("austen-qkv", "jargon") > 3 * off_domain_shift("jargon", "bible")
 
 
 def test_generation_runs_on_both(builtin_pair):

@@ -89,7 +89,7 @@ def test_scd_fan_out_covers_every_specialist(builtin_pair):
     out = app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, True))
     table = out["table"]
     assert (set(table["specialist"]) == {f"builtin:{name}" for name in builtin.specialists()}
-            >= {"builtin:jargon", "builtin:austen-qkv"})
+            >= {"builtin:jargon", "builtin:austen-before"})
     for _, rows in table.groupby("specialist"):
         assert list(rows["method"]) == ["oracle", "raw KV", "4-bit KV", "DroidSpeak recompute", "SCD reuse-only",
                                         "SCD full", "SCD reuse-only (closed form)", "SCD full (closed form)"]

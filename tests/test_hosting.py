@@ -43,7 +43,7 @@ def test_hosted_sources(monkeypatch, tmp_path):
     assert hosting.check_source(" org/model ") == ("hub", "org/model")
     with pytest.raises(UserError, match="'org/other' is not on it"):
         hosting.check_source("org/other")
-    assert hosting.check_source("builtin:austen-qkv") == ("builtin", "austen-qkv")
+    assert hosting.check_source("builtin:austen-before") == ("builtin", "austen-before")
     with pytest.raises(UserError, match="at most 300 characters"):
         hosting.check_source("org/" + "x" * 400)
 

@@ -16,7 +16,7 @@ def test_wheel_holds_the_app_the_cli_and_the_shipped_artefacts(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("scdviz/__main__.py", "scdviz/app/webapp.py", "scdviz/app/ui/scd_tab.py", "scdviz/models/hf.py",
                  "scdviz/assets/adapters/jargon/adapter_model.safetensors",
-                 "scdviz/assets/scd/austen-qkv/calibration.safetensors",
+                 "scdviz/assets/scd/austen-before/calibration.safetensors",
                  "scdviz/assets/policy/per_head/best.safetensors", "scdviz/assets/text/jargon/eval.txt"):
         assert path in names, path
     shipped = {p.relative_to(settings.REPO_DIR / "assets").as_posix() for p in (settings.REPO_DIR / "assets").rglob("*")

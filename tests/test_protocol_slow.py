@@ -46,7 +46,7 @@ def test_the_test_slice_holds_every_headline(builtin_pair, corpus, length, n):
 # ----------------------------------------------------------------------------- the shipped headlines reproduce
 
 
-@pytest.mark.parametrize("specialist", ["jargon", "austen-qkv"])
+@pytest.mark.parametrize("specialist", ["jargon", "austen-before"])
 def test_the_scd_test_record_reproduces_on_its_first_prompts(specialist):
     """Rerun the first 2 prompts of the SCD headline record (test slice) from its own settings: raw KV and SCD
     give the recorded per-prompt KL (float tolerance: another machine's BLAS)."""

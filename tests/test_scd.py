@@ -949,7 +949,7 @@ def test_a_builtin_specialist_is_benched_on_the_corpus_it_was_trained_on(tiny_ca
     for name in builtin.specialists():
         assert bench.eval_domains(cfg, name, tiny_calib) == [builtin.training_corpus(name)]
     assert bench.eval_domains(cfg, "tiny:c", tiny_calib) == ["texts"]  # unknown: every calibration domain
-    assert builtin.training_corpus("austen-qkv") == "austen" and builtin.training_corpus("../austen") is None
+    assert builtin.training_corpus("austen-before") == "austen" and builtin.training_corpus("../austen") is None
 
 
 # ----------------------------------------------------------------------------- rate–distortion planner

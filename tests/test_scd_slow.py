@@ -37,14 +37,14 @@ def test_shipped_calibrations_belong_to_their_specialist(builtin_pair):
     assert len(jargon.key_codes) == 30 and len(jargon.stats["domains"]) == 6
     kept = {int(layer) for layer, gate in jargon.stats["patch_gate"].items() if gate["kept"]}
     assert jargon.stats["patch_gate"] and set(jargon.patch_order) <= kept  # only patches that passed the gate
-    for name in ("jargon", "austen-qkv"):  # the budget planner's curves ship with every calibration
+    for name in ("jargon", "austen-before"):  # the budget planner's curves ship with every calibration
         curves = calibration.Calibration.load(calibration.SHIPPED_DIR / name).rate
         assert curves is not None and curves.n_windows >= 6 and (curves.sens_k > 0).all() and (curves.sens_v > 0).all()
         # fp16 codes: error falls as rank rises (on text it was not fitted on)
         full = curves.err_k[:, curves.bits.index(16)]
         assert (full[:, -1] < full[:, 0]).all() and (full[:, 96] <= full[:, 8] + 1e-3).all()
-    with pytest.raises(PairError, match="builtin:austen-qkv"):
-        calibration.Calibration.load(calibration.SHIPPED_DIR / "austen-qkv", builtin_pair)
+    with pytest.raises(PairError, match="builtin:austen-before"):
+        calibration.Calibration.load(calibration.SHIPPED_DIR / "austen-before", builtin_pair)
 
 
 def test_a_recomputed_tail_lowers_every_methods_kl_on_the_builtin_pair(builtin_pair):

@@ -65,7 +65,7 @@ class ScdBenchConfig:
     raw_layers: list[int] = opt([], "the raw-layer sweep: SCD reuse-only, SCD full and SCD transform coded at each "
                                 "--budgets with these layers sent as the producer's own K, V (in 4 bits, as 4-bit KV "
                                 "sends them) instead of codes, where quote recall reads the producer's keys better "
-                                "(austen-qkv: 20 26, chosen on dev by `python -m research.recall_layers`)")
+                                "(pick them per pair on dev with `python -m research.recall_layers`)")
     budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
                                "(default: the calibration's operating point)")
     coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section "

@@ -52,9 +52,10 @@ TRAINED = (*CORRECTION_FACTORS, "s")  # a correction's trained tensors: its fact
 @dataclass
 class DistilConfig:
     """One training of the correction stage. Defaults: the shipped recipe (docs/design.md): lr 1e-4 chosen by
-    calib-split validation KL of three runs on austen-qkv, the recall share and target on its dev slice, and
-    the data size (300 training windows a domain, one epoch, 6 validation windows a domain every 180 steps)
-    chosen over 30 and 90 a domain on its dev slice (``research/distil_scale``)."""
+    calib-split validation KL of three runs on austen-qkv (a specialist since retired: docs/history.md), the
+    recall share and target on its dev slice, and the data size (300 training windows a domain, one epoch, 6
+    validation windows a domain every 180 steps) chosen over 30 and 90 a domain on its dev slice
+    (``research/distil_scale``)."""
 
     rank: int = opt(32, "rank r of each layer's correction")
     budgets: list[float] = opt([3840.0, 2304.0], "bytes per token of the transform-coded plans trained at, beside the "

@@ -146,8 +146,8 @@ RAW_LAYER_BITS = 4  # bits of the producer's K, V at raw layers inside an SCD pl
 def with_raw(plan: Plan, layers: list[int], bits: int = RAW_LAYER_BITS) -> Plan:
     """``plan`` with ``layers`` sent as the producer's own K, V (quantised to ``bits`` as 4-bit KV is, or fp16)
     instead of their code: where the consumer's quote recall reads the producer's keys better than its own
-    (``python -m research.recall_layers`` tries each layer; austen-qkv's dev slice picked 20 and 26, whose gain
-    was small on test: docs/results.md)."""
+    (``python -m research.recall_layers`` tries each layer; on the retired austen-qkv, dev picked 20 and 26,
+    whose gain did not hold on test: docs/history.md)."""
     bad = sorted({layer for layer in layers if not 0 <= layer < len(plan.modes)})
     if bad or not layers:
         raise ValueError(f"raw layers are 0 to {len(plan.modes) - 1}, at least one; got {list(layers)}")

@@ -2,12 +2,12 @@
 
 A producer engine (the built-in producer's weights) prefills 8 held-out jargon prompts once each and its connector
 writes four payloads per prompt into a shared folder (raw KV; SCD reuse-only codes of the shipped jargon calibration,
-int4 at its operating point and transform coded at 3,840 B/token; SCD reuse-only codes of the shipped austen-qkv
+int4 at its operating point and transform coded at 3,840 B/token; SCD reuse-only codes of the shipped austen-before
 calibration: one prefill, a payload per target specialist); a fresh specialist engine (builtin:jargon merged) runs
 each prompt four times, teacher-forced over 32 continuation tokens: its own prefill, and over the prefix its
 connector loads from each of its payloads. The engine's KL(own || loaded) and top-1 agreement must be those scdviz
 measures outside any engine (scdviz.scd.transfer, as ``bench scd`` does) on the same prompts and plans: KL within
-10 %, top-1 within 0.02. Fan-out: a second specialist engine (builtin:austen-qkv merged) then runs the same prompts
+10 %, top-1 within 0.02. Fan-out: a second specialist engine (builtin:austen-before merged) then runs the same prompts
 over its own prefill, the same raw payload and its own SCD payload from the same prefills, held to the same bounds.
 """
 
@@ -35,7 +35,7 @@ CALIB = ASSETS_DIR / "scd" / "jargon"
 CHANNELS = {"raw": {"kind": "raw"}, "scd-reuse": {"kind": "scd", "calibration": str(CALIB), "patch_k": 0},
             "scd-tc3840": {"kind": "scd", "calibration": str(CALIB), "budget": 3840}}
 # the second specialist of the fan-out: the same raw payload and its own calibration's SCD payload
-FAN = "austen-qkv"
+FAN = "austen-before"
 FAN_CHANNELS = {"raw": CHANNELS["raw"],
                 f"scd-{FAN}-reuse": {"kind": "scd", "calibration": str(ASSETS_DIR / "scd" / FAN), "patch_k": 0}}
 PRODUCED = {**CHANNELS, **FAN_CHANNELS}  # what the producer writes per prompt, from one prefill

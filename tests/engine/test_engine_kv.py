@@ -73,8 +73,8 @@ def _engine_record():
     rows = [row("jargon", 1024, "own", "own prefill", 3000.0),
             row("jargon", 1024, "raw", "raw KV", 500.0, (690.0, 520.0, 502.0)),
             row("jargon", 1024, "scd-jargon-reuse", "SCD reuse-only int4", 850.0, (910.0, 856.0, 851.0)),
-            row("austen-qkv", 1024, "own", "own prefill", 700.0),
-            row("austen-qkv", 1024, "scd-austen-qkv-reuse", "SCD reuse-only int4", 800.0, (860.0, 806.0, 801.0))]
+            row("austen-before", 1024, "own", "own prefill", 700.0),
+            row("austen-before", 1024, "scd-austen-before-reuse", "SCD reuse-only int4", 800.0, (860.0, 806.0, 801.0))]
     settings = {"research": "engine_demo", "slice": "dev", "latency_ms": 0.5, "repeats": 3, "timing_prompts": 2,
                 "prompts": 2, "cont": 32, "domains": ["jargon", "austen"],
                 "command": "python -m research.engine_demo --record"}

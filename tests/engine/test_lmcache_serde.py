@@ -8,8 +8,8 @@ store controller serializes the chunk into the L2 folder through the serde (the 
 REUSE-only plan at its operating point, int4 codes). A fresh consumer process (``builtin:jargon`` merged) prefetches
 the key from L2, the serde decoding the payload into the specialist's own K / V. Asserted: the file holds the SCD
 payload, byte for byte what ``Codec.encode_kv`` gives for the same chunk (not the raw KV); what LMCache hands back is
-bitwise what ``Codec.decode`` gives on the stored bytes; the key of another calibration (austen-qkv's tag) misses, and
-the payload filed under it is refused by the serde; the salt keeps LMCache's rules.
+bitwise what ``Codec.decode`` gives on the stored bytes; the key of another calibration (austen-before's tag) misses,
+and the payload filed under it is refused by the serde; the salt keeps LMCache's rules.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not setup_engine.lmcache_ready(), reason=setup_engine.why_lmcache_not_ready())]
 
 PROMPT = 256  # one LMCache chunk (its default chunk size)
-CALIB, OTHER = ASSETS_DIR / "scd" / "jargon", ASSETS_DIR / "scd" / "austen-qkv"
+CALIB, OTHER = ASSETS_DIR / "scd" / "jargon", ASSETS_DIR / "scd" / "austen-before"
 PRODUCER = "builtin:smollm2-135m"
 SHAPE = [2, 30, PROMPT, 3 * 64]  # K and V, layers, tokens, kv_heads * head_dim of the built-in pair
 
@@ -94,7 +94,7 @@ def test_what_lmcache_hands_back_is_codec_decode_of_the_payload(run):
 def test_a_key_of_another_calibration_misses(run):
     loaded = run["loaded"]
     assert loaded["other_salt"] == f"scd-{run['other_tag']:016x}-reuse4" != run["stored"]["salt"]
-    assert loaded["other_miss"]  # nothing stored under austen-qkv's salt
+    assert loaded["other_miss"]  # nothing stored under austen-before's salt
     assert loaded["other_forged_refused"]  # jargon's payload filed under it: found by LMCache, refused by the serde
     assert "is not this serde's" in loaded["log"]
     assert not (run["l2"] / loaded["stored_file"].replace(run["stored"]["salt"], loaded["other_salt"])).exists()
