@@ -20,6 +20,8 @@ one line from its rows:
   and transform coding at 3,840 B/token against raw KV reuse, mean-KL ratio with the paired-bootstrap 95 %
   interval over passages (as the docs' tables give it); a leave-one-domain-out record gives the range over the
   held-out domains and on how many the interval lies below 1.
+- a ``research.specialist_frontier`` record: per candidate, its task F1 over the producer's and raw reuse's over
+  the specialist's, with their intervals, and raw reuse's top-1.
 - eviction: per mode and kept fraction, the method chosen on validation against the best baseline of that
   mode and budget (ratio and interval, as above); a run that named its policy files (and is not
   leave-one-domain-out) lists every other learned method too, so a variant that lost on test shows.
@@ -195,7 +197,9 @@ def measured(record: records.BenchRecord) -> str:
     s = record.settings
     if record.kind in ("scd", "ttft"):
         bench = s.get("bench") or s.get("ttft") or {}
-        words = [", ".join(c.removeprefix("builtin:") for c in s.get("consumers") or [])]
+        words = [", ".join(c.split("=")[-1].removeprefix("builtin:") for c in s.get("consumers") or [])]
+        if s.get("research") == "specialist_frontier":
+            words.append("task F1 against the producer's (research.specialist_frontier)")
         if bench.get("lodo"):
             words.append("leave-one-domain-out")
         if bench.get("tails"):
@@ -214,7 +218,22 @@ def measured(record: records.BenchRecord) -> str:
     return "; ".join(words)
 
 
+def frontier_result(record: records.BenchRecord) -> str:
+    """Per candidate of a ``research.specialist_frontier`` record: its task F1 over the producer's and raw reuse's
+    over its own (paired passage-bootstrap intervals), and raw reuse's top-1."""
+    parts = []
+    for r in record.rows:
+        gain, share = (metrics.paired_bootstrap(r[a], r[b], clusters=r["passages"])
+                       for a, b in (("qa_f1_producer", "qa_f1_oracle"), ("qa_f1_oracle", "qa_f1_raw")))
+        parts.append(f"{r['label']}: task F1 / the producer's {gain['ratio']:.2f}× [{gain['ratio_ci'][0]:.2f}, "
+                     f"{gain['ratio_ci'][1]:.2f}], raw reuse's / the specialist's {share['ratio']:.2f}× "
+                     f"[{share['ratio_ci'][0]:.2f}, {share['ratio_ci'][1]:.2f}], raw top-1 {r['top1_raw']:.3f}")
+    return "; ".join(parts)
+
+
 def result(record: records.BenchRecord) -> str:
+    if record.settings.get("research") == "specialist_frontier":
+        return frontier_result(record)
     if record.kind == "scd":
         return scd_result(record)
     if record.kind == "evict":

@@ -32,7 +32,7 @@ from pathlib import Path
 from scdviz import config, records, settings
 from scdviz.serving import table as serving_table
 
-SPECIALISTS = ("jargon", "austen-qkv")  # the shipped SCD specialists, in the docs' order
+SPECIALISTS = ("jargon", "austen-before")  # the shipped SCD specialists, in the docs' order
 KEEPS = ("0.25", "0.125")  # the eviction protocol's kept fractions
 
 # the settings of a research probe's record that are its flags
@@ -117,6 +117,8 @@ def command(path: Path, record: records.BenchRecord) -> str:
     if "research" in record.settings:  # a probe's record: its module and flags
         flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(_flag_value, v)) if isinstance(v, list) else v}"
                          for k, v in record.settings.items() if k in RESEARCH_FLAGS and v not in (None, ""))
+        if record.settings.get("slice") not in (None, "dev"):  # the probes read dev unless told
+            flags += f" --slice {record.settings['slice']}"
         return f"python -m research.{record.settings['research']} {flags} --out {Path(path).name}"
     mine = _flat(_live(record.settings))
     for toml in sorted(Path(path).parent.glob("*.toml"), key=lambda p: p.stem != records.stem(path)):
@@ -381,30 +383,7 @@ def scd_tail(record: str = "tail_test.json.gz") -> str:
     return _table(head, out) + "\n\n" + _source_line(rels)
 
 
-def scd_recall(record: str = "scd/austen-qkv/recall_test.json.gz") -> str:
-    """Quote recall from two layers sent raw (austen-qkv, test slice): the lineup's SCD plans without and with
-    layers 20 and 26 as the producer's 4-bit K, V (chosen on dev), with their closed-form twins: bytes, KL
-    against raw reuse and against the same plan without the raw layers, top-1, QA F1 and its paired
-    difference from raw reuse's."""
-    from scdviz.scd.plan import CLOSED, base_name  # lazily, as the commands: plans import torch
-
-    plain = {r["method"]: r for r in _scd_rows(record, "method")}
-    raw = plain["raw KV"]
-    shown = ("raw KV", "oracle", "SCD reuse-only", "SCD full", "SCD reuse-only" + CLOSED, "SCD full" + CLOSED)
-    rows = [plain[m] for m in shown] + _scd_rows(record, "raw layers")
-    out = []
-    for r in rows:
-        base = plain.get(base_name(r["method"]))
-        out.append([SCD_NAMES.get(r["method"], r["method"]), _b(r["payload_bytes_per_token"]), f"{r['kl']:.4f}",
-                    "" if r is raw or r["method"] == "oracle" else _ratio(raw, r),
-                    _ratio(base, r) if base is not None and base is not r else "", f"{r['top1']:.3f}",
-                    _f(r.get("qa_f1"), 3), _qa_vs_raw(raw, r)])
-    head = ["method", "bytes/token", "KL", "KL / raw KV [95% CI]", "KL / without the raw layers [95% CI]", "top-1",
-            "QA F1", "QA − raw (paired) [95% CI]"]
-    return _table(head, out) + "\n\n" + _source_line([record])
-
-
-DISTIL_SCALE = ("scd/distil_scale_dev.json", "scd/distil_scale_dev_jargon.json")  # austen-qkv, jargon
+DISTIL_SCALE = ("scd/distil_scale_dev.json", "scd/distil_scale_dev_jargon.json")  # austen-qkv (retired), jargon
 
 
 def scd_distil_scale(rels: tuple[str, ...] = DISTIL_SCALE) -> str:
@@ -475,6 +454,85 @@ def scd_frontier(rel: str = FRONTIER) -> str:
     head = ["candidate (prompts)", "trained on", "adapter", "question asked", "task F1: producer / specialist / raw",
             "specialist ÷ producer", "raw ÷ specialist", "raw top-1", "raw KL",
             "continuation PPL: producer / specialist / raw", "reaches the raw-reuse line"]
+    return _table(head, out) + "\n\n" + _source_line([rel])
+
+
+TASK_SPECIALIST = "austen-before"  # issue 62's built-in specialist: its test records
+TASK_FRONTIER = "scd/specialist_frontier_test.json"  # its producer's task F1 on the same test windows
+
+
+def _share(oracle: dict, row: dict) -> dict:
+    """``row``'s task F1 over the oracle's, paired over items (passages resampled)."""
+    return paired_bootstrap(oracle["qa_f1_items"], row["qa_f1_items"], passages_of(row))
+
+
+def scd_task(spec: str = TASK_SPECIALIST, frontier: str = TASK_FRONTIER) -> str:
+    """The task specialist on its own domain's test slice, in the seeds' terms: every method's task F1 and its share
+    of the oracle's, top-1 and KL against raw reuse (its SCD test record), then issue 62's lines, each measured with
+    its paired passage-bootstrap interval: raw reuse's share ≤ 0.6 and top-1 ≤ 0.6, the specialist ≥ 1.2× the
+    producer (the frontier record, same windows and question), SCD at ≤ 3,840 B/token ≥ 0.8× the oracle, and PATCH
+    (SCD full against the same plan without patches, SCD reuse-only) lowering KL. Every trained SCD plan the record
+    holds at ≤ 3,840 B/token gets its line (none is picked after the fact)."""
+    rel = f"scd/{spec}/test.json"
+    rows = _scd_rows(rel, "method") + _scd_rows(rel, "budget sweep")
+    by = {r["method"]: r for r in rows}
+    oracle, raw = by["oracle"], by["raw KV"]
+    out = []
+    for r in rows:
+        share = _share(oracle, r)
+        out.append([SCD_NAMES.get(r["method"], r["method"]), _b(r["payload_bytes_per_token"]), _f(r["qa_f1"], 3),
+                    "1" if r is oracle else f"{share['ratio']:.2f}× {_ci(*share['ratio_ci'])}", f"{r['top1']:.3f}",
+                    f"{r['kl']:.4f}", "" if r in (oracle, raw) else _ratio(raw, r)])
+    head = ["method", "bytes/token", "task F1", "of the oracle's [95% CI]", "top-1", "KL", "KL / raw KV [95% CI]"]
+    first = _table(head, out)
+
+    (fr,) = [r for r in shipped_record(frontier).rows if r["consumer"] == f"builtin:{spec}"]
+    if fr["qa_f1_oracle"] != oracle["qa_f1_items"]:
+        raise ValueError(f"{frontier} and {rel} answered on different items: their oracle F1 differ")
+    gain = paired_bootstrap(fr["qa_f1_producer"], fr["qa_f1_oracle"], fr["passages"])
+    coded = [r for r in rows if r["method"].startswith("SCD") and "closed form" not in r["method"]
+             and r["payload_bytes_per_token"] <= 3840]
+    patch = paired_bootstrap(by["SCD reuse-only"]["kl_per_prompt"], by["SCD full"]["kl_per_prompt"],
+                             passages_of(by["SCD full"]))
+    raw_share = _share(oracle, raw)
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def line(what, value, ci, bar, met):
+        shown = f"{value:.2f}× {_ci(*ci)}" if ci else f"{value:.3f}"
+        return [what, shown, bar, "yes" if met else "**no**"]
+
+    lines = [line("raw reuse's task F1 ÷ the oracle's", raw_share["ratio"], raw_share["ratio_ci"], "≤ 0.6",
+                  raw_share["ratio"] <= RAW_LINE["share"]),
+             line("raw reuse's top-1", raw["top1"], None, "≤ 0.6", raw["top1"] <= RAW_LINE["top1"]),
+             line(f"the specialist's task F1 ÷ the producer's ({_f(mean(fr['qa_f1_producer']), 3)})", gain["ratio"],
+                  gain["ratio_ci"], "≥ 1.2", gain["ratio"] >= RAW_LINE["gain"])]
+    for r in coded:
+        s = _share(oracle, r)
+        lines.append(line(f"{r['method']} ({_b(r['payload_bytes_per_token'])} B/token), task F1 ÷ the oracle's",
+                          s["ratio"], s["ratio_ci"], "≥ 0.8", s["ratio"] >= 0.8))
+    lines.append(line("PATCH: SCD full's KL ÷ SCD reuse-only's (the same plan without patches)", patch["ratio"],
+                      patch["ratio_ci"], "interval below 1", patch["ratio_ci"][1] < 1))
+    second = _table(["line (issue 62)", "measured [95% CI]", "needs", "met"], lines)
+    return first + "\n\n" + second + "\n\n" + _source_line([rel, frontier])
+
+
+DEPTH_AFTER = (4, 9, 14, 15, 17, 20, 23, 26, 29)  # layers after which the error-through-depth table reads
+
+
+def scd_depth(spec: str = TASK_SPECIALIST) -> str:
+    """Error through depth on the task specialist's test record, as the SCD tab's error-accumulation plot draws it:
+    the relative error of the continuation's hidden state against the oracle's after each of ``DEPTH_AFTER``'s
+    layers (the record's ``divergence``, mean over prompts), per method, with the layers each one patches."""
+    rel = f"scd/{spec}/test.json"
+    rows = [r for r in _scd_rows(rel, "method") if r["method"] != "oracle"]
+    out = []
+    for r in rows:
+        patched = [i for i, m in enumerate(r["modes"]) if m == "patch"]
+        out.append([SCD_NAMES.get(r["method"], r["method"]), " ".join(map(str, patched)) or "none"]
+                   + [f"{r['divergence'][layer + 1]:.3f}" for layer in DEPTH_AFTER])
+    head = ["method", "patch layers"] + [f"after layer {layer}" for layer in DEPTH_AFTER]
     return _table(head, out) + "\n\n" + _source_line([rel])
 
 
@@ -881,9 +939,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "scd-qa": scd_qa,
     "scd-ttft": scd_ttft,
     "scd-tail": scd_tail,
-    "scd-recall": scd_recall,
     "scd-distil-scale": scd_distil_scale,
     "scd-frontier": scd_frontier,
+    "scd-task": scd_task,
+    "scd-depth": scd_depth,
     "scd-task-layers": scd_task_layers,
     "scd-engine": lambda: serving_table.scd_engine(shipped_record),
     "evict-headline": evict_headline,

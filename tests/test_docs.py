@@ -4,6 +4,7 @@ and ``python -m scdviz report --check`` fails on a doctored copy."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -111,3 +112,30 @@ def test_a_specialist_without_a_tables_record_is_left_out_of_that_table_only(ren
     assert own != rendered["scd-own"] and all(line.startswith(f"| {first} |") for line in own.splitlines()[2:]
                                               if line.startswith("| ") and not line.startswith("| specialist"))
     assert others and f"scd/{first}/" in own and all(f"scd/{s}/" not in own for s in others)
+
+
+def test_the_task_table_by_hand_and_its_records_must_share_items(monkeypatch):
+    """scd-task: raw reuse's share of the oracle's task F1 is the mean of its per-item F1 over the oracle's, from the
+    test record's rows; the producer's F1 comes from the frontier record on the same items, and a frontier record
+    whose oracle answered other items is refused, not joined."""
+    rel = f"scd/{report.TASK_SPECIALIST}/test.json"
+    rows = records.read(settings.ASSETS_DIR / rel).rows
+    by = {r["method"]: r for r in rows if r.get("group") == "method"}
+    share = sum(by["raw KV"]["qa_f1_items"]) / sum(by["oracle"]["qa_f1_items"])
+    table = report.render("scd-task")
+    line = next(x for x in table.splitlines() if x.startswith("| raw reuse's task F1 ÷ the oracle's |"))
+    assert line.split(" | ")[1].startswith(f"{share:.2f}× [")
+    assert ("| yes |" in line) == (share <= report.RAW_LINE["share"])
+    shipped = report.shipped_record
+
+    def doctored(name):
+        if name != report.TASK_FRONTIER:
+            return shipped(name)
+        got = copy.deepcopy(shipped(name))  # the shipped one is cached for every other table: never changed
+        for r in got.rows:
+            r["qa_f1_oracle"] = [1.0 - x for x in r["qa_f1_oracle"]]
+        return got
+
+    monkeypatch.setattr(report, "shipped_record", doctored)
+    with pytest.raises(ValueError, match="answered on different items"):
+        report.render("scd-task")
