@@ -588,6 +588,7 @@ def seed_everything(seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    records.loaded_commit()  # the commit this run's records name: the code as it starts (a long run outlives edits)
     top = parser()
     try:
         args = top.parse_args(argv)

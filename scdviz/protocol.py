@@ -29,16 +29,20 @@ from scdviz import data, metrics, records
 
 
 def check_slice(slice_: str) -> None:
-    """ValueError unless ``slice_`` is an eval slice and, for ``test``, the checkout is a clean git tree:
-    a test-slice record must name committed code (``records.git_commit``)."""
+    """ValueError unless ``slice_`` is an eval slice and, for ``test``, the checkout is a clean git tree and the
+    one this process loaded its code from: a test-slice record must name committed code
+    (``records.loaded_commit``, the commit its record is stamped with however long the run takes)."""
     if slice_ not in data.SLICES:
         raise ValueError(f"unknown slice {slice_!r}; use one of {', '.join(data.SLICES)}")
     if slice_ == "test":
-        commit = records.git_commit()
-        if commit is None or commit.endswith("+dirty"):
+        loaded, now = records.loaded_commit(), records.git_commit()
+        if loaded is None or loaded.endswith("+dirty"):
             raise ValueError("a run on the test slice needs a clean, committed git checkout (its record names the "
-                             f"commit it ran; this one is {commit or 'not a git checkout'}): commit or stash your "
+                             f"commit it ran; this one is {loaded or 'not a git checkout'}): commit or stash your "
                              "changes, or measure on --slice dev")
+        if now != loaded:
+            raise ValueError("a run on the test slice needs a clean, committed git checkout, and this one changed "
+                             f"since this process loaded its code ({loaded}; now {now}): start the run again")
 
 
 def by_domain(domains: Sequence[str], evaluate: Callable, artefact=None, *, fit: Callable | None = None,

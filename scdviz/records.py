@@ -12,6 +12,7 @@ same every time).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import math
@@ -49,17 +50,26 @@ class BenchRecord:
 
 def versions(device: str = "") -> dict:
     """Python, scdviz and package versions (None for a package not installed), the device, the
-    git commit of the checkout (None outside one; ``+dirty`` with uncommitted changes) and the hardware."""
+    git commit of the code this process loaded (``loaded_commit``: None outside a checkout; ``+dirty`` with
+    uncommitted changes) and the hardware."""
     from scdviz import __version__
 
     out: dict = {"python": platform.python_version(), "scdviz": __version__, "device": device,
-                 "git_commit": git_commit(), "hardware": hardware(device)}
+                 "git_commit": loaded_commit(), "hardware": hardware(device)}
     for name in _PACKAGES:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+@functools.cache
+def loaded_commit() -> str | None:
+    """The commit of the code this process runs: ``git_commit()`` the first time it is asked (the CLI asks as it
+    starts, a test-slice check before anything is measured), never again, so a checkout edited or committed while
+    a long run goes on does not re-stamp what the run measured (``versions``)."""
+    return git_commit()
 
 
 def git_commit() -> str | None:

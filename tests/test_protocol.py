@@ -159,6 +159,7 @@ def test_a_test_slice_run_refuses_an_uncommitted_tree(monkeypatch):
         protocol.check_slice("eval")
     for commit, ok in (("0123abc", True), ("0123abc+dirty", False), (None, False)):
         monkeypatch.setattr(records, "git_commit", lambda c=commit: c)
+        monkeypatch.setattr(records, "loaded_commit", lambda c=commit: c)
         if ok:
             protocol.check_slice("test")
             continue
@@ -173,3 +174,19 @@ def test_a_test_slice_run_refuses_an_uncommitted_tree(monkeypatch):
             cost.run(cost.CostConfig(slice="test"), None, None)
         with pytest.raises(ValueError, match="clean, committed git checkout"):
             ttft.run(ttft.TtftConfig(slice="test"), None, None)
+
+
+def test_a_record_names_the_commit_its_process_loaded_not_the_one_at_its_end(monkeypatch):
+    """A long test-slice run outlives edits: its record is stamped with the commit checked when the process loaded
+    its code (``records.loaded_commit``, asked once), and a checkout that changed since then is refused."""
+    states = iter(["0123abc", "4567def+dirty"])
+    monkeypatch.setattr(records, "git_commit", lambda: next(states))
+    records.loaded_commit.cache_clear()
+    try:
+        assert records.loaded_commit() == "0123abc"  # as the run starts
+        assert records.versions()["git_commit"] == "0123abc"  # as its record is written, the checkout edited since
+        monkeypatch.setattr(records, "git_commit", lambda: "4567def")
+        with pytest.raises(ValueError, match="changed since this process loaded its code"):
+            protocol.check_slice("test")
+    finally:
+        records.loaded_commit.cache_clear()
