@@ -368,7 +368,7 @@ def test_qa_answer_from_full_cache_of_a_repeating_model(tiny):
         expected.append(int(tiny(seq).logits[0, -1].argmax()))
         seq = torch.cat([seq, torch.tensor([[expected[-1]]])], 1)
     got = qa.answer(tiny, cache, qa.QAItem(question=question, answer=expected), 40)
-    assert got == {"qa_correct": 1.0, "qa_f1": 1.0}
+    assert got == {"answer": expected, "qa_correct": 1.0, "qa_f1": 1.0}
     wrong = qa.answer(tiny, cache, qa.QAItem(question=question, answer=[(expected[0] + 1) % 97, 96]), 40)
     assert wrong["qa_correct"] == 0.0
 
