@@ -634,13 +634,16 @@ def _records_legend(fig: go.Figure) -> go.Figure:
     return fig
 
 
+KL_EXACT = 1e-5  # KL at or below this is the oracle's own (float noise): not drawn on a log axis of KL
+
+
 def _scd_payload_kl(frames, symbol_of, dash_of) -> go.Figure | None:
     parts = []
     for label, df in frames:
         df = _numeric(df, "payload_bytes_per_token", "kl", "kl_se", "top1")
         if "row" in df:
             df = df[df["row"].fillna("measured") == "measured"]
-        df = df[(df["payload_bytes_per_token"] > 0) & (df["kl"] > 0)]
+        df = df[(df["payload_bytes_per_token"] > 0) & (df["kl"] > KL_EXACT)]
         if df.empty:
             continue
         group = df["group"] if "group" in df else pd.Series("method", index=df.index)

@@ -69,6 +69,19 @@ def test_two_records_of_one_kind_share_one_plot_with_a_legend_group_each():
     assert len(sweep.x) == 7 and "SCD k=3 (greedy)" in sweep.hovertext[3] and "record: run B" in sweep.hovertext[3]
 
 
+def test_a_kl_at_float_noise_is_not_a_point_on_the_log_axis():
+    """A plan that recomputes every adapted layer matches the oracle to float noise (austen-before's DroidSpeak
+    k=16: KL 1.1e-7); drawn, it would stretch the log axis over five decades below every other point."""
+    rec = scd_record()
+    rec.rows.append({"row": "measured", "group": "DroidSpeak sweep", "method": "DroidSpeak k=16",
+                     "payload_bytes_per_token": 11863.5, "kl": 1.1e-7})
+    fig = plots.record_figures([("run", rec)])["payload_vs_kl"]
+    ys = [y for t in fig.data for y in t.y]
+    assert min(ys) > plots.KL_EXACT and "DroidSpeak sweep" not in {t.name for t in fig.data}
+    shipped = plots.record_figures([("b", records.read(settings.ASSETS_DIR / "scd" / "austen-before" / "bench.json"))])
+    assert min(y for t in shipped["payload_vs_kl"].data for y in t.y) > 0.01
+
+
 def test_no_record_figure_writes_text_on_points():
     """Points cluster (seven patch-sweep points within 800 B/token): labels go to the legend and the hover."""
     labelled = [(p.stem, records.read(p)) for p in results.shipped_results()]
