@@ -418,7 +418,7 @@ def scd_distil_scale(rels: tuple[str, ...] = DISTIL_SCALE) -> str:
 
 
 FRONTIER = "scd/specialist_frontier_dev.json"  # issue 62's candidate specialists, dev slice
-RAW_LINE = {"share": 0.6, "top1": 0.6, "gain": 1.2}  # issue 62: raw reuse's F1 ≤ 60 % of the oracle's, etc.
+RAW_LINE = {"share": 0.6, "top1": 0.6, "gain": 1.2, "recovered": 0.8}  # issue 62's lines (raw reuse, gain, SCD)
 
 
 def scd_frontier(rel: str = FRONTIER) -> str:
@@ -511,7 +511,7 @@ def scd_task(spec: str = TASK_SPECIALIST, frontier: str = TASK_FRONTIER) -> str:
     for r in coded:
         s = _share(oracle, r)
         lines.append(line(f"{r['method']} ({_b(r['payload_bytes_per_token'])} B/token), task F1 ÷ the oracle's",
-                          s["ratio"], s["ratio_ci"], "≥ 0.8", s["ratio"] >= 0.8))
+                          s["ratio"], s["ratio_ci"], "≥ 0.8", s["ratio"] >= RAW_LINE["recovered"]))
     lines.append(line("PATCH: SCD full's KL ÷ SCD reuse-only's (the same plan without patches)", patch["ratio"],
                       patch["ratio_ci"], "interval below 1", patch["ratio_ci"][1] < 1))
     second = _table(["line (issue 62)", "measured [95% CI]", "needs", "met"], lines)

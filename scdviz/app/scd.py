@@ -126,8 +126,7 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
         for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (spans, tail, raw)
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
-    window = view.window_of(pair, text, cont_len, settings.max_prompt_tokens())
-    answers = question_answers(pair, report, window, cont_len) if req.ask else None
+    answers = question_answers(pair, report, text, cont_len) if req.ask else None
     res = report.methods
     spectra = measure.spectra(calib)
     if plan.rate_target:  # transform coded: the ranks the payload really carried
@@ -153,11 +152,13 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
     return {"info": info, "table": table, "texts": texts, "answers": answers, "figures": drawn}
 
 
-def question_answers(pair: Pair, report, window: list[int], cont_len: int) -> dict:
-    """What the tab shows of the consumer's question (``view.question_of``, as the bench asked it): its kind, the
-    question and the reference answer as text, and per method its answer's tokens as text and its token-F1."""
+def question_answers(pair: Pair, report, text: str, cont_len: int) -> dict:
+    """What the tab shows of the consumer's question about ``text`` (``view.question_of``, as the bench asked it):
+    its kind, the question and the reference answer as text, and per method its answer's tokens as text and its
+    token-F1."""
     from scdviz.scd import view
 
+    window = view.window_of(pair, text, cont_len, settings.max_prompt_tokens())
     kind, item = view.question_of(pair, window, cont_len)
     tok = pair.tokenizer
     return {"kind": kind, "question": tok.decode(item.question[1:]),  # the first is the prompt's pending last token
