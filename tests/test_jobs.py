@@ -123,6 +123,18 @@ def test_an_abandoned_job_stops_by_itself(monkeypatch, tmp_path):
     assert leftover[-1] == Failed("stopped; what it had written is removed") and not job.folder.exists()
 
 
+def test_a_follower_waiting_on_a_slow_step_is_not_abandoned(monkeypatch):
+    """Liveness counts only while the follower holds a step and is not resumed: a follower waiting inside the
+    work (a slow first step on a loaded host) still follows it, however long that wait."""
+    monkeypatch.setattr(J, "LIVENESS_S", 0.1)
+    monkeypatch.setattr(J, "BEAT_S", 0.02)
+    monkeypatch.setattr(progress, "BEAT_S", 0.6)  # the work's first step comes after six liveness times
+    jobs = J.Jobs(limit=1, per_visitor=1, runs=1, window_s=1)
+    job = jobs.start("v", "s", "calibrate")
+    out = list(jobs.follow(job, stream(_work(threading.Event(), n=40, pause=0.02))))
+    assert out[-1] == "finished" and not job.stop.is_set() and jobs.running() == 0
+
+
 def test_stream_yields_steps_then_the_result_or_the_refusal_and_stops_when_closed(tmp_path):
     got = list(stream(_work(threading.Event(), n=120, pause=0.01)))
     assert got[-1] == Done("finished") and all(isinstance(x, J.Step) for x in got[:-1]) and len(got) >= 2

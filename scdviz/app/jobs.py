@@ -17,7 +17,8 @@ and uploads (``scdviz.app.uploads``) against ``SCDVIZ_VISITOR_MB`` per ``SCDVIZ_
 process or in a ZeroGPU worker: ``scdviz.app.gpu``), and yields its progress, then its result. The work
 stops at its next step once the job is cancelled: by its Stop button or the page closing (``cancel``), or
 when nobody follows it any more (the handler's generator, resumed about once a second while its page
-listens, was not resumed for ``LIVENESS_S``: gradio cancelled the event; a watch thread notices). It is
+listens, held a step and was not resumed for ``LIVENESS_S``: gradio cancelled the event; a watch thread
+notices; while it waits on the work it still follows it). It is
 told by closing its generator and by ``STOP_FILE`` in its run folder (which a worker process sees too);
 a cancelled job's run folder is removed, so nothing it wrote outlives it. This module imports neither
 torch nor gradio.
@@ -82,7 +83,9 @@ class Job:
     owner: str  # the session folder id (``Session.id``) the job writes into
     what: str  # "calibrate", "train", "export"
     stop: threading.Event = field(default_factory=threading.Event)
-    beat: float = field(default_factory=time.monotonic)  # when its follower last resumed
+    # when its follower last handed out a step and was not resumed since; None while the follower is running
+    # (waiting on the work is following it: a slow first step on a loaded host is not abandonment)
+    beat: float | None = field(default_factory=time.monotonic)
     step: Step = Step("starting", 0, 0)  # as last reported
     made_at: float | None = None  # when it counted as one of its visitor's runs
     folder: Path | None = None  # the run folder its work writes (and watches for ``STOP_FILE``)
@@ -97,7 +100,7 @@ class Job:
 
     def cancelled(self) -> bool:
         """Cancelled, or abandoned by its follower."""
-        if not self.stop.is_set() and time.monotonic() - self.beat > LIVENESS_S:
+        if not self.stop.is_set() and self.beat is not None and time.monotonic() - self.beat > LIVENESS_S:
             log.info("job %s of %s: nobody follows it any more; stopping", self.what, self.owner)
             self.halt()
         return self.stop.is_set()
@@ -262,7 +265,7 @@ class Jobs:
         closed, or nobody followed it for ``LIVENESS_S``) the work is closed (it stops at its next step),
         ``discard()`` removes what it wrote, and this ends in UserError. The job's place is freed however it
         ends."""
-        job.discard, job.beat = discard, time.monotonic()
+        job.discard, job.beat = discard, None
         try:
             for item in work:
                 if isinstance(item, Done):
@@ -277,7 +280,7 @@ class Jobs:
                     break
                 job.beat = time.monotonic()
                 yield item
-                job.beat = time.monotonic()
+                job.beat = None
             else:
                 raise RuntimeError(f"{job.what}: the work ended without a result")
         except GeneratorExit:  # the follower closed this generator: gradio cancelled the event
