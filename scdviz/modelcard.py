@@ -62,6 +62,7 @@ def render(name: str, log: dict, report: dict) -> str:
     what = ("next-token prediction on each window" if task == "text" else
             f"the `{task}` context-QA task (scdviz.qa: {cfg['answer_len']} answer tokens after each window)"
             + (f" plus {cfg.get('text_loss')} × the window's next-token loss" if cfg.get("text_loss") else ""))
+    threads = log["torch_threads"]
     lines = [
         f"# `builtin:{name}` — a LoRA specialist of SmolLM2-135M-Instruct",
         "",
@@ -75,7 +76,7 @@ def render(name: str, log: dict, report: dict) -> str:
         f"- Objective: {what}.",
         f"- {cfg['steps']} steps × {cfg['batch']} windows × {cfg['seq_len']} tokens = {log['tokens_seen']:,} tokens "
         f"(of {log['train_windows_available']} windows available), AdamW lr {cfg['lr']} with {cfg['warmup']} warm-up "
-        f"steps and cosine decay, seed {cfg['seed']}, fp32 on CPU, {log['torch_threads']} threads, "
+        f"steps and cosine decay, seed {cfg['seed']}, fp32 on CPU, {threads} thread{'' if threads == 1 else 's'}, "
         f"{log['seconds']:.0f} s.",
         f"- Loss {loss[0]:.3f} → {tail:.3f} (mean of the last 5 steps): `{sparkline(loss)}`",
         f"- Loss by step: {loss_rows}",
@@ -95,12 +96,11 @@ def render(name: str, log: dict, report: dict) -> str:
     ]
     for corpus, r in report["corpora"].items():
         tag = " (in-domain)" if corpus == cfg["corpus"] else " (out-of-domain)"
+        alone = f"{r['top1_producer']:.3f}" if "top1_producer" in r else "—"  # an older report did not measure it
         lines.append(
             f"| {corpus}{tag} | {r['ppl_producer']:.2f} | {r['ppl_consumer']:.2f} | {r['ppl_cont_oracle']:.2f} | "
             f"{r['ppl_cont_reuse']:.2f} | {r['kl_reuse']:.3f} ± {r['kl_reuse_se']:.3f} | {r['top1_reuse']:.3f} | "
-            f"{r['top1_producer']:.3f} | {r['n_prompts']} |" if "top1_producer" in r else
-            f"— | {r['n_prompts']} |"
-        )
+            f"{alone} | {r['n_prompts']} |")
     scored = bool(report.get("question")) and all("qa_f1_oracle" in r for r in report["corpora"].values())
     if scored:
         lines += ["", f"**Its task**: after each prompt the context-QA question it is asked (`{report['question']}`, "

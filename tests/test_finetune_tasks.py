@@ -220,3 +220,7 @@ def test_a_task_specialists_card_gives_its_task_for_the_producer_the_specialist_
     old = {**report, "corpora": {"austen": row}}  # an eval.json made before the task columns
     plain = modelcard.render("austen-before", log, old)
     assert "F1 raw reuse" not in plain and "every number in this table" in plain
+    assert "2 threads" in card and "1 thread," in modelcard.render("austen-before", {**log, "torch_threads": 1}, old)
+    older = {**report, "corpora": {"austen": {k: v for k, v in row.items() if k != "top1_producer"}}}
+    row_of_older = "| austen (in-domain) | 36.90 | 43.40 | 43.00 | 41.00 | 0.110 ± 0.010 | 0.780 | — | 16 |"
+    assert row_of_older in modelcard.render("austen-before", log, older)  # every column, without producer-alone
