@@ -15,7 +15,6 @@ not installed with scdviz nor run by its test suite; ideas measured and not kept
     lookahead_matched       the lookahead policy against compute-matched scorers on sampled continuations (dev)
     policy_headroom         validation KL of attention statistics, the true future attention and MLPs imitating them
     policy_lookahead        validation KL of the lookahead feature, its mixes with alpha and given policies vs H2O
-    recall_layers           SCD's quote recall with each layer sent as the producer's raw K, V (dev slice)
     scd_floor_check         SCD's unquantised floor; maps fed neighbouring layers; other reconstructions of coded values
     student_listwise        the student's loss or its inputs: ridge vs listwise fits, window / H2O columns (validation)
     test_ledger             every run on the test slice from the git history -> docs/test_ledger.json

@@ -179,9 +179,10 @@ class Report:
 
 
 # settings records made before they were retired carry; the CLI no longer has them (the first two timed decoding
-# inside the quality bench, which ``bench cost`` now measures for every method alike; the SCD bench's span and
-# rank-claim sweeps left with their variants, and its token-0, KIVI-window, entropy-coding and raw-layer-precision
-# switches with theirs: docs/history.md, "Retired in the one-recipe cleanup")
+# inside the quality bench, which ``bench cost`` now measures for every method alike; the SCD bench's span,
+# rank-claim and raw-layer sweeps left with their variants, and its token-0, KIVI-window, entropy-coding and
+# raw-layer-precision switches with theirs: docs/history.md, "Retired in the one-recipe cleanup")
 RETIRED_SETTINGS = frozenset({"eval.throughput_contexts", "eval.decode_steps", "bench.spans", "bench.rank_claim",
-                              "bench.sink", "bench.kivi_window", "bench.entropy", "bench.raw_layer_bits"})
+                              "bench.sink", "bench.kivi_window", "bench.entropy", "bench.raw_layer_bits",
+                              "bench.raw_layers"})
 BENCHES = {"scd": BenchScd, "ttft": BenchTtft, "evict": BenchEvict, "cost": BenchCost}  # ``bench KIND`` -> its settings

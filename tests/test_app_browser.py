@@ -219,12 +219,6 @@ def test_scd_tab_transfers_and_draws_every_plot(page, tmp_path_factory):
     _plots_drawn(page, "scd", ("compute",))
     assert "SCD reuse-only + last 32 recomputed" in page.locator("#scd-compute").inner_text()
     _shot(page, "scd-tail", tmp_path_factory)
-    page.locator("#scd-raw-layers textarea").fill("20, 26")  # two layers as the producer's 4-bit K, V
-    page.locator("#scd-run").click()
-    page.locator("#scd-table span.text", has_text="SCD full + raw layers 20 26 (4-bit)").first.wait_for(
-        timeout=300_000)
-    assert "SCD reuse-only + raw layers 20 26 (4-bit)" in page.locator("#scd-table").inner_text()
-    _shot(page, "scd-raw-layers", tmp_path_factory)
 
 
 def test_evict_tab_shows_retained_tokens_and_every_plot(page, tmp_path_factory):

@@ -174,24 +174,6 @@ def test_a_recomputed_tail_adds_its_rows_with_their_compute(builtin_pair):
                                           recompute_tail=500))
 
 
-def test_raw_layers_add_their_rows_on_the_builtin_pair(builtin_pair):
-    """The SCD tab's "Raw layers": SCD reuse-only and full with those layers as the producer's 4-bit K, V beside
-    the lineup, a few bytes per token more than without (4-bit K, V in place of an int4 code); a layer the
-    model does not have gets a message naming the range."""
-    from scdviz import data
-    from scdviz.app import webapp as app
-
-    key = f"{builtin_pair.producer_source}\n{builtin_pair.consumer_source}"
-    text = data.load_split("jargon", "eval")[3][:1200]
-    req = ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, False, raw_layers="20, 26")
-    table = app.scd_run(key, None, req)["table"].set_index("method")
-    for base in ("SCD reuse-only", "SCD full"):
-        mixed = table.loc[f"{base} + raw layers 20 26 (4-bit)"]
-        assert 0 < mixed["bytes_per_token"] - table.loc[base, "bytes_per_token"] < 100
-    with pytest.raises(UserError, match="raw layers must be between 0 and 29"):
-        app.scd_run(key, None, ScdRequest(text, 16, 4, 4, 0, 0, 2, "selected", "", 10.0, 0.5, False, raw_layers="30"))
-
-
 def test_a_visitor_fits_the_distilled_scorer_that_only_they_then_inspect(builtin_pair, tmp_path, monkeypatch):
     """The Calibrate / train tab's distilled scorer on the real pair: fitted on the producer (a heavy job), saved in
     the visitor's run (a file that loads back), one of their eviction methods from then on, whose kept tokens

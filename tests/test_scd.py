@@ -57,7 +57,7 @@ def small_cfg(texts: str, **kw) -> calibration.CalibConfig:
 
 
 def window_ids(n: int = 48, seed: int = 3) -> list[int]:
-    """A seeded window of token ids of the tiny models' vocabulary (test_tail and test_raw_layers use it too)."""
+    """A seeded window of token ids of the tiny models' vocabulary (test_tail uses it too)."""
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 

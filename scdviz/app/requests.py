@@ -88,11 +88,6 @@ class ScdRequest(Request):
     recompute_tail: int = control(0, "Recompute the last N prompt tokens (0 = none: adds raw KV and SCD reuse-only "
                                   "with them recomputed by the consumer)", "int", name="Recomputed tail", lo=0,
                                   hi=512, step=8, row="budget", props={"elem_id": "scd-tail"})
-    raw_layers: str = control("", "Layers sent raw inside SCD (e.g. 20, 26: pick them per pair with "
-                              "research.recall_layers; adds SCD reuse-only and full with them as the producer's "
-                              "4-bit K, V)", "text",
-                              name="Raw layers", hi=200, required=False, row="budget",
-                              props={"elem_id": "scd-raw-layers"})
     ask: bool = control(True, "Ask the consumer's question about the text (its fine-tuning task, else to continue a "
                         "quote): each method's answer and its task F1", "flag", name="Ask its question", row="score",
                         props={"elem_id": "scd-ask"})

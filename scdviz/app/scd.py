@@ -105,13 +105,12 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
     ordered = len(calib.patch_order if placement == "selected" else calib.drift_order)
     asked, patch_k = patch_k, min(patch_k, ordered)  # "up to k": a gated calibration may order fewer
     manual = _parse_layers(req.manual_layers, calib.n_layers)
-    raw_layers = _parse_layers(req.raw_layers, calib.n_layers, "raw layers")
     assert coder in bench.CODERS, coder  # the request offers only the bench's coders
     if budget and calib.rate is None:
         raise UserError("this calibration has no rate-distortion curves (nor the sensitivities) a byte budget needs: "
                         "add them with python -m scdviz rate, or calibrate again; or set the byte budget to 0")
     plan = None if budget else plans.user_plan(calib, patch_k, placement, bits, rank_k or None, rank_v or None, manual)
-    extra = {"tails": [req.recompute_tail] if req.recompute_tail else [], "raw_layers": raw_layers,
+    extra = {"tails": [req.recompute_tail] if req.recompute_tail else [],
              "qa_answer_len": qa.ANSWER_LEN if req.ask else 0}
     report = view.transfer_view(pair, calib, text, plan, cont_len, gen_tokens, budget=budget or None, coder=coder,
                                 progress=progress, extra=extra)

@@ -62,10 +62,6 @@ class ScdBenchConfig:
                            "each --budgets, each with the consumer recomputing the last this-many prompt tokens "
                            "itself over the received cache (e.g. 16 32 64); KL against bytes and against the "
                            "consumer's compute (prefill_share)")
-    raw_layers: list[int] = opt([], "the raw-layer sweep: SCD reuse-only, SCD full and SCD transform coded at each "
-                                "--budgets with these layers sent as the producer's own K, V (in 4 bits, as 4-bit KV "
-                                "sends them) instead of codes, where quote recall reads the producer's keys better "
-                                "(pick them per pair on dev with `python -m research.recall_layers`)")
     budget: float | None = opt(None, "SCD full = the --coder plan at this many payload bytes/token, a hard limit "
                                "(default: the calibration's operating point)")
     coder: str = opt("transform", "the plan --budget makes: transform (full-rank codes, one uniform step per section "
@@ -178,8 +174,6 @@ def bench(
     prompt_len and seed choose the windows: ``reports`` reads them.)
     """
     cont_len, gen_tokens, budget, budgets, sink = cfg.cont_len, cfg.gen_tokens, cfg.budget, cfg.budgets, "recompute"
-    if any(not 0 <= layer < calib.n_layers for layer in cfg.raw_layers):
-        raise ValueError(f"--raw-layers are 0 to {calib.n_layers - 1} on this pair; got {list(cfg.raw_layers)}")
     cases = measure.prepare_cases(pair, windows, cont_len, progress, cfg.qa_answer_len, qa_kind(cfg, pair))
     n_tokens = cases[0].state.ids.shape[1]
     if any(t < 1 or t > n_tokens - 1 for t in cfg.tails):  # a tail leaves token 0
@@ -206,10 +200,6 @@ def bench(
         tailed, calibs = plans.with_closed_form(
             plans.tail_sweep(calib, tuple(cfg.tails), tuple(budgets) if calib.rate else ()), calib)
         report.sweeps += measure.run_methods(pair, calibs, cases, tailed, "tail sweep", progress=progress)
-    if cfg.raw_layers:
-        mixed, calibs = plans.with_closed_form(plans.raw_layer_sweep(
-            calib, list(cfg.raw_layers), budgets=tuple(budgets) if calib.rate else ()), calib)
-        report.sweeps += measure.run_methods(pair, calibs, cases, mixed, "raw layers", progress=progress)
     if budgets:
         swept = []
         for b in budgets:

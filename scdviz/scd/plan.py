@@ -140,39 +140,12 @@ def with_tail(plan: Plan, tail: int) -> Plan:
     return dataclasses.replace(plan, name=f"{plan.name} + last {tail} recomputed", tail=tail)
 
 
-RAW_LAYER_BITS = 4  # bits of the producer's K, V at raw layers inside an SCD plan (4-bit KV keeps raw reuse's recall)
-
-
-def with_raw(plan: Plan, layers: list[int], bits: int = RAW_LAYER_BITS) -> Plan:
-    """``plan`` with ``layers`` sent as the producer's own K, V (quantised to ``bits`` as 4-bit KV is, or fp16)
-    instead of their code: where the consumer's quote recall reads the producer's keys better than its own
-    (``python -m research.recall_layers`` tries each layer; on the retired austen-qkv, dev picked 20 and 26,
-    whose gain did not hold on test: docs/history.md)."""
-    bad = sorted({layer for layer in layers if not 0 <= layer < len(plan.modes)})
-    if bad or not layers:
-        raise ValueError(f"raw layers are 0 to {len(plan.modes) - 1}, at least one; got {list(layers)}")
-    if bits not in (4, 8, 16):
-        raise ValueError(f"raw layers travel in 4, 8 or 16 bits; got {bits}")
-    modes = ["raw" if i in set(layers) else m for i, m in enumerate(plan.modes)]
-    label = " ".join(str(layer) for layer in sorted(set(layers)))
-    return dataclasses.replace(plan, modes=modes, raw_bits=bits,
-                               name=f"{plan.name} + raw layers {label}" + (f" ({bits}-bit)" if bits < 16 else ""))
-
-
-def raw_layer_sweep(calib: Calibration, layers: list[int], bits: int = RAW_LAYER_BITS,
-                    budgets: tuple[float, ...] = ()) -> list[Plan]:
-    """SCD reuse-only, SCD full (the operating point) and SCD transform coded at each of ``budgets`` (a hard
-    limit that the raw layers' bytes count in), each with ``layers`` sent raw (``with_raw``)."""
-    bases = [operating_plan(calib, patch_k=0, name="SCD reuse-only"), operating_plan(calib, name="SCD full")]
-    return [with_raw(p, layers, bits) for p in bases + [tc_plan(calib, b) for b in budgets]]
-
-
-_ADDED = re.compile(r" \+ (last \d+ recomputed|raw layers \d+( \d+)*( \(\d+-bit\))?)")  # with_tail's, with_raw's
+_ADDED = re.compile(r" \+ last \d+ recomputed")  # with_tail's suffix
 
 
 def base_name(name: str) -> str:
-    """The name of the plan a tailed or raw-layer plan was made from (``with_tail``'s and ``with_raw``'s suffix
-    removed; a closed-form twin stays one): what such a row is compared against."""
+    """The name of the plan a tailed plan was made from (``with_tail``'s suffix removed; a closed-form twin stays
+    one): what such a row is compared against."""
     return _ADDED.sub("", name)
 
 

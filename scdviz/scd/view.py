@@ -44,7 +44,7 @@ def question_of(pair: Pair, window: list[int], cont_len: int, answer_len: int = 
     return kind, qa.prompt_item(pair.tokenizer, prompt, 0, answer_len, kind)
 
 
-EXTRA = ("tails", "raw_layers", "qa_answer_len")  # the ScdBenchConfig fields transfer_view's ``extra`` sets
+EXTRA = ("tails", "qa_answer_len")  # the ScdBenchConfig fields transfer_view's ``extra`` sets
 
 
 def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str, plan: Plan | None = None,
@@ -58,8 +58,7 @@ def transfer_view(pair: Pair, calib: calibration.Calibration | Codec, text: str,
     ``calib`` may be a ``Codec``: its calibration, and its plan as SCD full. ``progress``: a reporter
     (``scdviz.progress``) told each method as it runs. ``extra``: the ``ScdBenchConfig`` fields set beyond
     these (``EXTRA``): the bench's sweeps ``{"tails": [32]}`` (raw KV and SCD reuse-only with the consumer
-    recomputing the last 32 prompt tokens itself) and ``{"raw_layers": [20, 26]}`` (SCD reuse-only and full with
-    those layers sent as the producer's 4-bit K, V), and ``{"qa_answer_len": 8}``: each method also answers the
+    recomputing the last 32 prompt tokens itself) and ``{"qa_answer_len": 8}``: each method also answers the
     consumer's question about the prompt (``question_of``: the bench's first context-QA item), its tokens in
     ``qa_answers`` and its token-F1 in ``qa_f1``. A text of more tokens than ``SCDVIZ_MAX_PROMPT_TOKENS``
     (default 1024) is refused before any work.
