@@ -37,8 +37,10 @@ FIGURES_HELP = "also write the record's figures here as PNG, SVG and standalone 
 class PairInfo:
     producer: str = opt(PRODUCER, f"producer {SOURCE_HELP}")
     consumer: str = opt("builtin:jargon", f"consumer {SOURCE_HELP}")
-    eval: bool = opt(False, "also held-out perplexity and raw-reuse drift")
-    texts: str | None = opt(None, TEXTS_HELP + "; --eval measures its eval split instead of every shipped corpus")
+    eval: bool = opt(False, "also held-out perplexity, raw-reuse drift and the consumer's task, on windows spread "
+                     "through each shipped corpus's dev slice")
+    texts: str | None = opt(None, TEXTS_HELP + "; --eval measures windows spread through its eval split instead of "
+                            "every shipped corpus")
     limit: int = opt(16, "held-out prompts per corpus")
     prompt_len: int = opt(256, "prompt tokens")
     cont_len: int = opt(32, "teacher-forced continuation tokens")

@@ -1,6 +1,7 @@
 """How far a consumer has drifted from its producer: facts, perplexities, raw-reuse drift.
 
-``evaluate_pair`` measures, on held-out windows of every shipped corpus's *eval* split:
+``evaluate_pair`` measures, on held-out windows spread evenly through the *dev* slice of every shipped
+corpus's eval split (the test slice stays for the benches' reports), or through the user's text:
   - perplexity of producer and consumer on whole windows;
   - raw KV reuse: the consumer continues from the *producer's* cache of the prompt;
     mean KL(oracle || reuse) per continuation token, top-1 agreement with the oracle
@@ -84,8 +85,9 @@ def evaluate_pair(
     pair: Pair, n_prompts: int = 16, prompt_len: int = 256, cont_len: int = 32, corpora: list[str] | None = None,
     texts: str | None = None,
 ) -> dict:
-    """Perplexities, raw-reuse drift and the consumer's task on the eval split of the given (default: every
-    shipped) corpora, or of the user's text (reported as corpus "texts")."""
+    """Perplexities, raw-reuse drift and the consumer's task on ``n_prompts`` windows spread through the dev slice
+    of the given (default: every shipped) corpora's eval split, or through the user's text (reported as corpus
+    "texts")."""
     kind = qa.kind_for(pair.consumer_source)
     report = {
         "producer": pair.producer_source,
@@ -94,11 +96,18 @@ def evaluate_pair(
         "cont_len": cont_len,
         "question": kind,
         "answer_len": qa.ANSWER_LEN,
+        "windows": "texts" if texts else "dev",  # spread through the user's text, or through each dev slice
         "corpora": {},
     }
     for corpus in ["texts"] if texts else corpora or data.corpora():
-        windows = data.token_windows(pair.tokenizer, data.passages(corpus, "eval", texts), prompt_len + cont_len,
-                                     n_prompts)
+        length = prompt_len + cont_len
+        try:
+            windows = ([w.ids for w in data.eval_windows(pair.tokenizer, corpus, "dev", length, n_prompts)]
+                       if not texts else
+                       data.token_windows(pair.tokenizer, data.passages(corpus, "eval", texts), length, n_prompts,
+                                          spread=True))
+        except ValueError:  # eval_windows: the slice has no window this long
+            windows = []
         if not windows:
             raise ValueError(f"the eval split of {texts or corpus} has no window of {prompt_len + cont_len} tokens; "
                              "give more text or lower --prompt-len")

@@ -63,6 +63,10 @@ def render(name: str, log: dict, report: dict) -> str:
             f"the `{task}` context-QA task (scdviz.qa: {cfg['answer_len']} answer tokens after each window)"
             + (f" plus {cfg.get('text_loss')} × the window's next-token loss" if cfg.get("text_loss") else ""))
     threads = log["torch_threads"]
+    where = ("Windows spread evenly through the dev slice of each shipped corpus's eval split (never used for "
+             "training or calibration; the test slice is left for the benches' reports)"
+             if report.get("windows") == "dev" else  # a report made before evaluate_pair spread its windows
+             "Eval split of each shipped corpus (never used for training or calibration)")
     lines = [
         f"# `builtin:{name}` — a LoRA specialist of SmolLM2-135M-Instruct",
         "",
@@ -83,7 +87,7 @@ def render(name: str, log: dict, report: dict) -> str:
         f"- Reproduce: `{train_cmd}`",
         "",
         "## Held-out measurements",
-        f"Eval split of each shipped corpus (never used for training or calibration): {report['prompt_len']}-token "
+        f"{where}: {report['prompt_len']}-token "
         f"prompts + {report['cont_len']} teacher-forced continuation tokens. *Raw reuse* = the consumer continues "
         "from the producer's KV cache of the prompt; KL is mean KL(oracle ‖ raw reuse) per continuation token "
         "(± s.e. over prompts), top-1 is agreement with the oracle (the consumer's own prefill). *Producer alone* = "
@@ -103,9 +107,12 @@ def render(name: str, log: dict, report: dict) -> str:
             f"{alone} | {r['n_prompts']} |")
     scored = bool(report.get("question")) and all("qa_f1_oracle" in r for r in report["corpora"].values())
     if scored:
-        lines += ["", f"**Its task**: after each prompt the context-QA question it is asked (`{report['question']}`, "
-                  f"scdviz.qa: the task it was fine-tuned on, else continuing a quote of the prompt), "
-                  f"{report['answer_len']} greedy answer tokens scored by token F1 against the reference: the "
+        own = report["question"] == task  # fine-tuned on this question, or on text (then it is asked to quote)
+        lines += ["", (f"**Its task**: after each prompt the question it was fine-tuned on (`{task}`, scdviz.qa), "
+                       if own else
+                       f"**Quote recall** (it was fine-tuned on text, not on a question): after each prompt the "
+                       f"context-QA question `{report['question']}` (scdviz.qa: continue a quote of the prompt), ")
+                  + f"{report['answer_len']} greedy answer tokens scored by token F1 against the reference: the "
                   "producer alone, the specialist from its own cache (the oracle) and from the producer's (raw reuse).",
                   "", "| corpus | F1 producer alone | F1 specialist | F1 raw reuse | raw reuse ÷ specialist |",
                   "|---|---|---|---|---|"]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from scdviz import drift
+from scdviz import drift, qa
 from scdviz.app import pairs
 from scdviz.app.requests import GenerateRequest
 from scdviz.models import builtin, hf
@@ -52,27 +52,27 @@ def test_the_task_specialist_beats_the_producer_at_its_task_and_raw_reuse_does_n
 
 @pytest.mark.parametrize("name", ["jargon", "austen-before"])
 def test_specialist_differs_from_producer_as_its_card_says(name):
+    """The card's row for the specialist's own corpus is measured again, whole (its 16 windows spread through the
+    dev slice), and reproduces; and what it says holds: a task specialist answers its question at least 1.2× as
+    well as the producer alone (austen-before models Austen's text worse than the producer), a text specialist
+    models its corpus better than the producer."""
     card = json.loads((builtin.adapter_dir(name) / "eval.json").read_text())
     pair = load_pair("builtin:smollm2-135m", f"builtin:{name}")
-    weights_differ = any(
-        not torch.equal(a, b) for a, b in zip(pair.producer.parameters(), pair.consumer.parameters())
-    )
-    assert weights_differ
+    assert any(not torch.equal(a, b) for a, b in zip(pair.producer.parameters(), pair.consumer.parameters()))
     corpus = builtin.training_corpus(name)
-    report = drift.evaluate_pair(pair, n_prompts=3, prompt_len=card["prompt_len"], cont_len=card["cont_len"],
-                                 corpora=[corpus])
-    got, want = report["corpora"][corpus], card["corpora"][corpus]
-    # the specialist is better than the producer at its job, in the card (over its 16 prompts): a task specialist at
-    # its task (austen-before models Austen's text worse than the producer: 42.07 against 39.38), else at the text
-    if "qa_f1_oracle" in want:
-        assert want["qa_f1_oracle"] >= 1.2 * want["qa_f1_producer"] and got["qa_f1_oracle"] > got["qa_f1_producer"]
+    want = card["corpora"][corpus]
+    report = drift.evaluate_pair(pair, n_prompts=want["n_prompts"], prompt_len=card["prompt_len"],
+                                 cont_len=card["cont_len"], corpora=[corpus])
+    got = report["corpora"][corpus]
+    assert report["windows"] == card["windows"] == "dev" and got.keys() == want.keys()
+    # a greedy answer token may flip on a near-tie under another thread count: one token of 128 is 0.008 of F1
+    assert all(got[k] == pytest.approx(want[k], rel=0.01, abs=0.01) for k in want), (got, want)
+    task = json.loads((builtin.adapter_dir(name) / "train_log.json").read_text())["config"].get("task", "text")
+    if task in qa.KINDS:
+        assert card["question"] == task and want["qa_f1_oracle"] >= 1.2 * want["qa_f1_producer"]
     else:
         assert want["ppl_consumer"] < want["ppl_producer"]
-    # on 3 prompts only that it moved (the retired bible-qkv was worse than the producer on its first 3: 5.16 vs 4.65)
-    assert abs(got["ppl_consumer"] / got["ppl_producer"] - 1) > 0.01
-    # raw reuse drifts: same order of magnitude as the card's 16-prompt measurement
-    assert want["kl_reuse"] / 3 < got["kl_reuse"] < want["kl_reuse"] * 3
-    assert got["top1_reuse"] < 1.0
+    assert want["top1_reuse"] < 1.0 and want["kl_reuse"] > 0.05  # raw reuse drifts
 
 
 def test_generation_runs_on_both(builtin_pair):

@@ -240,3 +240,28 @@ def test_chat_template_prompt_is_the_templates_ids():
     rendered = tok.apply_chat_template([{"role": "user", "content": "Name three rivers."}],
                                        add_generation_prompt=True, tokenize=False)
     assert ids == tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_a_pairs_card_reads_windows_spread_through_the_dev_slice(monkeypatch):
+    """``drift.evaluate_pair`` (pair-info --eval, the built-in cards) measures each shipped corpus on windows spread
+    through its dev slice, as the benches pick them (``eval_windows``), not the first n and never the test slice."""
+    from types import SimpleNamespace
+
+    from scdviz import drift
+
+    seen = []
+
+    def reuse_drift(pair, window, cont_len, item=None):
+        seen.append(window)
+        return {**{k: [0.0] for k in ("kl", "top1", "nll_oracle", "nll_reuse", "kl_producer", "top1_producer")},
+                **{k: 0.0 for k in drift.TASK}}
+    monkeypatch.setattr(drift, "reuse_drift", reuse_drift)
+    monkeypatch.setattr(drift, "window_nll", lambda model, window: [1.0])
+    monkeypatch.setattr(drift.qa, "prompt_item", lambda *a, **k: None)
+    pair = SimpleNamespace(tokenizer=_Tok(), producer=None, consumer=None, producer_source="p", consumer_source="c")
+    report = drift.evaluate_pair(pair, n_prompts=4, prompt_len=56, cont_len=8, corpora=["austen"])
+    dev = data.eval_windows(_Tok(), "austen", "dev", 64, 4)
+    assert seen == [w.ids for w in dev] and report["windows"] == "dev" and report["corpora"]["austen"]["n_prompts"] == 4
+    assert seen != data.token_windows(_Tok(), data.passages("austen", "eval"), 64, 4)  # spread, not the first four
+    cut = len(data.slice_passages(data.passages("austen", "eval"), "dev"))
+    assert all(w.passage < cut for w in dev)  # every window starts in a dev passage
