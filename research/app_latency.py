@@ -1,11 +1,13 @@
-"""How long a visitor waits in the app, on the built-in pair: eviction on a 512-token context with the default
+"""How long a visitor waits in the app, on the pair it opens with: eviction on a 512-token context with the default
 set, an SCD transfer, a figure export (the table of docs/hosting.md#how-long-a-visitor-waits).
 
     python -m research.app_latency [--repeats 3]        # SCDVIZ_THREADS fixes the thread count
 
-Each request is what the tab's button sends with its defaults (the eviction tab's focused set, the SCD
-tab's plan), run through the same functions the handlers call, in-process on the loaded pair: one
-warm-up, then ``--repeats`` timed runs, the median and the range printed. The eviction phases are timed
+Each request is what the tab's button sends with its defaults, its figures drawn (the eviction tab's
+focused set, the SCD tab's plan with the consumer's question asked, and once more without it), run
+through the same functions the handlers call, in-process on the app's default pair (SCDVIZ_PRODUCER,
+SCDVIZ_CONSUMER; the SCD window is from the dev slice of the corpus the consumer was fine-tuned on, else
+jargon): one warm-up, then ``--repeats`` timed runs, the median and the range printed. The eviction phases are timed
 from its own progress reports. Run it on an otherwise idle machine; it prints a table, writes nothing.
 """
 
@@ -15,10 +17,11 @@ import argparse
 import statistics
 import time
 
-from scdviz import data
+from scdviz import data, settings
 from scdviz.app import evict, results, scd
 from scdviz.app.requests import EvictRequest, ScdRequest
 from scdviz.app.session import Session
+from scdviz.models import builtin
 from scdviz.models.pair import choose_threads, load_pair
 
 
@@ -37,10 +40,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     threads = choose_threads()
-    pair = load_pair("builtin:smollm2-135m", "builtin:jargon")
+    pair = load_pair(settings.default_producer(), settings.default_consumer())
+    consumer = pair.consumer_source
+    corpus = (consumer.startswith("builtin:") and builtin.training_corpus(consumer.split(":", 1)[1])) or "jargon"
     tok = pair.tokenizer
     context = tok.decode(data.eval_windows(tok, "austen", "dev", 512, 1)[0].ids)
-    window = tok.decode(data.eval_windows(tok, "jargon", "dev", 288, 1)[0].ids)
+    window = tok.decode(data.eval_windows(tok, corpus, "dev", 288, 1)[0].ids)
     phases: dict[str, float] = {}
     last = {"t": 0.0, "desc": None}
 
@@ -51,17 +56,25 @@ def main() -> None:
         last.update(t=now, desc=desc.split(":")[0])
 
     out = {}
+
+    def evicted():  # what the handler does: the methods, then the figures drawn from their arrays
+        got = evict.evict_run(pair, EvictRequest(context), progress=report)
+        out["ev"] = {**got, "figures": evict.evict_figures(got["figures"])}
+
+    def transferred(ask: bool = True):
+        got = scd.scd_run(pair, ScdRequest(window, ask=ask))
+        out["scd"] = {**got, "figures": scd.scd_figures(got["figures"])}
+
     times = {
-        "eviction, 512-token context, default methods":
-            _timed(lambda: out.update(ev=evict.evict_run(pair, EvictRequest(context), progress=report)),
-                   args.repeats),
-        "SCD transfer, 288-token window, default plan":
-            _timed(lambda: out.update(scd=scd.scd_run(pair, ScdRequest(window))), args.repeats),
+        "eviction, 512-token context, default methods": _timed(evicted, args.repeats),
+        f"SCD transfer, 288-token {corpus} window, default plan": _timed(transferred, args.repeats),
+        "  the same, its question not asked": _timed(lambda: transferred(ask=False), args.repeats),
     }
     session = Session()
     times["figure export of the SCD tab (one HTML page)"] = _timed(
         lambda: results.export_figures(out["scd"]["figures"], session, "scd"), args.repeats)
-    print(f"built-in pair on {pair.device}, {threads} threads; {args.repeats} timed runs after one warm-up")
+    print(f"{pair.producer_source} -> {consumer} on {pair.device}, {threads} threads; {args.repeats} timed runs "
+          "after one warm-up")
     print(f"{'request':52s} {'median s':>9s} {'min':>6s} {'max':>6s}")
     for name, ts in times.items():
         print(f"{name:52s} {statistics.median(ts):9.1f} {min(ts):6.1f} {max(ts):6.1f}")
