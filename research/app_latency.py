@@ -7,8 +7,8 @@ Each request is what the tab's button sends with its defaults, its figures drawn
 focused set, the SCD tab's plan with the consumer's question asked, and once more without it), run
 through the same functions the handlers call, in-process on the app's default pair (SCDVIZ_PRODUCER,
 SCDVIZ_CONSUMER; the SCD window is from the dev slice of the corpus the consumer was fine-tuned on, else
-jargon): one warm-up, then ``--repeats`` timed runs, the median and the range printed. The eviction phases are timed
-from its own progress reports. Run it on an otherwise idle machine; it prints a table, writes nothing.
+jargon): one warm-up, then ``--repeats`` timed runs, the median and the range printed. The eviction
+phases are timed from its own progress reports. Run it on an otherwise idle machine; it prints a table, writes nothing.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from scdviz import data, settings
 from scdviz.app import evict, results, scd
 from scdviz.app.requests import EvictRequest, ScdRequest
 from scdviz.app.session import Session
-from scdviz.models import builtin
-from scdviz.models.pair import choose_threads, load_pair
+from scdviz.models.pair import choose_threads, load_pair, training_log
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -42,7 +41,7 @@ def main() -> None:
     threads = choose_threads()
     pair = load_pair(settings.default_producer(), settings.default_consumer())
     consumer = pair.consumer_source
-    corpus = (consumer.startswith("builtin:") and builtin.training_corpus(consumer.split(":", 1)[1])) or "jargon"
+    corpus = training_log(consumer).get("config", {}).get("corpus") or "jargon"
     tok = pair.tokenizer
     context = tok.decode(data.eval_windows(tok, "austen", "dev", 512, 1)[0].ids)
     window = tok.decode(data.eval_windows(tok, corpus, "dev", 288, 1)[0].ids)

@@ -6,13 +6,12 @@ bounded baseline after work, and does any request hold a worker for long?
 
 Starts the real app (``python app.py``, ``SCDVIZ_HOSTED=1``, the built-in pair on the CPU, a fresh work folder),
 loads builtin:smollm2-135m -> builtin:jargon from one gradio_client visitor, then sends ``--requests`` requests
-drawn at random from the tabs' kinds (generate, SCD transfer, eviction with the focused methods, figure
-export), each with a random shipped evaluation window (the per-visitor file quota lifted: the exports alone
-would pass it). The server's resident
-memory (VmRSS of its process, read from /proc) is taken after the first request of each kind (the baseline:
-every path has run once) and after every request; each request is timed by the client. Prints the table of
-both, and the ratio of the final and the largest memory to the baseline. Writes nothing but the app's temporary
-work folder (deleted).
+drawn at random from the tabs' kinds (generate, SCD transfer, eviction with the focused methods, figure export),
+each with a random shipped evaluation window (the per-visitor file quota lifted: the exports alone would pass
+it). The server's resident memory (VmRSS of its process, read from /proc) is taken after the first request of
+each kind (the baseline: every path has run once) and after every request; each request is timed by the client.
+Prints the table of both, and the ratio of the final and the largest memory to the baseline. Writes nothing but
+the app's temporary work folder (deleted).
 
 ``--heavy`` instead sends each heavy job of the Calibrate / train tab once, at hosted mode's caps (the ``hosted=``
 of its controls, ``scdviz.app.inputs.Control``), with SCD through the calibration just made, and prints how long

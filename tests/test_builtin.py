@@ -12,7 +12,7 @@ from scdviz import drift, qa
 from scdviz.app import pairs
 from scdviz.app.requests import GenerateRequest
 from scdviz.models import builtin, hf
-from scdviz.models.pair import load_pair
+from scdviz.models.pair import load_pair, training_log
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_specialist_differs_from_producer_as_its_card_says(name):
     assert report["windows"] == card["windows"] == "dev" and got.keys() == want.keys()
     # a greedy answer token may flip on a near-tie under another thread count: one token of 128 is 0.008 of F1
     assert all(got[k] == pytest.approx(want[k], rel=0.01, abs=0.01) for k in want), (got, want)
-    task = json.loads((builtin.adapter_dir(name) / "train_log.json").read_text())["config"].get("task", "text")
+    task = training_log(f"builtin:{name}")["config"].get("task", "text")
     if task in qa.KINDS:
         assert card["question"] == task and want["qa_f1_oracle"] >= 1.2 * want["qa_f1_producer"]
     else:

@@ -122,7 +122,7 @@ def scd_run(pair: Pair, request: ScdRequest, calibration: str | Path | None = No
         round(1000 * (r.oracle_seconds if r.method == "oracle" else
                       link.ttft(r.payload_bytes_per_token * r.prompt_tokens, r.consumer_seconds + r.encode_seconds,
                                 own)), 1)
-        for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (spans, tail, raw)
+        for r in report.methods + report.sweeps]  # the table's rows: the lineup, then any sweep (the tail's)
     tok = pair.tokenizer
     texts = [(r.method, [tok.decode([t]) for t in (r.generations[0] if r.generations else [])]) for r in report.methods]
     answers = question_answers(pair, report, text, cont_len) if req.ask else None
